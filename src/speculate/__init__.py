@@ -1,0 +1,17 @@
+"""speculate: speculative decoding for LLMs, offline.
+
+    from speculate import load_model, SpeculativeDecoder
+    target = load_model()                       # SmolLM2-135M-Instruct, converted once into the cache
+    out = SpeculativeDecoder(target, drafter="lookup", k=6).generate("Rewrite: ...", max_new_tokens=128)
+    print(out.text, out.stats.to_dict())
+"""
+
+from .engine import Generation, SpeculativeDecoder, Stream
+from .errors import SpeculateError
+from .models import DEFAULT_MODEL, LoadedModel, load_model
+from .sampling import Sampling
+from .stats import Stats
+
+__all__ = ["DEFAULT_MODEL", "Generation", "LoadedModel", "Sampling", "SpeculateError", "SpeculativeDecoder",
+           "Stats", "Stream", "load_model"]
+__version__ = "0.1.0"

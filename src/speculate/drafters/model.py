@@ -1,0 +1,58 @@
+"""An independent draft model that shares the target's tokenizer, with its own KV cache.
+
+Each proposal feeds the committed tokens the draft model has not seen yet (the whole prompt at the
+first round, then one or two tokens), then drafts k tokens autoregressively, each drawn from the
+draft's logits warped exactly like the target's (Sampling), whose rows are returned as p_draft.
+After the verdict its cache is rolled back to the accepted prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import SpeculateError
+from ..models.kv import KVModel
+from ..sampling import warp
+from .base import Draft, Drafter
+
+
+class ModelDrafter(Drafter):
+    name = "model"
+
+    def __init__(self, draft_model, target_model=None):
+        if target_model is not None:
+            check_same_tokenizer(draft_model.tokenizer, target_model.tokenizer)
+        self.kv = KVModel(draft_model)
+
+    def begin(self, prompt_ids, sampling, generator):
+        super().begin(prompt_ids, sampling, generator)
+        self.kv.reset()
+
+    @torch.inference_mode()
+    def propose(self, tokens, k):
+        if k == 0:
+            return Draft(torch.empty(0, dtype=torch.long))
+        unseen = torch.tensor(tokens[self.kv.length:], dtype=torch.long)
+        drafted, rows = [], []
+        for i in range(k):
+            logits = self.kv.forward(unseen, last=1)[-1:]
+            probs = warp(logits, self.sampling)
+            token = (probs.argmax(-1) if self.sampling.greedy
+                     else torch.multinomial(probs, 1, generator=self.generator)[:, 0])
+            drafted.append(token)
+            rows.append(probs)
+            unseen = token
+        # The last drafted token was never fed: the cache holds prefix + first k-1 drafts.
+        self.base = len(tokens)
+        return Draft(torch.cat(drafted), torch.cat(rows))
+
+    def update(self, n_accepted, next_token):
+        # Keep the prefix and the accepted drafts that are in the cache (at most k-1 of them).
+        self.kv.keep(min(self.kv.length, self.base + n_accepted))
+
+
+def check_same_tokenizer(draft_tok, target_tok) -> None:
+    """Refuse a draft model whose tokenizer maps text to other ids: its drafts would be nonsense."""
+    if draft_tok.get_vocab() != target_tok.get_vocab() or draft_tok.all_special_ids != target_tok.all_special_ids:
+        raise SpeculateError("the draft model's tokenizer differs from the target's; a draft model must share "
+                             "the target's tokenizer")

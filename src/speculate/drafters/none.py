@@ -1,0 +1,10 @@
+"""No drafter: plain autoregressive decoding in the same engine, the baseline of every speedup."""
+
+from .base import EMPTY, Draft, Drafter
+
+
+class NoDrafter(Drafter):
+    name = "none"
+
+    def propose(self, tokens, k):
+        return Draft(EMPTY)

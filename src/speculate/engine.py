@@ -1,0 +1,187 @@
+"""The speculative decoding loop: draft → verify → accept → roll back.
+
+One round (Leviathan et al. 2023, Algorithm 1; Consultant Decoding, Algorithm 1):
+
+1. the drafter proposes up to k tokens x_1..x_m with their draft distributions p_draft;
+2. the target scores [last committed token, x_1..x_m] in ONE forward pass: m+1 rows of p_target,
+   row i being the target's distribution for the token after x_i (row m: the bonus position);
+3. the verifier — a pure function of those tensors — keeps the first n drafts and names the next token;
+4. both KV caches forget the m−n rejected positions; the n drafts and the next token are emitted.
+
+Plain decoding is the same loop with an empty draft (drafter ``none``): one target call per token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .drafters import Drafter, get_drafter
+from .errors import SpeculateError
+from .models.kv import KVModel
+from .models.loader import LoadedModel
+from .sampling import Sampling, one_hot, warp
+from .stats import Stats
+from .text import Detokenizer, encode_prompt, eos_ids
+from .verifiers import Verifier, get_verifier
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]  # new tokens only; an EOS that ended the generation is included
+    stats: Stats
+    finish_reason: str = "length"  # "stop" (EOS or a stop string) or "length" (max_new_tokens)
+    prompt_tokens: int = 0
+
+
+@dataclass
+class Stream:
+    """An iterator of text pieces; ``generation`` holds the finished result once it is exhausted."""
+
+    pieces: Iterator[str]
+    generation: Generation | None = field(default=None)
+
+    def __iter__(self):
+        return self.pieces
+
+
+class SpeculativeDecoder:
+    """``SpeculativeDecoder(target, drafter, verifier, k)``.
+
+    ``drafter``: a :class:`Drafter` or a name (``none``, ``lookup``, ``model`` with ``draft_model``).
+    ``verifier``: a :class:`Verifier`, a name, or None for ``greedy`` at temperature 0 and ``sample``
+    (lossless) otherwise. ``verifier_params`` go to :func:`get_verifier` (eps, beta, D, tol, ...).
+    """
+
+    def __init__(self, target: LoadedModel, drafter: Drafter | str = "lookup", verifier: Verifier | str | None = None,
+                 k: int = 6, draft_model: LoadedModel | None = None, **verifier_params):
+        if not isinstance(k, int) or k < 1:
+            raise SpeculateError(f"k must be an integer >= 1, got {k}")
+        self.target = target
+        self.kv = KVModel(target)
+        self.drafter = drafter if isinstance(drafter, Drafter) else get_drafter(drafter, draft_model, target)
+        self.k = k
+        self.verifier_spec = verifier
+        self.verifier_params = {key: v for key, v in verifier_params.items() if v is not None}
+        self.eos = eos_ids(target)
+        if not isinstance(verifier, Verifier):
+            self._verifier(Sampling())  # validate the name and parameters now, not at the first request
+
+    def _verifier(self, sampling: Sampling) -> Verifier:
+        if isinstance(self.verifier_spec, Verifier):
+            return self.verifier_spec
+        name = self.verifier_spec or ("greedy" if sampling.greedy else "sample")
+        if name == "greedy" and not sampling.greedy:
+            raise SpeculateError("verifier 'greedy' decodes deterministically: use temperature 0, or the lossless "
+                                 "verifier 'sample' to sample at temperature > 0")
+        params = dict(self.verifier_params)
+        if name in ("consultant", "typical"):
+            params.setdefault("greedy", sampling.greedy)
+        try:
+            return get_verifier(name, **params)
+        except ValueError as e:
+            raise SpeculateError(str(e)) from None
+
+    # ---------------------------------------------------------------------------------------------
+    def generate(self, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,
+                 chat: bool | None = None) -> Generation:
+        """Generate from a string or a list of chat messages; returns text, token ids and stats."""
+        stream = self.stream(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, chat)
+        for _ in stream:
+            pass
+        return stream.generation
+
+    def stream(self, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,
+               chat: bool | None = None) -> Stream:
+        """Like :meth:`generate`, as an iterator of text pieces (bad settings raise here, eagerly)."""
+        sampling = Sampling(temperature, top_p, top_k)
+        verifier = self._verifier(sampling)
+        prompt_ids = prompt if _is_token_ids(prompt) else encode_prompt(self.target.tokenizer, prompt, chat)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise SpeculateError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens}")
+        if not prompt_ids:
+            raise SpeculateError("the prompt is empty")
+        window = self.target.context_window
+        if len(prompt_ids) + max_new_tokens > window:
+            raise SpeculateError(f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) "
+                                 f"exceeds the model's context window of {window} tokens")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        generator = torch.Generator()
+        generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        stream = Stream(iter(()))
+        stream.pieces = self._pieces(stream, list(prompt_ids), max_new_tokens, sampling, verifier, generator, stops)
+        return stream
+
+    def _pieces(self, stream, prompt_ids, max_new_tokens, sampling, verifier, generator, stops) -> Iterator[str]:
+        stats = Stats()
+        detok = Detokenizer(self.target.tokenizer, stops)
+        finish = "length"
+        start = time.perf_counter()
+        tokens = self._decode(prompt_ids, max_new_tokens, sampling, verifier, generator, stats, start)
+        for token in tokens:
+            stats.new_tokens += 1
+            if token in self.eos:
+                detok.ids.append(token)
+                finish = "stop"
+                break
+            piece = detok.add(token)
+            if piece:
+                yield piece
+            if detok.stopped:
+                finish = "stop"
+                break
+        tokens.close()  # nothing past a stop is ever computed into the output
+        stats.wall_seconds = time.perf_counter() - start
+        tail = detok.flush()
+        stream.generation = Generation(detok.text, list(detok.ids), stats, finish, len(prompt_ids))
+        if tail:
+            yield tail
+
+    @torch.inference_mode()
+    def _decode(self, prompt_ids, max_new_tokens, sampling, verifier, generator, stats, start) -> Iterator[int]:
+        """Yield new token ids, one at a time, until the budget is spent (the caller stops earlier at
+        EOS or a stop string)."""
+        kv, drafter, k, vocab = self.kv, self.drafter, self.k, self.kv.vocab_size
+        tokens = list(prompt_ids)
+        kv.reset()
+        drafter.begin(tokens, sampling, generator)
+        # Prefill all but the last prompt token; the last one is scored with the first draft.
+        if len(tokens) > 1:
+            kv.forward(torch.tensor(tokens[:-1]), last=1)
+        stats.prefill_seconds = time.perf_counter() - start
+        state, produced = None, 0
+        while produced < max_new_tokens:
+            # 1. Draft: never more tokens than the budget can still take (the target adds one).
+            draft = drafter.propose(tokens, min(k, max_new_tokens - produced - 1))
+            m = len(draft)
+            # 2. One target forward over [last committed token, x_1..x_m] → m+1 rows of logits.
+            logits = kv.forward(torch.cat([torch.tensor(tokens[-1:]), draft.tokens]))
+            # 3. Verify. Warped (temperature/top-k/top-p) target rows, or raw ones plus the warped rows
+            #    for verifiers that judge by the target's own likelihood (consultant, typical).
+            warped = warp(logits, sampling)
+            draft_probs = None
+            if verifier.needs_draft_probs:
+                draft_probs = draft.probs if draft.probs is not None else one_hot(draft.tokens, vocab)
+            if verifier.raw_target:
+                verdict = verifier.verify(draft.tokens, draft_probs, logits.softmax(-1), state, generator, warped)
+            else:
+                verdict = verifier.verify(draft.tokens, draft_probs, warped, state, generator)
+            n, state = verdict.n_accepted, verdict.state
+            # 4. Roll back: keep the cache up to the last accepted draft; the next token is fed next round.
+            kv.keep(len(tokens) + n)
+            drafter.update(n, verdict.next_token)
+            stats.record(m, n)
+            for token in draft.tokens[:n].tolist() + [verdict.next_token]:
+                tokens.append(token)
+                produced += 1
+                yield token
+
+
+def _is_token_ids(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(t, int) for t in prompt)

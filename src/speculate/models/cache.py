@@ -1,0 +1,91 @@
+"""The converted-model cache: folders written atomically, with a checksum manifest.
+
+A model converted from GGUF (or quantized) is written once into ``$SPECULATE_CACHE/<key>/``
+(default ``~/.cache/speculate``). The folder is built under a temporary name beside its final place
+and renamed into it only when complete, and it carries ``manifest.json`` with the size and sha256 of
+every file. :func:`verified` re-hashes on each load (~1 GB/s here: 0.5 s for the default model), so a
+truncated or corrupted cache is detected and rebuilt, never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECULATE_CACHE") or Path.home() / ".cache" / "speculate")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path, extra: dict | None = None) -> None:
+    files = {
+        p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != MANIFEST
+    }
+    atomic_write_text(folder / MANIFEST, json.dumps({"files": files, **(extra or {})}, indent=1))
+
+
+def verified(folder: Path) -> bool:
+    """True when ``folder`` holds a complete manifest and every listed file matches it."""
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        return False
+    for name, meta in files.items():
+        path = folder / name
+        # Size first: a truncated file is caught without reading it.
+        if not path.is_file() or path.stat().st_size != meta["size"] or sha256_file(path) != meta["sha256"]:
+            return False
+    return bool(files)
+
+
+@contextmanager
+def building(folder: Path):
+    """Yield a temporary folder beside ``folder``; on success it becomes ``folder`` atomically
+    (with its manifest), on any error it is removed. A stale or corrupted ``folder`` is replaced."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        yield tmp
+        write_manifest(tmp)
+        if folder.exists():
+            # rename() cannot replace a non-empty folder: move the old one aside first.
+            old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
+            os.replace(folder, old / "x")
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a small file so that readers see the old content or the new, never a half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

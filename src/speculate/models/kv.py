@@ -1,0 +1,88 @@
+"""One model with its KV cache, addressed by position.
+
+The cache holds the keys/values of positions 0..length-1. A forward writes the new tokens' entries at
+the next positions; rolling back is forgetting positions (``keep``), not copying tensors. A *tree* of
+drafts goes through the same forward with explicit position ids and an ancestor mask, and
+``keep_path`` then keeps only the accepted branch. This file is the only place that knows how the
+model library (transformers) takes caches, masks and positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .loader import LoadedModel
+
+
+class KVModel:
+    def __init__(self, loaded: LoadedModel):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.config = loaded.model.config
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.cache = None
+        self.length = 0
+        self._mask_min = torch.finfo(self.model.dtype).min
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.config)
+        self.length = 0
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, last: int = 0, tree_parents: list[int] | None = None) -> torch.Tensor:
+        """Run ``tokens`` ([n] LongTensor) at positions length..length+n-1 and append their KV.
+
+        Returns fp32 logits [rows, V]: every row when ``last`` is 0, else only the last ``last`` rows
+        (prefill needs one row; the LM head over a whole prompt would cost more than the layers).
+
+        ``tree_parents``: for a flattened draft tree, the index (into ``tokens``) of each node's parent,
+        -1 for a child of the cached prefix. Node i then sits at position length + depth(i) and attends
+        to the prefix and to its ancestors only.
+        """
+        n = tokens.shape[0]
+        kwargs = {}
+        if tree_parents is None:
+            positions = torch.arange(self.length, self.length + n)
+        else:
+            depth, allowed = _tree_depths_and_ancestors(tree_parents)
+            positions = self.length + depth
+            mask = torch.zeros(1, 1, n, self.length + n, dtype=self.model.dtype)
+            mask[0, 0, :, self.length:].masked_fill_(~allowed, self._mask_min)
+            kwargs["attention_mask"] = mask
+        out = self.model(
+            input_ids=tokens[None], position_ids=positions[None], cache=self.cache, use_cache=True,
+            logits_to_keep=last, **kwargs,
+        )
+        self.length += n
+        return out.logits[0].float()
+
+    def keep(self, n_positions: int) -> None:
+        """Forget every position >= n_positions (roll back rejected drafts)."""
+        if n_positions < self.length:
+            self.cache.crop(n_positions - self.length)  # transformers 5: a negative count to drop
+            self.length = n_positions
+
+    def keep_path(self, start: int, nodes: list[int]) -> None:
+        """After a tree forward that began at position ``start``: keep the prefix and the KV of the
+        accepted ``nodes`` (indices into that forward's tokens, root to leaf), in order."""
+        index = torch.cat([torch.arange(start), start + torch.tensor(nodes, dtype=torch.long)])
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
+        self.length = start + len(nodes)
+
+
+def _tree_depths_and_ancestors(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depth of each node and the [n, n] ancestor-or-self matrix; parents precede their children."""
+    n = len(parents)
+    allowed = torch.eye(n, dtype=torch.bool)
+    depth = torch.zeros(n, dtype=torch.long)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            if p >= i:
+                raise ValueError("tree nodes must come after their parent")
+            allowed[i] |= allowed[p]
+            depth[i] = depth[p] + 1
+    return depth, allowed

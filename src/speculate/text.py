@@ -1,0 +1,85 @@
+"""Prompts in, text out: chat templates, incremental detokenization and stop strings."""
+
+from __future__ import annotations
+
+from .errors import SpeculateError
+
+
+def encode_prompt(tokenizer, prompt, chat: bool | None = None) -> list[int]:
+    """A string or a list of chat messages → prompt token ids.
+
+    Messages always go through the chat template. A plain string does too when the tokenizer has one
+    (it is then the user turn), unless ``chat`` is False: then the raw text is encoded.
+    """
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise SpeculateError("the prompt is empty")
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if chat is None:
+            chat = has_template
+        if not chat:
+            return list(tokenizer(prompt)["input_ids"])
+        if not has_template:
+            raise SpeculateError("this model's tokenizer has no chat template; send the raw prompt (--no-chat)")
+        prompt = [{"role": "user", "content": prompt}]
+    if not prompt or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in prompt):
+        raise SpeculateError("messages must be a non-empty list of {'role', 'content'} objects")
+    if not getattr(tokenizer, "chat_template", None):
+        raise SpeculateError("this model's tokenizer has no chat template; send a plain prompt")
+    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids)
+
+
+def eos_ids(loaded) -> set[int]:
+    """Every id that ends a generation: the tokenizer's EOS and the generation config's."""
+    ids = set()
+    for source in (loaded.tokenizer.eos_token_id, getattr(loaded.model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return ids
+
+
+class Detokenizer:
+    """Turns token ids into text pieces as they arrive, and finds stop strings.
+
+    Held back: a trailing incomplete UTF-8 character (decoded as U+FFFD) and any tail that could be
+    the start of a stop string, so that no streamed piece ever has to be taken back. The final text
+    ends before the first stop string; the stop string itself is not part of it.
+    """
+
+    def __init__(self, tokenizer, stop: list[str] | None = None):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in (stop or []) if s]
+        self.ids: list[int] = []
+        self.emitted = 0  # characters of the text already returned
+        self.text = ""
+        self.stopped = False
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the new text that is now safe to show."""
+        self.ids.append(token_id)
+        # Decoding the whole output each time is simple and, at tens of microseconds, far below the
+        # cost of a forward pass; it sidesteps the merge rules of byte-level and sentencepiece decoders.
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        # Held-back text never reaches the caller, so a stop string can only start at >= emitted
+        # (minus its length, in case decoding revised the tail).
+        hits = [j for s in self.stop if (j := text.find(s, max(0, self.emitted - len(s)))) >= 0]
+        if hits:
+            self.stopped = True
+            self.text = text[: min(hits)]
+            return self._take(len(self.text))
+        self.text = text
+        safe = len(text) - text.endswith("\ufffd")
+        hold = max((n for s in self.stop for n in range(1, len(s)) if text[:safe].endswith(s[:n])), default=0)
+        return self._take(safe - hold)
+
+    def flush(self) -> str:
+        """At the end of a generation: everything not yet returned."""
+        return self._take(len(self.text))
+
+    def _take(self, upto: int) -> str:
+        upto = max(upto, self.emitted)
+        piece, self.emitted = self.text[self.emitted: upto], upto
+        return piece

@@ -1,0 +1,23 @@
+"""Greedy exact-match verification: the output is token-for-token the target's greedy decoding."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Verdict, Verifier
+
+
+class GreedyVerifier(Verifier):
+    """Accept x_i while x_i = argmax p_target(· | x_<i); the next token is the argmax at the first
+    mismatch, or at the bonus row k when all k drafts match. Deterministic: no state, no randomness."""
+
+    name = "greedy"
+    needs_draft_probs = False
+
+    def verify(self, draft_tokens, draft_probs, target_probs, state=None, generator=None, sample_probs=None):
+        target_argmax = target_probs.argmax(dim=-1)  # [k+1]
+        k = draft_tokens.shape[0]
+        # Index of the first mismatch; k when every draft matches (the bonus row).
+        mismatch = (draft_tokens != target_argmax[:k]).nonzero()
+        n = int(mismatch[0, 0]) if mismatch.numel() else k
+        return Verdict(n_accepted=n, next_token=int(target_argmax[n]), state=state)
