@@ -1,0 +1,56 @@
+"""Tiny random models with a real byte-level tokenizer, for tests and demos (no weights to download).
+
+``save_tiny_model(folder, seed)`` writes an ordinary Hugging Face folder (config, safetensors,
+tokenizer with a ChatML chat template), so it also exercises the "any local model folder" path.
+Weights are drawn with a large init scale so that logits are peaked: a random model with near-uniform
+logits would make greedy decoding hinge on float rounding, and exactness tests would test noise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def tiny_tokenizer():
+    """A byte-level BPE with no merges: 256 byte tokens + 3 specials; lossless on any text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    for ch in sorted(byte_chars):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|im_end|>",
+                                   bos_token="<|im_start|>")
+    fast.chat_template = CHATML
+    return fast
+
+
+def tiny_model(seed: int = 0, vocab_size: int = 259, hidden: int = 64, layers: int = 2, heads: int = 4,
+               kv_heads: int = 2, init_scale: float = 0.25, max_positions: int = 1024):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=max_positions, tie_word_embeddings=True,
+                         initializer_range=init_scale, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    return model
+
+
+def save_tiny_model(folder: str | Path, seed: int = 0, **kwargs) -> Path:
+    folder = Path(folder)
+    tiny_model(seed, **kwargs).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder

@@ -1,0 +1,233 @@
+"""The engine on tiny random models: exactness, stops, rollback, trees, sampling, streaming."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+from scipy import stats as sstats
+
+from speculate import SpeculateError, SpeculativeDecoder
+from speculate.drafters import get_drafter
+from speculate.drafters.base import Draft, Drafter
+from speculate.models.kv import KVModel
+from speculate.sampling import Sampling, warp
+from conftest import noisy_copy
+
+
+class OracleDrafter(Drafter):
+    """Proposes the known greedy continuation with random corruptions: long accepted drafts, rejections
+    at random positions, and drafts that run past stops: every path of the accept/roll-back logic."""
+
+    name = "oracle"
+
+    def __init__(self, prompt_len, reference, corrupt=0.3, seed=0, vocab=259):
+        self.prompt_len, self.reference, self.corrupt, self.vocab = prompt_len, reference, corrupt, vocab
+        self.rng = random.Random(seed)
+
+    def propose(self, tokens, k):
+        done = len(tokens) - self.prompt_len
+        out = list(self.reference[done: done + k])
+        out += [self.rng.randrange(self.vocab) for _ in range(k - len(out))]
+        out = [self.rng.randrange(self.vocab) if self.rng.random() < self.corrupt else t for t in out]
+        return Draft(torch.tensor(out, dtype=torch.long))
+
+
+def random_prompt(seed, n):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 259) for _ in range(n)]
+
+
+def plain(model, prompt, n, **kw):
+    return SpeculativeDecoder(model, "none").generate(prompt, max_new_tokens=n, **kw)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+def test_greedy_oracle_drafts_equal_plain_decoding(tiny, seed, k):
+    model = tiny[seed]
+    for n_prompt, n_new in [(1, 9), (7, 40), (30, 23)]:
+        prompt = random_prompt(seed * 100 + k + n_prompt, n_prompt)
+        ref = plain(model, prompt, n_new)
+        for corrupt in (0.0, 0.3):
+            drafter = OracleDrafter(len(prompt), ref.token_ids, corrupt, seed=k)
+            out = SpeculativeDecoder(model, drafter, "greedy", k=k).generate(prompt, max_new_tokens=n_new)
+            assert out.token_ids == ref.token_ids
+            assert out.stats.new_tokens == n_new
+            if corrupt == 0.0:  # every draft right: ceil(n / (k+1)) rounds
+                assert out.stats.target_calls == math.ceil(n_new / (k + 1))
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_model_and_lookup_drafters_equal_plain_decoding(tiny, k):
+    target = tiny[0]
+    draft = noisy_copy(target, 0.1)
+    accepted = 0
+    for seed in range(3):
+        # Repetitive prompts so that lookup finds matches.
+        prompt = random_prompt(seed, 6) * 4
+        ref = plain(target, prompt, 48)
+        for drafter in (get_drafter("lookup"), get_drafter("model", draft, target)):
+            out = SpeculativeDecoder(target, drafter, "greedy", k=k).generate(prompt, max_new_tokens=48)
+            assert out.token_ids == ref.token_ids, drafter.name
+            accepted += out.stats.accepted_draft_tokens
+    assert accepted > 0  # the drafts were not all rejected: acceptance paths were exercised
+
+
+def test_stop_inside_an_accepted_draft(tiny):
+    model = tiny[1]
+    prompt = random_prompt(5, 5)
+    ref = plain(model, prompt, 40)
+    # EOS: pretend the 13th token is an end-of-sequence id; an all-correct k=8 draft covers it.
+    decoder = SpeculativeDecoder(model, OracleDrafter(len(prompt), ref.token_ids, 0.0), "greedy", k=8)
+    cut = ref.token_ids[12]
+    first = ref.token_ids.index(cut)
+    decoder.eos = {cut}
+    out = decoder.generate(prompt, max_new_tokens=40)
+    assert out.token_ids == ref.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stats.new_tokens == first + 1
+    # max_new_tokens: exactly that many, even though the drafts would go on.
+    out = SpeculativeDecoder(model, OracleDrafter(len(prompt), ref.token_ids, 0.0), "greedy", k=8).generate(
+        prompt, max_new_tokens=11)
+    assert out.token_ids == ref.token_ids[:11] and out.finish_reason == "length"
+    # A stop string in the middle of the text: the text ends right before it, nothing after is emitted.
+    text = ref.text
+    stop = text[15:18]
+    assert stop and text.find(stop) >= 0
+    out = SpeculativeDecoder(model, OracleDrafter(len(prompt), ref.token_ids, 0.0), "greedy", k=8).generate(
+        prompt, max_new_tokens=40, stop=[stop])
+    assert out.text == text[: text.find(stop)]
+    assert out.finish_reason == "stop"
+    assert len(out.token_ids) < 40 and out.token_ids == ref.token_ids[: len(out.token_ids)]
+
+
+def test_rollback_equals_fresh_forward(tiny):
+    kv = KVModel(tiny[2])
+    prefix = torch.tensor(random_prompt(1, 12))
+    draft = torch.tensor([10, 20, 30, 40, 50])
+    kv.reset()
+    kv.forward(prefix)
+    kv.forward(draft)  # verify 5 drafts...
+    kv.keep(len(prefix) + 2)  # ...keep two
+    after = kv.forward(torch.tensor([99]))[-1]
+    kv.reset()
+    fresh = kv.forward(torch.cat([prefix, draft[:2], torch.tensor([99])]))[-1]
+    torch.testing.assert_close(after, fresh, rtol=1e-4, atol=1e-4)
+    assert kv.length == len(prefix) + 3
+
+
+def test_tree_forward_gives_each_node_its_ancestors(tiny):
+    kv = KVModel(tiny[0])
+    prefix = torch.tensor(random_prompt(2, 9))
+    #        node: 0   1   2   3   4   5      tree: 0→1→2, 0→3, 4→5
+    tokens = torch.tensor([11, 12, 13, 14, 15, 16])
+    parents = [-1, 0, 1, 0, -1, 4]
+    kv.reset()
+    kv.forward(prefix)
+    start = kv.length
+    tree = kv.forward(tokens, tree_parents=parents)
+    for path in ([0, 1, 2], [0, 3], [4, 5]):
+        kv.keep(start)
+        chain = kv.forward(tokens[path])
+        torch.testing.assert_close(tree[path], chain, rtol=1e-4, atol=1e-4)
+    # Keeping one branch of a tree forward = having run that branch alone.
+    kv.keep(start)
+    kv.forward(tokens, tree_parents=parents)
+    kv.keep_path(start, [0, 3])
+    after = kv.forward(torch.tensor([7]))[-1]
+    kv.keep(start)
+    torch.testing.assert_close(after, kv.forward(torch.tensor([11, 14, 7]))[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_speculative_sampling_end_to_end_matches_the_target(tiny):
+    """Distribution of the first two sampled tokens: speculative (model drafter + `sample`) against the
+    exact warped target distribution, computed from the model. Chi-square at significance 1e-3."""
+    target = tiny[0]
+    draft = noisy_copy(target, 0.1)
+    prompt = random_prompt(3, 8)
+    s = Sampling(temperature=1.0, top_k=4)
+    with torch.no_grad():
+        p1 = warp(target.model(torch.tensor([prompt])).logits[0, -1:], s)[0]
+        firsts = p1.nonzero()[:, 0]
+        batch = torch.tensor([prompt + [int(t)] for t in firsts])
+        p2 = warp(target.model(batch).logits[:, -1], s)
+    exact = {(int(a), int(b)): float(p1[a] * p2[i, b]) for i, a in enumerate(firsts) for b in p2[i].nonzero()[:, 0]}
+    decoder = SpeculativeDecoder(target, get_drafter("model", draft, target), "sample", k=3)
+    n = 2000
+    counts = Counter(tuple(decoder.generate(prompt, max_new_tokens=2, temperature=1.0, top_k=4, seed=i).token_ids)
+                     for i in range(n))
+    assert set(counts) <= set(exact)
+    keys = sorted(exact)
+    observed = [counts.get(key, 0) for key in keys]
+    total = sum(exact.values())
+    expected = [exact[key] / total * n for key in keys]
+    assert sstats.chisquare(observed, expected).pvalue > 1e-3
+    # And the draft was really used: some drafts accepted, some rejected.
+    st = decoder.generate(prompt, max_new_tokens=40, temperature=1.0, top_k=4, seed=0).stats
+    assert 0 < st.accepted_draft_tokens < st.drafted_tokens
+
+
+def test_seeded_runs_reproduce(tiny):
+    decoder = SpeculativeDecoder(tiny[1], get_drafter("model", noisy_copy(tiny[1], 0.1), tiny[1]), "sample", k=4)
+    prompt = random_prompt(4, 6)
+    a = decoder.generate(prompt, max_new_tokens=30, temperature=0.8, top_p=0.9, seed=7).token_ids
+    b = decoder.generate(prompt, max_new_tokens=30, temperature=0.8, top_p=0.9, seed=7).token_ids
+    c = decoder.generate(prompt, max_new_tokens=30, temperature=0.8, top_p=0.9, seed=8).token_ids
+    assert a == b and a != c
+
+
+def test_stream_pieces_join_to_the_text(tiny):
+    decoder = SpeculativeDecoder(tiny[0], "lookup", "greedy", k=4)
+    for stop in (None, ["e"], ["zz", "a b"]):
+        stream = decoder.stream("hello there, hello there", max_new_tokens=50, stop=stop)
+        pieces = list(stream)
+        assert "".join(pieces) == stream.generation.text
+        assert stream.generation.text == decoder.generate("hello there, hello there", max_new_tokens=50,
+                                                          stop=stop).text
+
+
+def test_chat_template_and_raw_prompt(tiny):
+    decoder = SpeculativeDecoder(tiny[0], "none")
+    tok = tiny[0].tokenizer
+    chat = decoder.generate("hi", max_new_tokens=1)
+    assert chat.prompt_tokens == len(tok.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                            add_generation_prompt=True, return_dict=False))
+    raw = decoder.generate("hi", max_new_tokens=1, chat=False)
+    assert raw.prompt_tokens == 2
+    msgs = decoder.generate([{"role": "user", "content": "hi"}], max_new_tokens=1)
+    assert msgs.prompt_tokens == chat.prompt_tokens and msgs.token_ids == chat.token_ids
+
+
+def test_bad_settings_raise_clear_errors(tiny, tmp_path):
+    from speculate.models.tiny import save_tiny_model, tiny_tokenizer
+
+    m = tiny[0]
+    with pytest.raises(SpeculateError, match="k must be"):
+        SpeculativeDecoder(m, "lookup", k=0)
+    with pytest.raises(SpeculateError, match="unknown drafter"):
+        SpeculativeDecoder(m, "nope")
+    with pytest.raises(SpeculateError, match="unknown verifier"):
+        SpeculativeDecoder(m, "lookup", "nope")
+    with pytest.raises(SpeculateError, match="beta"):
+        SpeculativeDecoder(m, "lookup", "consultant", beta=1.0)
+    d = SpeculativeDecoder(m, "lookup")
+    for kwargs, match in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+                          ({"top_p": 1.5}, "top_p"), ({"max_new_tokens": -1}, "max_new_tokens"),
+                          ({"max_new_tokens": 5000}, "context window")]:
+        with pytest.raises(SpeculateError, match=match):
+            d.generate("hi", **kwargs)
+    with pytest.raises(SpeculateError, match="empty"):
+        d.generate("   ")
+    with pytest.raises(SpeculateError, match="greedy"):
+        SpeculativeDecoder(m, "lookup", "greedy").generate("hi", temperature=0.5)
+    # A draft model with another tokenizer is refused.
+    other = save_tiny_model(tmp_path / "other", seed=9)
+    tok = tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|extra|>"]})
+    tok.save_pretrained(other)
+    from speculate import load_model
+    with pytest.raises(SpeculateError, match="tokenizer"):
+        SpeculativeDecoder(m, "model", draft_model=load_model(str(other)))
