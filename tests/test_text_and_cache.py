@@ -1,0 +1,86 @@
+"""Detokenization with stop strings, and the atomic, checksummed model cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from speculate.models.cache import building, verified
+from speculate.models.tiny import tiny_tokenizer
+from speculate.text import Detokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def feed(tok, text, stop):
+    d = Detokenizer(tok, stop)
+    pieces = []
+    for t in tok(text)["input_ids"]:
+        pieces.append(d.add(t))
+        if d.stopped:
+            break
+    pieces.append(d.flush())
+    return d, pieces
+
+
+def test_stop_string_across_tokens_is_cut_and_never_streamed(tok):
+    d, pieces = feed(tok, "hello world, goodbye", ["wor"])
+    assert d.text == "hello " and "".join(pieces) == "hello "
+    assert d.stopped
+    # The held-back "wo" was never shown before the stop was found.
+    assert all("w" not in p for p in pieces)
+
+
+def test_prefix_of_a_stop_string_is_released_when_it_does_not_complete(tok):
+    d, pieces = feed(tok, "abcab abd", ["abd!"])
+    assert not d.stopped and d.text == "abcab abd" and "".join(pieces) == "abcab abd"
+    # "abd" was held back until flush (it could have become "abd!").
+    assert pieces[-1] == "abd"
+
+
+def test_earliest_of_several_stop_strings_wins(tok):
+    d, _ = feed(tok, "one two three four", ["four", "two"])
+    assert d.text == "one "
+
+
+def test_multibyte_characters_are_never_split(tok):
+    d, pieces = feed(tok, "naïve café ☕ done", None)
+    assert "".join(pieces) == "naïve café ☕ done"
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_cache_detects_corruption_and_truncation(tmp_path):
+    folder = tmp_path / "m"
+    with building(folder) as tmp:
+        (tmp / "weights.bin").write_bytes(b"x" * 1000)
+        (tmp / "config.json").write_text("{}")
+    assert verified(folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert set(manifest["files"]) == {"weights.bin", "config.json"}
+    data = bytearray((folder / "weights.bin").read_bytes())
+    data[500] ^= 1  # one flipped bit, same size
+    (folder / "weights.bin").write_bytes(bytes(data))
+    assert not verified(folder)
+    (folder / "weights.bin").write_bytes(b"x" * 999)  # truncated
+    assert not verified(folder)
+    (folder / "manifest.json").unlink()
+    assert not verified(folder)
+
+
+def test_failed_build_leaves_nothing_and_keeps_the_old_folder(tmp_path):
+    folder = tmp_path / "m"
+    with building(folder) as tmp:
+        (tmp / "a").write_text("old")
+    with pytest.raises(RuntimeError):
+        with building(folder) as tmp:
+            (tmp / "a").write_text("half-written")
+            raise RuntimeError("conversion crashed")
+    assert (folder / "a").read_text() == "old" and verified(folder)
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no temporary folder left behind
+    with building(folder) as tmp:  # a rebuild replaces the old folder whole
+        (tmp / "b").write_text("new")
+    assert sorted(p.name for p in folder.iterdir()) == ["b", "manifest.json"] and verified(folder)
