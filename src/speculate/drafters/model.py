@@ -13,6 +13,7 @@ import torch
 from ..errors import SpeculateError
 from ..models.kv import KVModel
 from ..sampling import warp
+from ..verifiers.base import sample_from
 from .base import Draft, Drafter
 
 
@@ -38,7 +39,7 @@ class ModelDrafter(Drafter):
             logits = self.kv.forward(unseen, last=1)[-1:]
             probs = warp(logits, self.sampling)
             token = (probs.argmax(-1) if self.sampling.greedy
-                     else torch.multinomial(probs, 1, generator=self.generator)[:, 0])
+                     else torch.tensor([sample_from(probs[0], self.generator)]))
             drafted.append(token)
             rows.append(probs)
             unseen = token

@@ -18,6 +18,7 @@ reverse. Here it is always ``target_probs`` / ``draft_probs`` (p_target / p_draf
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,11 +60,25 @@ class Verifier:
         raise NotImplementedError
 
 
-def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token id from a 1-D distribution (need not be normalised)."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
-
-
 def uniform(n: int, generator: torch.Generator | None, dtype=torch.float32) -> torch.Tensor:
     """n draws of U[0, 1) from the shared generator (CPU, so seeded runs reproduce anywhere)."""
     return torch.rand(n, generator=generator, dtype=dtype)
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token id from a 1-D, possibly unnormalised, non-negative row, by inverse CDF.
+
+    Consumes the shared generator through :func:`uniform` (one draw). A float64 cumulative sum and one
+    binary search: ``torch.multinomial``
+    costs ~4 ms for one draw at V = 152k on CPU, this ~0.2 ms. The token is the first i with
+    cumsum[i] > u * total (u in [0, 1)), so zero-probability tokens are never returned. Works for rows
+    on any device (the uniform comes from the CPU generator as a Python float)."""
+    cdf = probs.detach().to(torch.float64).cumsum(0)
+    total = float(cdf[-1])
+    if not 0.0 < total < math.inf:
+        raise ValueError(f"cannot sample from a row with total mass {total}")
+    v = float(uniform(1, generator, dtype=torch.float64)) * total
+    i = int(torch.searchsorted(cdf, v, right=True))
+    if i >= cdf.shape[0]:  # u * total rounded up to total: take the last token with mass
+        i = int((probs > 0).nonzero()[-1, 0])
+    return i

@@ -1,0 +1,93 @@
+"""Consultant Decoding (CD), Algorithm 1 of "Consultant Decoding: Yet Another Synergistic Mechanism"
+(arXiv 2506.02391, section 3.2).
+
+The draft token is judged by its negative log-likelihood under the target, not by a likelihood ratio:
+
+- eq. 6:  V_CD(x_i) = eps - (-log p_target(x_i)); accept when V_CD > 0 (the beta = 0 case).
+- eq. 7-8 (smooth version): r_i = EMA_beta(r_{i-1}, -log p_target(x_i))
+  = beta * r_{i-1} + (1 - beta) * (-log p_target(x_i)); accept x_i while r_i <= eps (Algorithm 1,
+  lines 9-11); at the first failure stop (the failing token's NLL does not enter r).
+- Algorithm 1, lines 16-17: the target supplies x'_{n+1} from row n (n = number accepted, row k =
+  bonus when all are accepted), and r_{n+1} = EMA_beta(r_n, -log p_target(x'_{n+1})) is carried into
+  the next round as the verifier state (a float; state=None at the start of a generation: r_0 = 0).
+
+With beta = 0 the rule is "accept while p_target(x_i) >= e^-eps", a dynamic nucleus (section 3.4).
+
+``raw_target = True``: ``target_probs`` must be the UNWARPED (temperature 1) target distribution, the
+one the NLL is defined on. The correction token is the argmax of ``target_probs`` when
+``greedy=True``; otherwise it is drawn from ``sample_probs`` (the engine's temperature / top-p warped
+rows, [k+1, V], same indexing as target_probs) when given, else from ``target_probs``. Its NLL always
+comes from ``target_probs``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .base import Verdict, Verifier
+from .base import sample_from
+from .sample import gather_drafted
+
+# Probabilities are floored here before the log, so a zero-probability token gets a large but finite
+# NLL (-log 1e-45 ~= 103.6, 1e-45 ~ the smallest float32 subnormal). It still fails any sane eps and,
+# unlike +inf, decays out of the EMA state after a few tokens instead of blocking acceptance forever.
+PROB_FLOOR = 1e-45
+
+
+def nll(p: float) -> float:
+    """-log(max(p, PROB_FLOOR)): finite, never NaN (NaN p is treated as 0)."""
+    if not p > PROB_FLOOR:
+        p = PROB_FLOOR
+    return -math.log(p)
+
+
+def ema(beta: float, r_prev: float, value: float) -> float:
+    """Eq. 8: beta * r_prev + (1 - beta) * value."""
+    return beta * r_prev + (1.0 - beta) * value
+
+
+class ConsultantVerifier(Verifier):
+    """Consultant Decoding, Algorithm 1 (eqs. 6-8). See the module docstring.
+
+    Parameters: ``eps`` > 0, the NLL threshold (the paper's generic setting is 2.0); ``beta`` in
+    [0, 1), the EMA decay weight of eq. 8; ``greedy``: correction token = argmax p_target (True) or a
+    draw from ``sample_probs`` / ``target_probs`` (False).
+    """
+
+    name = "consultant"
+    needs_draft_probs = False
+    raw_target = True
+
+    def __init__(self, eps: float = 2.0, beta: float = 0.2, greedy: bool = True):
+        eps = float(eps)
+        beta = float(beta)
+        if not eps > 0 or math.isinf(eps):
+            raise ValueError(f"consultant: eps must be a finite number > 0 (an NLL threshold), got {eps}")
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"consultant: beta must satisfy 0 <= beta < 1 (EMA decay weight), got {beta}")
+        self.eps = eps
+        self.beta = beta
+        self.greedy = bool(greedy)
+
+    def __repr__(self):
+        return f"ConsultantVerifier(eps={self.eps}, beta={self.beta}, greedy={self.greedy})"
+
+    def verify(self, draft_tokens, draft_probs, target_probs, state=None, generator=None, sample_probs=None):
+        beta, eps = self.beta, self.eps
+        r = 0.0 if state is None else float(state)
+        k = draft_tokens.shape[0]
+        n = 0
+        if k:
+            for p in gather_drafted(target_probs, draft_tokens):  # lines 7-15
+                r_i = ema(beta, r, nll(p))
+                if not r_i <= eps:
+                    break
+                r = r_i
+                n += 1
+        # Lines 16-17: the target's token at row n and its NLL into the carried state.
+        if self.greedy:
+            token = int(target_probs[n].argmax())
+        else:
+            token = sample_from((sample_probs if sample_probs is not None else target_probs)[n], generator)
+        r = ema(beta, r, nll(float(target_probs[n, token])))
+        return Verdict(n_accepted=n, next_token=token, state=r)

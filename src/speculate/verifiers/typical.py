@@ -1,0 +1,78 @@
+"""Typical acceptance (Medusa, Cai et al. 2024, section 2.3.1).
+
+Draft token x_i is accepted while
+
+    p_target(x_i) > min(eps, delta * exp(-H(p_target row i))),   H(p) = -sum_x p(x) log p(x),
+
+i.e. a token is kept when it is not too unlikely under the target, with the bar lowered where the
+target is uncertain (high entropy). At the first failure, row n (or the bonus row k when all k pass),
+the target supplies the next token: its argmax when ``greedy=True``, else a draw from ``sample_probs``
+row n (the engine's warped rows) when given, else from ``target_probs`` row n.
+
+``raw_target = True``: the test and the entropy use the unwarped (temperature 1) target rows.
+Medusa's defaults: eps (posterior_threshold) = 0.09, delta (posterior_alpha) = 0.3.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import Verdict, Verifier
+from .base import sample_from
+from .sample import gather_drafted
+
+
+def entropy(rows: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) of each row of [m, V] probabilities, 0 log 0 = 0, as CPU float64 [m]."""
+    return torch.special.entr(rows.float()).sum(dim=-1).to("cpu", torch.float64)
+
+
+class TypicalVerifier(Verifier):
+    """Medusa typical acceptance: accept while p_target(x_i) > min(eps, delta * exp(-H_i)).
+
+    Parameters: ``eps`` > 0 (hard threshold), ``delta`` > 0 (entropy-scaled threshold), ``greedy``.
+    ``state`` is passed through unchanged.
+    """
+
+    name = "typical"
+    needs_draft_probs = False
+    raw_target = True
+
+    def __init__(self, eps: float = 0.09, delta: float = 0.3, greedy: bool = True):
+        eps = float(eps)
+        delta = float(delta)
+        if not eps > 0 or math.isinf(eps):
+            raise ValueError(f"typical: eps must be a finite number > 0 (probability threshold), got {eps}")
+        if not delta > 0 or math.isinf(delta):
+            raise ValueError(f"typical: delta must be a finite number > 0 (entropy-scaled threshold), got {delta}")
+        self.eps = eps
+        self.delta = delta
+        self.greedy = bool(greedy)
+
+    def __repr__(self):
+        return f"TypicalVerifier(eps={self.eps}, delta={self.delta}, greedy={self.greedy})"
+
+    def thresholds(self, rows: torch.Tensor) -> torch.Tensor:
+        """min(eps, delta * exp(-H(row))) for each row of [m, V], CPU float64 [m]."""
+        return torch.clamp(self.delta * torch.exp(-entropy(rows)), max=self.eps)
+
+    def verify(self, draft_tokens, draft_probs, target_probs, state=None, generator=None, sample_probs=None):
+        k = draft_tokens.shape[0]
+        n = k
+        if k:
+            target_x = gather_drafted(target_probs, draft_tokens)
+            # p > eps passes whatever the entropy; only the other rows need H (an O(V) pass each),
+            # and only up to the first failure.
+            for i, p in enumerate(target_x):
+                if p > self.eps:
+                    continue
+                if not p > float(self.thresholds(target_probs[i : i + 1])[0]):
+                    n = i
+                    break
+        if self.greedy:
+            token = int(target_probs[n].argmax())
+        else:
+            token = sample_from((sample_probs if sample_probs is not None else target_probs)[n], generator)
+        return Verdict(n_accepted=n, next_token=token, state=state)
