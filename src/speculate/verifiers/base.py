@@ -82,3 +82,13 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     if i >= cdf.shape[0]:  # u * total rounded up to total: take the last token with mass
         i = int((probs > 0).nonzero()[-1, 0])
     return i
+
+
+def target_token(target_probs: torch.Tensor, sample_probs: torch.Tensor | None, row: int, greedy: bool,
+                 generator: torch.Generator | None) -> int:
+    """The token the target itself contributes at ``row``, for the likelihood-judging verifiers
+    (consultant, typical): its argmax when greedy, else a draw from the warped row (``sample_probs``),
+    or from the raw row when no warped one was given."""
+    if greedy:
+        return int(target_probs[row].argmax())
+    return sample_from((sample_probs if sample_probs is not None else target_probs)[row], generator)

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import math
 
-from .base import Verdict, Verifier
-from .base import sample_from
+from .base import Verdict, Verifier, target_token
 from .sample import gather_drafted
 
 # Probabilities are floored here before the log, so a zero-probability token gets a large but finite
@@ -85,9 +84,6 @@ class ConsultantVerifier(Verifier):
                 r = r_i
                 n += 1
         # Lines 16-17: the target's token at row n and its NLL into the carried state.
-        if self.greedy:
-            token = int(target_probs[n].argmax())
-        else:
-            token = sample_from((sample_probs if sample_probs is not None else target_probs)[n], generator)
+        token = target_token(target_probs, sample_probs, n, self.greedy, generator)
         r = ema(beta, r, nll(float(target_probs[n, token])))
         return Verdict(n_accepted=n, next_token=token, state=r)

@@ -19,8 +19,7 @@ import math
 
 import torch
 
-from .base import Verdict, Verifier
-from .base import sample_from
+from .base import Verdict, Verifier, target_token
 from .sample import gather_drafted
 
 
@@ -71,8 +70,5 @@ class TypicalVerifier(Verifier):
                 if not p > float(self.thresholds(target_probs[i : i + 1])[0]):
                     n = i
                     break
-        if self.greedy:
-            token = int(target_probs[n].argmax())
-        else:
-            token = sample_from((sample_probs if sample_probs is not None else target_probs)[n], generator)
+        token = target_token(target_probs, sample_probs, n, self.greedy, generator)
         return Verdict(n_accepted=n, next_token=token, state=state)
