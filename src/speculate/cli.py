@@ -49,6 +49,34 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--no-chat", action="store_true", help="send the raw prompt, without the chat template")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+
+    s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
+                       description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+                                   "/metrics over HTTP. Models load once, before the server listens.")
+    s.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"target model: an alias ({', '.join(ALIASES)}) or a local Hugging Face folder "
+                        f"(default {DEFAULT_MODEL}); also the model id clients must send")
+    s.add_argument("--drafter", default="lookup", choices=list(DRAFTERS),
+                   help="default drafter for requests (default lookup)")
+    s.add_argument("--draft-model", help="draft model for --drafter model (loaded once, shared by requests)")
+    s.add_argument("--verifier", choices=list(VERIFIERS),
+                   help="default verifier; default greedy at temperature 0, sample (lossless) otherwise")
+    s.add_argument("--k", type=int, default=6, help=K_HELP)
+    s.add_argument("--eps", type=float, help="default ε for consultant (NLL threshold) or typical")
+    s.add_argument("--beta", type=float, help="default β for consultant (EMA decay, in [0, 1))")
+    s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weight precision (default fp32)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: loopback only; 0.0.0.0 exposes the server)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes "
+                                     "(default: $SPECULATE_API_KEY if set, else no key)")
+    s.add_argument("--max-concurrency", type=int, default=1,
+                   help="generation worker threads, i.e. generations running at once (default 1)")
+    s.add_argument("--max-queue", type=int, default=16,
+                   help="requests that may wait for a worker; beyond that the server answers 429 (default 16)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest accepted request body; larger is 413 (default 1 MiB)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
 
@@ -89,10 +117,25 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    import os
+
+    from .server import ServerConfig, serve
+
+    api_key = args.api_key if args.api_key is not None else (os.environ.get("SPECULATE_API_KEY") or None)
+    config = ServerConfig(model=args.model, drafter=args.drafter, draft_model=args.draft_model,
+                          verifier=args.verifier, k=args.k, eps=args.eps, beta=args.beta, dtype=args.dtype,
+                          host=args.host, port=args.port, api_key=api_key,
+                          max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+                          max_body_bytes=args.max_body_bytes)
+    serve(config, log_level=args.log_level)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
-        return {"generate": _generate}[args.command](args)
+        return {"generate": _generate, "serve": _serve}[args.command](args)
     except SpeculateError as e:
         print(f"speculate: error: {e}", file=sys.stderr)
         return 2

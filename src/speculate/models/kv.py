@@ -19,7 +19,7 @@ class KVModel:
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.model.config
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = int(self.model.get_output_embeddings().out_features)
         self.cache = None
         self.length = 0
         self._mask_min = torch.finfo(self.model.dtype).min

@@ -1,0 +1,180 @@
+"""The FastAPI application: routes of the OpenAI API, /health and /metrics.
+
+``create_app(config, target, draft)`` takes models that are already loaded; the worker pool starts with
+the app (lifespan), and /health answers 200 only from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from functools import partial
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from .. import __version__
+from ..models.loader import LoadedModel
+from .auth import check_api_key
+from .body import read_json
+from .config import ServerConfig
+from .errors import APIError, error_body, install_error_handlers, validation_error
+from .generation import Outcome, prepare, produce
+from .metrics import OUTCOME_KEY, Metrics, StatusCounter
+from .pool import Job, QueueFull, WorkerPool
+from .responses import DONE, Shaper, sse
+from .schemas import ChatCompletionRequest, CompletionRequest
+from .sse import EventStream
+
+log = logging.getLogger("speculate.server")
+RETRY_AFTER_SECONDS = 1
+
+
+def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | None = None) -> FastAPI:
+    metrics = Metrics()
+    pool = WorkerPool(config.max_concurrency, config.max_queue, on_change=metrics.set_load)
+    model_id = config.model
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        pool.start()
+        app.state.ready = True
+        try:
+            yield
+        finally:
+            app.state.ready = False
+            await anyio.to_thread.run_sync(pool.stop)
+
+    app = FastAPI(title="speculate", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.ready = False
+    app.state.config, app.state.metrics, app.state.pool = config, metrics, pool
+    install_error_handlers(app)
+    app.add_middleware(StatusCounter, metrics=metrics)
+
+    @app.get("/health")
+    async def health():
+        if app.state.ready and pool.started:
+            return {"status": "ok", "model": model_id}
+        return JSONResponse(error_body(503, "the server is not ready", code="not_ready"), status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        check_api_key(request, config.api_key)
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
+                                            "owned_by": "speculate"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, "text")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, "chat")
+
+    async def generate(request: Request, kind: str):
+        check_api_key(request, config.api_key)
+        data = await read_json(request, config.max_body_bytes)
+        schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        try:
+            req = schema.model_validate(data)
+        except ValidationError as e:
+            raise validation_error(e.errors(), data) from None
+        if req.model != model_id:
+            raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{model_id}'",
+                           "model", "model_not_found")
+        prepared = await anyio.to_thread.run_sync(prepare, config, target, draft, req)
+        job = Job(partial(produce, stream=prepared.stream), asyncio.get_running_loop())
+        try:
+            pool.submit(job)
+        except QueueFull:
+            raise APIError(429, f"the server is busy: {pool.workers} generation worker(s) and a queue of "
+                                f"{pool.max_queue} are all taken; retry later", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        shaper = Shaper(kind, model_id, prepared.settings)
+        outcome = request.scope.get(OUTCOME_KEY, {})
+        if req.stream:
+            def on_close():
+                if not job.finished:
+                    job.cancel()
+                    outcome["status"] = "499"  # client closed the request
+            return EventStream(stream_events(job, shaper, kind, req.include_usage, outcome), on_close)
+        kind_, value = await wait_or_disconnect(job, request)
+        job.finished = True
+        if kind_ == "done":
+            record(job, value)
+            return shaper.whole(value.generation)
+        if kind_ == "error":
+            raise as_api_error(value)
+        job.cancel()
+        outcome["status"] = "499"
+        return Response(status_code=499)
+
+    async def stream_events(job: Job, shaper: Shaper, kind: str, include_usage: bool, outcome: dict):
+        if kind == "chat":
+            yield sse(shaper.chunk(text="", first=True))
+        while True:
+            event, value = await job.events.get()
+            if event == "piece":
+                yield sse(shaper.chunk(text=value))
+            elif event == "done":
+                job.finished = True
+                record(job, value)
+                for chunk in shaper.final_chunks(value.generation, include_usage):
+                    yield sse(chunk)
+                yield DONE
+                return
+            elif event == "error":
+                job.finished = True
+                err = as_api_error(value)
+                outcome["status"] = str(err.status)
+                yield sse(err.body())
+                yield DONE
+                return
+            else:  # cancelled
+                return
+
+    def record(job: Job, result: Outcome) -> None:
+        now = time.perf_counter()
+        ttft = result.first_piece_at - job.submitted_at if result.first_piece_at is not None else None
+        metrics.record_generation(result.generation, ttft, now - job.submitted_at)
+
+    return app
+
+
+def as_api_error(value) -> APIError:
+    if isinstance(value, APIError):
+        return value
+    log.error("generation failed", exc_info=value)
+    return APIError(500, f"generation failed: {type(value).__name__}: {value}", code="generation_failed")
+
+
+async def wait_or_disconnect(job: Job, request: Request):
+    """The job's final event ('done', 'error', 'cancelled'), or ('disconnected', None) if the client left."""
+    async def final():
+        while True:
+            event, value = await job.events.get()
+            if event != "piece":
+                return event, value
+
+    async def disconnect():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        return "disconnected", None
+
+    tasks = [asyncio.ensure_future(final()), asyncio.ensure_future(disconnect())]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+    return (tasks[0] if tasks[0] in done else next(iter(done))).result()

@@ -1,0 +1,47 @@
+"""The server's settings: what ``speculate serve`` was started with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import SpeculateError
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str  # the target: an alias or a local Hugging Face folder; also the served model id
+    drafter: str = "lookup"
+    draft_model: str | None = None
+    verifier: str | None = None  # None: greedy at temperature 0, sample otherwise
+    k: int = 6
+    eps: float | None = None
+    beta: float | None = None
+    dtype: str = "fp32"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_concurrency: int = 1  # generation workers
+    max_queue: int = 16  # admitted requests waiting for a worker; beyond that: 429
+    max_body_bytes: int = MiB
+
+    def __post_init__(self):
+        if not isinstance(self.k, int) or self.k < 1:
+            raise SpeculateError(f"--k must be an integer >= 1, got {self.k}")
+        if self.max_concurrency < 1:
+            raise SpeculateError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if self.max_queue < 0:
+            raise SpeculateError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.max_body_bytes < 1:
+            raise SpeculateError(f"the body size limit must be >= 1 byte, got {self.max_body_bytes}")
+        if not 0 <= self.port <= 65535:
+            raise SpeculateError(f"--port must be in 0..65535, got {self.port}")
+        if self.draft_model and self.drafter != "model":
+            raise SpeculateError("--draft-model needs --drafter model")
+        if self.api_key is not None and not self.api_key:
+            raise SpeculateError("--api-key must not be empty")
+
+    @property
+    def verifier_params(self) -> dict:
+        return {key: v for key, v in (("eps", self.eps), ("beta", self.beta)) if v is not None}

@@ -1,0 +1,150 @@
+"""From a validated request to a ready-to-run engine stream, and the work a generation worker does with it.
+
+:func:`prepare` runs every check that needs the tokenizer or the engine (prompt length against the
+context window, speculative settings) *before* the request is queued, so a bad request is a 400 and never
+takes a worker. It builds a fresh :class:`SpeculativeDecoder` (and drafter) for the request: a decoder
+holds per-generation KV state and is not thread-safe, while the model weights it points to are shared
+by all of them. :func:`produce` is the worker side: iterate the engine's stream, hand each piece to the
+request handler, stop at once when the client has gone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..drafters import get_drafter
+from ..drafters.model import ModelDrafter
+from ..engine import Generation, SpeculativeDecoder, Stream
+from ..errors import SpeculateError
+from ..models.loader import LoadedModel
+from ..text import encode_prompt
+from .config import ServerConfig
+from .errors import APIError
+from .pool import Job
+from .schemas import ChatCompletionRequest, CompletionRequest, SpeculativeSettings
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context window
+
+
+@dataclass
+class Prepared:
+    stream: Stream
+    prompt_tokens: int
+    max_tokens: int
+    settings: dict  # the speculative settings in force: drafter, verifier, k, params
+
+
+@dataclass
+class Outcome:
+    generation: Generation
+    first_piece_at: float | None  # perf_counter time of the first text piece
+
+
+def prepare(config: ServerConfig, target: LoadedModel, draft: LoadedModel | None,
+            req: CompletionRequest | ChatCompletionRequest) -> Prepared:
+    """Check and set up one request (called off the event loop: it tokenizes). Raises APIError (4xx)."""
+    req.check_supported()
+    stops = req.stops()
+    window = target.context_window
+    tokenizer = target.tokenizer
+    if isinstance(req, ChatCompletionRequest):
+        prompt_param, budget = "messages", req.token_budget()
+        budget_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        ids = _encode(lambda: encode_prompt(tokenizer, req.message_dicts()), prompt_param)
+    else:
+        prompt_param, budget_param = "prompt", "max_tokens"
+        budget = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        prompt = req.prompt_value()
+        if isinstance(prompt, list):
+            vocab = len(tokenizer)
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
+                               "prompt", "invalid_value")
+            ids = list(prompt)
+        else:
+            ids = _encode(lambda: encode_prompt(tokenizer, prompt, chat=False), prompt_param)
+    if not ids:
+        raise APIError(400, f"{prompt_param}: the prompt is empty", prompt_param, "invalid_value")
+    if budget is None:
+        budget = window - len(ids)
+        if budget < 1:
+            raise APIError(400, f"this model's context window is {window} tokens and the prompt has {len(ids)}: "
+                                f"no room is left for a completion", prompt_param, "context_length_exceeded")
+    if budget > window:
+        raise APIError(400, f"{budget_param}: {budget} exceeds the model's context window of {window} tokens",
+                       budget_param, "invalid_value")
+    if len(ids) + budget > window:
+        raise APIError(400, f"this model's context window is {window} tokens; the prompt has {len(ids)} tokens "
+                            f"and {budget_param} is {budget}: shorten the prompt or lower {budget_param}",
+                       prompt_param, "context_length_exceeded")
+    settings = merge_settings(config, req.speculative)
+    if settings["verifier"] is None:  # the engine's own default, named so that the stats can report it
+        settings["verifier"] = "greedy" if req.temperature == 0 else "sample"
+    decoder = build_decoder(target, draft, settings)
+    try:
+        stream = decoder.stream(ids, max_new_tokens=budget, temperature=req.temperature, top_p=req.top_p,
+                                seed=req.seed, stop=stops)
+    except SpeculateError as e:
+        raise APIError(400, str(e), None, "invalid_value") from None
+    return Prepared(stream, len(ids), budget, settings)
+
+
+def _encode(fn, param: str) -> list[int]:
+    try:
+        return fn()
+    except SpeculateError as e:
+        raise APIError(400, f"{param}: {e}", param, "invalid_value") from None
+
+
+def merge_settings(config: ServerConfig, spec: SpeculativeSettings | None) -> dict:
+    """The request's speculative settings over the server's flags. A request that names its own verifier
+    does not inherit the server's verifier parameters (they were meant for another rule)."""
+    spec = spec or SpeculativeSettings()
+    if spec.verifier is not None and spec.verifier != config.verifier:
+        params = spec.verifier_params()
+    else:
+        params = {**config.verifier_params, **spec.verifier_params()}
+    return {"drafter": spec.drafter or config.drafter,
+            "verifier": spec.verifier if spec.verifier is not None else config.verifier,
+            "k": spec.k if spec.k is not None else config.k,
+            "params": params}
+
+
+def build_decoder(target: LoadedModel, draft: LoadedModel | None, settings: dict) -> SpeculativeDecoder:
+    try:
+        if settings["drafter"] == "model":
+            if draft is None:
+                raise SpeculateError("drafter 'model' needs a draft model: start the server with --drafter model "
+                                     "--draft-model M")
+            drafter = ModelDrafter(draft)  # its tokenizer was checked against the target's at startup
+        else:
+            drafter = get_drafter(settings["drafter"])
+        return SpeculativeDecoder(target, drafter, settings["verifier"], k=settings["k"], **settings["params"])
+    except SpeculateError as e:
+        raise APIError(400, f"speculative: {e}", "speculative", "invalid_value") from None
+
+
+def produce(job: Job, stream: Stream) -> None:
+    """Worker side: run the generation, emitting 'piece' events, then 'done' (an :class:`Outcome`),
+    'cancelled' or 'error'. Never raises."""
+    first = None
+    try:
+        for piece in stream:
+            if job.cancelled.is_set():
+                break
+            if first is None:
+                first = time.perf_counter()
+            job.emit("piece", piece)
+        if job.cancelled.is_set():
+            stream.pieces.close()  # closes the engine's generator: nothing more is computed
+            job.emit("cancelled")
+            return
+    except SpeculateError as e:
+        job.emit("error", APIError(400, str(e), None, "invalid_value"))
+        return
+    except Exception as e:  # noqa: BLE001 — a failure inside generation: a 500, the server stays up
+        job.emit("error", e)
+        return
+    job.emit("done", Outcome(stream.generation, first))

@@ -1,0 +1,42 @@
+"""``speculate serve``: load the models once, check the default settings, then run uvicorn."""
+
+from __future__ import annotations
+
+import logging
+
+from ..errors import SpeculateError
+from .config import ServerConfig
+from .errors import APIError
+
+
+def load_models(config: ServerConfig):
+    """The target and the optional draft model; the server's default speculative settings are checked
+    here, so a bad flag stops the server before it listens."""
+    from ..drafters.model import check_same_tokenizer
+    from ..models import load_model
+    from .generation import build_decoder, merge_settings
+
+    target = load_model(config.model, dtype=config.dtype)
+    draft = load_model(config.draft_model, dtype=config.dtype) if config.draft_model else None
+    if draft is not None:
+        check_same_tokenizer(draft.tokenizer, target.tokenizer)
+    try:
+        build_decoder(target, draft, merge_settings(config, None))
+    except APIError as e:
+        raise SpeculateError(e.message) from None
+    return target, draft
+
+
+def serve(config: ServerConfig, log_level: str = "info") -> None:
+    import uvicorn
+
+    from .app import create_app
+
+    target, draft = load_models(config)
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("speculate.server").warning(
+            "listening on %s without an API key: anyone who can reach this address can use the server "
+            "(set --api-key or $SPECULATE_API_KEY)", config.host)
+    app = create_app(config, target, draft)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -1,0 +1,103 @@
+"""Prometheus metrics, in a registry of the app's own (several apps can live in one process).
+
+Token and pass counters count finished generations (a cancelled one has no statistics); requests are
+counted by endpoint and HTTP status, with 499 for a client that went away before its answer was complete.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ..engine import Generation
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+OUTCOME_KEY = "speculate.outcome"  # ASGI scope key: a dict where a handler can override the counted status
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("speculate_requests", "HTTP requests to /v1 endpoints, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("speculate_prompt_tokens", "Prompt tokens of finished generations", registry=r)
+        self.generated_tokens = Counter("speculate_generated_tokens",
+                                        "Tokens generated (usage.completion_tokens) by finished generations",
+                                        registry=r)
+        self.target_calls = Counter("speculate_target_forward_passes",
+                                    "Target model forward passes after the prefill (one per speculative round)",
+                                    registry=r)
+        self.drafted = Counter("speculate_drafted_tokens", "Draft tokens proposed to the target", registry=r)
+        self.accepted = Counter("speculate_accepted_tokens", "Draft tokens the verifier accepted", registry=r)
+        self.drafted_by_position = Counter("speculate_drafted_tokens_by_position",
+                                           "Rounds that drafted a token at this draft position (1 = first)",
+                                           ["position"], registry=r)
+        self.accepted_by_position = Counter("speculate_accepted_tokens_by_position",
+                                            "Rounds that accepted the draft token at this position (1 = first)",
+                                            ["position"], registry=r)
+        self.mean_accepted_length = Gauge("speculate_mean_accepted_length",
+                                          "Generated tokens per target forward pass, over all finished generations",
+                                          registry=r)
+        self.ttft = Histogram("speculate_time_to_first_token_seconds",
+                              "From the request's admission to its first text piece (queueing included)",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("speculate_request_latency_seconds",
+                                 "From the request's admission to the end of its generation",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("speculate_requests_in_flight", "Generations running on a worker", registry=r)
+        self.queued = Gauge("speculate_requests_queued", "Admitted requests waiting for a worker", registry=r)
+        self._tokens = 0
+        self._calls = 0
+
+    def set_load(self, running: int, queued: int) -> None:
+        self.in_flight.set(running)
+        self.queued.set(queued)
+
+    def record_generation(self, gen: Generation, ttft: float | None, latency: float) -> None:
+        s = gen.stats
+        n = len(gen.token_ids)
+        self.prompt_tokens.inc(gen.prompt_tokens)
+        self.generated_tokens.inc(n)
+        self.target_calls.inc(s.target_calls)
+        self.drafted.inc(s.drafted_tokens)
+        self.accepted.inc(s.accepted_draft_tokens)
+        for i, (d, a) in enumerate(zip(s.drafted_by_position, s.accepted_by_position), start=1):
+            self.drafted_by_position.labels(str(i)).inc(d)
+            self.accepted_by_position.labels(str(i)).inc(a)
+        self._tokens += s.new_tokens
+        self._calls += s.target_calls
+        if self._calls:
+            self.mean_accepted_length.set(self._tokens / self._calls)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        self.latency.observe(latency)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class StatusCounter:
+    """ASGI middleware: count each /v1 request by endpoint and final status."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        outcome = scope[OUTCOME_KEY] = {}
+        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+
+        async def send_and_see(message):
+            if message["type"] == "http.response.start":
+                outcome.setdefault("sent", str(message["status"]))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_see)
+        finally:
+            status = outcome.get("status") or outcome.get("sent") or "500"
+            self.metrics.requests.labels(endpoint, status).inc()

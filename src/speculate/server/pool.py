@@ -1,0 +1,115 @@
+"""A bounded queue in front of a fixed number of generation worker threads.
+
+At most ``workers + max_queue`` jobs are admitted at once; :meth:`WorkerPool.submit` refuses the next
+one with :class:`QueueFull` (the server answers 429 with ``Retry-After``) instead of letting requests
+pile up. Workers are plain threads: generation never runs on the event loop. A job talks back to its
+request handler through an asyncio queue fed with ``loop.call_soon_threadsafe``; the handler cancels
+it (client gone) by setting ``job.cancelled``, which the work function checks between pieces. A job
+cancelled while still queued is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+log = logging.getLogger("speculate.server")
+
+
+class QueueFull(Exception):
+    """Every worker is busy and the queue is full."""
+
+
+class Job:
+    """One generation request. ``work(job)`` runs on a worker thread and reports through :meth:`emit`."""
+
+    def __init__(self, work: Callable[["Job"], None], loop: asyncio.AbstractEventLoop):
+        self.work = work
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.finished = False  # set by the handler once it has read the final event
+        self.submitted_at = time.perf_counter()
+        self.started_at: float | None = None
+
+    def emit(self, kind: str, value=None) -> None:
+        """From the worker thread: hand an event ('piece', 'done', 'error', 'cancelled') to the handler."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            self.cancelled.set()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class WorkerPool:
+    def __init__(self, workers: int, max_queue: int, on_change: Callable[[int, int], None] | None = None):
+        if workers < 1 or max_queue < 0:
+            raise ValueError("need workers >= 1 and max_queue >= 0")
+        self.workers, self.max_queue = workers, max_queue
+        self.on_change = on_change or (lambda running, queued: None)
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self.admitted = 0  # queued + running
+        self.running = 0
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def capacity(self) -> int:
+        return self.workers + self.max_queue
+
+    @property
+    def started(self) -> bool:
+        return bool(self._threads) and all(t.is_alive() for t in self._threads)
+
+    def start(self) -> None:
+        for i in range(self.workers):
+            t = threading.Thread(target=self._loop, name=f"speculate-worker-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join(timeout)
+        self._threads.clear()
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if self.admitted >= self.capacity:
+                raise QueueFull()
+            self.admitted += 1
+            self._changed()
+        self._queue.put(job)
+
+    def _changed(self) -> None:  # under the lock
+        self.on_change(self.running, self.admitted - self.running)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            with self._lock:
+                self.running += 1
+                self._changed()
+            try:
+                if job.cancelled.is_set():
+                    job.emit("cancelled")
+                else:
+                    job.started_at = time.perf_counter()
+                    job.work(job)
+            except BaseException as e:  # the work function reports its own errors; this is a last resort
+                log.exception("generation worker error")
+                job.emit("error", e)
+            finally:
+                with self._lock:
+                    self.running -= 1
+                    self.admitted -= 1
+                    self._changed()

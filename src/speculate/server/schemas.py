@@ -1,0 +1,146 @@
+"""Request bodies of the OpenAI API (the subset we honour), validated strictly: a wrongly typed field is a
+400, not silently coerced. Unknown top-level fields are ignored, as OpenAI clients send many; fields we
+know but cannot honour (n > 1, logprobs, penalties, tools, ...) are refused rather than ignored. The
+extra ``speculative`` object is strict: an unknown key there is a 400."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..drafters import DRAFTERS
+from ..verifiers import VERIFIERS
+from .errors import APIError
+
+MAX_K = 64
+MAX_STOP = 16
+
+
+class SpeculativeSettings(BaseModel):
+    """Per-request speculative settings; anything left out comes from the server's flags."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    drafter: Literal[tuple(DRAFTERS)] | None = None
+    verifier: Literal[tuple(VERIFIERS)] | None = None
+    k: int | None = Field(None, ge=1, le=MAX_K)
+    eps: float | None = None  # consultant: NLL threshold; typical: probability threshold
+    beta: float | None = None  # consultant: EMA decay
+    delta: float | None = None  # typical
+    D: float | None = None  # mentored: KL budget
+    tol: float | None = None  # mentored
+
+    def verifier_params(self) -> dict:
+        keys = ("eps", "beta", "delta", "D", "tol")
+        return {key: getattr(self, key) for key in keys if getattr(self, key) is not None}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    user: str | None = None
+    speculative: SpeculativeSettings | None = None
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP:
+            raise APIError(400, f"stop: at most {MAX_STOP} stop sequences", "stop", "invalid_value")
+        return [s for s in stops if s]
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, "n: only n = 1 is supported", "n", "invalid_value")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported (only 0)", name, "unsupported_parameter")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", "logit_bias", "unsupported_parameter")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", "echo", "unsupported_parameter")
+        if self.logprobs:
+            raise APIError(400, "logprobs is not supported", "logprobs", "unsupported_parameter")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of: only 1 is supported", "best_of", "unsupported_parameter")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", "suffix", "unsupported_parameter")
+
+    def prompt_value(self) -> str | list[int]:
+        """One prompt: a string or a list of token ids (a list of strings must hold exactly one)."""
+        p = self.prompt
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            if len(p) != 1:
+                raise APIError(400, "prompt: only one prompt per request is supported", "prompt", "invalid_value")
+            return p[0]
+        if isinstance(p, list) and not p:
+            raise APIError(400, "prompt: the prompt is empty", "prompt", "invalid_value")
+        return p
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs:
+            raise APIError(400, "logprobs is not supported", "logprobs", "unsupported_parameter")
+        if self.tools:
+            raise APIError(400, "tools are not supported", "tools", "unsupported_parameter")
+
+    def token_budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def message_dicts(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]

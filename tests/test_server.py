@@ -1,0 +1,515 @@
+"""`speculate serve`: a real uvicorn server on a loopback port, driven by the real `openai` client and httpx.
+
+Servers run in a background thread of this process (so a test can monkeypatch the engine under them),
+except one test that starts `speculate serve` as a subprocess, as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from speculate import SpeculativeDecoder
+from speculate.cli import _parser, main
+from speculate.models.kv import KVModel
+from speculate.server import ServerConfig, create_app, load_models
+
+KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hello hello hello"}]
+
+
+class Served:
+    """A uvicorn server for ``app`` in a daemon thread, on a free loopback port bound before it starts."""
+
+    def __init__(self, app):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not become healthy"
+            time.sleep(0.05)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_folders):
+    config = ServerConfig(model=str(tiny_folders[0]), api_key=KEY, max_concurrency=2, max_queue=64, k=3)
+    target, draft = load_models(config)
+    s = Served(create_app(config, target, draft))
+    s.model, s.target = config.model, target
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def scrape(url) -> dict:
+    metrics = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in family.samples:
+            metrics[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return metrics
+
+
+def metric(m, name, **labels) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def post(served, path, body, **kw):
+    return httpx.post(served.url + path, json=body, headers=kw.pop("headers", AUTH), timeout=kw.pop("timeout", 60),
+                      **kw)
+
+
+def read_sse(response) -> tuple[str, list[dict]]:
+    """(concatenated text, every JSON event) of an SSE response; asserts it ends with [DONE]."""
+    events, done = [], False
+    for line in response.iter_lines():
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        assert not done, "data after [DONE]"
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            done = True
+            continue
+        events.append(json.loads(data))
+    assert done, "the stream did not end with data: [DONE]"
+    text = ""
+    for e in events:
+        for c in e.get("choices", []):
+            text += c["delta"].get("content") or "" if "delta" in c else c["text"]
+    return text, events
+
+
+def wait_idle(url, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(url)
+        if metric(m, "speculate_requests_in_flight") == 0 and metric(m, "speculate_requests_queued") == 0:
+            return m
+        assert time.monotonic() < deadline, "requests still in flight"
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------------------------------
+def test_health_models_and_auth(served):
+    h = httpx.get(served.url + "/health")
+    assert h.status_code == 200 and h.json() == {"status": "ok", "model": served.model}
+    models = openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0).models.list()
+    assert [m.id for m in models.data] == [served.model]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.get(served.url + "/v1/models", headers=headers)
+        assert r.status_code == 401
+        assert r.json()["error"]["type"] == "authentication_error"
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=served.url + "/v1", api_key="nope", max_retries=0).completions.create(
+            model=served.model, prompt="hi", max_tokens=2)
+
+
+def test_openai_client_streamed_text_equals_whole_text(served, client):
+    whole = client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=24, temperature=0)
+    chunks = list(client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=24,
+                                                 temperature=0, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content and streamed == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    stats = whole.to_dict()["speculative_stats"]
+    assert stats == {**chunks[-1].to_dict()["speculative_stats"], "wall_seconds": stats["wall_seconds"],
+                     "prefill_seconds": stats["prefill_seconds"], "tokens_per_second": stats["tokens_per_second"]}
+    assert stats["new_tokens"] == whole.usage.completion_tokens
+    assert stats["drafter"] == "lookup" and stats["verifier"] == "greedy" and stats["k"] == 3
+
+    prompt = "the cat sat on the mat, the cat sat on the"
+    t_whole = client.completions.create(model=served.model, prompt=prompt, max_tokens=20, temperature=0)
+    t_chunks = list(client.completions.create(model=served.model, prompt=prompt, max_tokens=20, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert t_whole.choices[0].text and "".join(c.choices[0].text for c in t_chunks if c.choices) == \
+        t_whole.choices[0].text
+    assert t_whole.usage.completion_tokens == 20 and t_whole.choices[0].finish_reason == "length"
+    assert t_whole.usage.prompt_tokens == len(prompt.encode())  # the tiny tokenizer: one token per byte
+    assert t_chunks[-1].choices == [] and t_chunks[-1].usage.completion_tokens == 20  # include_usage
+    assert t_chunks[-2].choices[0].finish_reason == "length"
+    assert t_chunks[-1].to_dict()["speculative_stats"]["new_tokens"] == 20
+
+
+def test_greedy_output_equals_the_engine(served, client, tiny):
+    prompt = "abc abc abc abc"
+    for spec in ({"drafter": "lookup", "k": 4}, {"drafter": "none"}, {"drafter": "lookup", "verifier": "consultant",
+                                                                       "eps": 2.0, "beta": 0.2, "k": 2}):
+        r = client.completions.create(model=served.model, prompt=prompt, max_tokens=30, temperature=0,
+                                      extra_body={"speculative": spec})
+        params = {key: spec[key] for key in ("eps", "beta") if key in spec}
+        engine = SpeculativeDecoder(tiny[0], spec["drafter"], spec.get("verifier", "greedy"), k=spec.get("k", 3),
+                                    **params).generate(prompt, max_new_tokens=30, chat=False)
+        assert r.choices[0].text == engine.text, spec
+        assert r.usage.completion_tokens == len(engine.token_ids)
+        stats = r.to_dict()["speculative_stats"]
+        assert stats["target_calls"] == engine.stats.target_calls
+        assert stats["acceptance_by_position"] == engine.stats.to_dict()["acceptance_by_position"]
+
+    chat = client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=25, temperature=0)
+    engine = SpeculativeDecoder(tiny[0], "lookup", "greedy", k=3).generate(MESSAGES, max_new_tokens=25)
+    assert chat.choices[0].message.content == engine.text
+    assert chat.usage.prompt_tokens == engine.prompt_tokens
+
+    # stop: the server stops where the engine does
+    full = SpeculativeDecoder(tiny[0], "lookup", "greedy", k=3).generate(prompt, max_new_tokens=30, chat=False)
+    stop = full.text[6:8]
+    engine = SpeculativeDecoder(tiny[0], "lookup", "greedy", k=3).generate(prompt, max_new_tokens=30, chat=False,
+                                                                           stop=[stop])
+    r = client.completions.create(model=served.model, prompt=prompt, max_tokens=30, temperature=0, stop=[stop])
+    assert r.choices[0].text == engine.text == full.text[:full.text.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+    # seed, temperature and top_p are honoured: the seeded sample equals the engine's
+    engine = SpeculativeDecoder(tiny[0], "lookup", None, k=3).generate(prompt, max_new_tokens=30, temperature=0.8,
+                                                                       top_p=0.9, seed=11, chat=False)
+    r = client.completions.create(model=served.model, prompt=prompt, max_tokens=30, temperature=0.8, top_p=0.9,
+                                  seed=11)
+    assert r.choices[0].text == engine.text and r.to_dict()["speculative_stats"]["verifier"] == "sample"
+
+
+BAD = [  # (body for /v1/completions unless "path" is given, status, param, code)
+    ({"prompt": "hi"}, 400, "model", "missing_required_parameter"),
+    ({"model": "M", "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens", "invalid_value"),
+    ({"model": "M", "prompt": 5}, 400, "prompt", "invalid_value"),
+    ({"model": "M", "prompt": "hi", "stream": "yes"}, 400, "stream", "invalid_value"),
+    ({"model": "M", "prompt": "hi", "temperature": "hot"}, 400, "temperature", "invalid_value"),
+    ({"model": "other-model", "prompt": "hi"}, 404, "model", "model_not_found"),
+    ({"model": "M", "prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "invalid_value"),
+    ({"model": "M", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ({"model": "M", "prompt": "hi", "max_tokens": 10**12}, 400, "max_tokens", "invalid_value"),
+    ({"model": "M", "prompt": "hi", "temperature": -0.1}, 400, "temperature", "invalid_value"),
+    ({"model": "M", "prompt": "hi", "temperature": 2.5}, 400, "temperature", "invalid_value"),
+    ({"model": "M", "prompt": "hi", "top_p": 0}, 400, "top_p", "invalid_value"),
+    ({"model": "M", "prompt": "hi", "top_p": 1.5}, 400, "top_p", "invalid_value"),
+    ({"model": "M", "prompt": "hi", "n": 2}, 400, "n", "invalid_value"),
+    ({"model": "M", "prompt": "x" * 1100}, 400, "prompt", "context_length_exceeded"),
+    ({"model": "M", "prompt": "x" * 1000, "max_tokens": 100}, 400, "prompt", "context_length_exceeded"),
+    ({"model": "M", "prompt": ""}, 400, "prompt", "invalid_value"),
+    ({"model": "M", "prompt": [999999]}, 400, "prompt", "invalid_value"),
+    ({"model": "M", "prompt": "hi", "speculative": {"foo": 1}}, 400, "speculative.foo", "invalid_value"),
+    ({"model": "M", "prompt": "hi", "speculative": {"drafter": "magic"}}, 400, "speculative.drafter", "invalid_value"),
+    ({"model": "M", "prompt": "hi", "speculative": {"k": 0}}, 400, "speculative.k", "invalid_value"),
+    ({"model": "M", "prompt": "hi", "speculative": {"k": "6"}}, 400, "speculative.k", "invalid_value"),
+    ({"model": "M", "prompt": "hi", "speculative": {"verifier": "consultant", "eps": -1}}, 400, "speculative",
+     "invalid_value"),
+    ({"model": "M", "prompt": "hi", "speculative": {"verifier": "greedy", "tol": 1}}, 400, "speculative",
+     "invalid_value"),
+    ({"model": "M", "prompt": "hi", "speculative": {"drafter": "model"}}, 400, "speculative", "invalid_value"),
+    ({"model": "M", "prompt": "hi", "temperature": 0.7, "speculative": {"verifier": "greedy"}}, 400, None,
+     "invalid_value"),
+    ({"model": "M", "prompt": "hi", "speculative": "fast"}, 400, "speculative", "invalid_value"),
+    ({"path": "/v1/chat/completions", "model": "M"}, 400, "messages", "missing_required_parameter"),
+    ({"path": "/v1/chat/completions", "model": "M", "messages": "hi"}, 400, "messages", "invalid_value"),
+    ({"path": "/v1/chat/completions", "model": "M", "messages": []}, 400, "messages", "invalid_value"),
+    ({"path": "/v1/chat/completions", "model": "M", "messages": [{"role": "user"}]}, 400, "messages.0.content",
+     "missing_required_parameter"),
+    ({"path": "/v1/chat/completions", "model": "M", "messages": [{"role": "wizard", "content": "hi"}]}, 400,
+     "messages.0.role", "invalid_value"),
+    ({"path": "/v1/chat/completions", "model": "M", "messages": [{"role": "user", "content": "x" * 1100}]}, 400,
+     "messages", "context_length_exceeded"),
+    ({"path": "/v1/chat/completions", "model": "M", "messages": MESSAGES, "max_completion_tokens": 5000}, 400,
+     "max_completion_tokens", "invalid_value"),
+]
+
+
+def test_bad_inputs_get_4xx_with_an_openai_error_object(served):
+    before = scrape(served.url)
+    for case in BAD:
+        body, status, param, code = case
+        body = {k: (served.model if v == "M" and k == "model" else v) for k, v in body.items()}
+        path = body.pop("path", "/v1/completions")
+        r = post(served, path, body)
+        assert r.status_code == status, (case, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], case
+        assert (err["param"], err["code"]) == (param, code), (case, err)
+        assert err["type"] == "invalid_request_error"
+
+    raw = [  # (raw body, headers, status, code)
+        (b"{not json", {}, 400, "invalid_json"),
+        (b"[1, 2]", {}, 400, "invalid_json"),
+        (b"", {}, 400, "invalid_json"),
+        (b"\xff\xfe", {}, 400, "invalid_json"),
+        (json.dumps({"model": served.model, "prompt": "y" * (1 << 20)}).encode(), {}, 413, "request_too_large"),
+        (b'{"model": "x", "prompt": "hi"}', {"Authorization": "Bearer wrong"}, 401, "invalid_api_key"),
+        (b'{"model": "x", "prompt": "hi"}', {"Authorization": ""}, 401, "invalid_api_key"),
+    ]
+    for content, headers, status, code in raw:
+        r = httpx.post(served.url + "/v1/completions", content=content,
+                       headers={**AUTH, "Content-Type": "application/json", **headers}, timeout=30)
+        assert r.status_code == status, (content[:40], r.text)
+        assert r.json()["error"]["code"] == code
+
+    def chunked():  # an oversized body without Content-Length
+        for _ in range(20):
+            yield b"x" * 65536
+
+    r = httpx.post(served.url + "/v1/completions", content=chunked(), timeout=30,
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    for content_type in ({}, {"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}):
+        r = httpx.post(served.url + "/v1/completions", headers={**AUTH, **content_type},
+                       content=json.dumps({"model": served.model, "prompt": "hi"}).encode())
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+
+    r = httpx.get(served.url + "/v1/nope", headers=AUTH)
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.get(served.url + "/v1/completions", headers=AUTH)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+    after = scrape(served.url)  # every mistake was counted by its status, none as a 500, and the server serves on
+
+    def delta(status):
+        return sum(metric(after, "speculate_requests_total", endpoint=e, status=status) -
+                   metric(before, "speculate_requests_total", endpoint=e, status=status)
+                   for e in ("/v1/completions", "/v1/chat/completions", "/v1/models", "other"))
+
+    assert delta("400") == sum(1 for _, s, _, _ in BAD if s == 400) + 4
+    assert (delta("401"), delta("404"), delta("405"), delta("413"), delta("415"), delta("500")) == (2, 2, 1, 2, 3, 0)
+    assert httpx.get(served.url + "/health").status_code == 200
+    ok = post(served, "/v1/completions", {"model": served.model, "prompt": "hi", "max_tokens": 3})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_metrics_add_up(served):
+    before = scrape(served.url)
+    usages, stats = [], []
+    for i in range(3):
+        r = post(served, "/v1/completions", {"model": served.model, "prompt": f"{i} abc abc abc", "max_tokens": 12,
+                                             "temperature": 0, "speculative": {"k": 2 + i}})
+        usages.append(r.json()["usage"])
+        stats.append(r.json()["speculative_stats"])
+    for i in range(2):
+        with httpx.stream("POST", served.url + "/v1/chat/completions", headers=AUTH, timeout=60,
+                          json={"model": served.model, "messages": MESSAGES, "max_tokens": 9 + i, "stream": True,
+                                "temperature": 0}) as r:
+            _, events = read_sse(r)
+        usages.append(events[-1]["usage"])
+        stats.append(events[-1]["speculative_stats"])
+    after = wait_idle(served.url)
+
+    def delta(name, **labels):
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("speculate_generated_tokens_total") == sum(u["completion_tokens"] for u in usages) == 12 * 3 + 9 + 10
+    assert delta("speculate_prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    assert delta("speculate_target_forward_passes_total") == sum(s["target_calls"] for s in stats)
+    assert delta("speculate_drafted_tokens_total") == sum(s["drafted_tokens"] for s in stats)
+    assert delta("speculate_accepted_tokens_total") == sum(s["accepted_draft_tokens"] for s in stats)
+    by_position = sum(delta("speculate_accepted_tokens_by_position_total", position=str(p)) for p in range(1, 7))
+    assert by_position == delta("speculate_accepted_tokens_total")
+    assert delta("speculate_drafted_tokens_by_position_total", position="1") > 0
+    assert delta("speculate_requests_total", endpoint="/v1/completions", status="200") == 3
+    assert delta("speculate_requests_total", endpoint="/v1/chat/completions", status="200") == 2
+    assert delta("speculate_time_to_first_token_seconds_count") == 5
+    assert delta("speculate_request_latency_seconds_count") == 5
+    assert delta("speculate_request_latency_seconds_sum") > 0
+    tokens = metric(after, "speculate_generated_tokens_total")
+    calls = metric(after, "speculate_target_forward_passes_total")
+    assert metric(after, "speculate_mean_accepted_length") == pytest.approx(tokens / calls)
+
+
+def test_load_many_clients_lose_nothing(served):
+    prompts = ["one two one two", "abc abc abc", "the the the", "xyz"]
+    kinds = [("/v1/completions", False), ("/v1/completions", True), ("/v1/chat/completions", False),
+             ("/v1/chat/completions", True)]
+
+    def body(prompt, path, stream):
+        b = {"model": served.model, "max_tokens": 6, "temperature": 0, "stream": stream}
+        if path == "/v1/completions":
+            return {**b, "prompt": prompt}
+        return {**b, "messages": [{"role": "user", "content": prompt}]}
+
+    def ask(http, prompt, path, stream):
+        """(status list, text) of one request, retrying on 429."""
+        statuses = []
+        while True:
+            if stream:
+                with http.stream("POST", path, json=body(prompt, path, stream)) as r:
+                    statuses.append(r.status_code)
+                    if r.status_code == 200:
+                        return statuses, read_sse(r)[0]
+                    r.read()
+            else:
+                r = http.post(path, json=body(prompt, path, stream))
+                statuses.append(r.status_code)
+                if r.status_code == 200:
+                    c = r.json()["choices"][0]
+                    return statuses, c["text"] if "text" in c else c["message"]["content"]
+            assert r.status_code == 429, r.text
+            time.sleep(0.05)
+
+    with httpx.Client(base_url=served.url, headers=AUTH, timeout=60) as http:
+        expected = {(p, path): ask(http, p, path, False)[1] for p in prompts for path, _ in kinds}
+
+    def client_run(c):
+        results = []
+        with httpx.Client(base_url=served.url, headers=AUTH, timeout=120) as http:
+            for i in range(25):
+                prompt, (path, stream) = prompts[(c + i) % 4], kinds[(c * 7 + i) % 4]
+                results.append((prompt, path, *ask(http, prompt, path, stream)))
+        return results
+
+    before = scrape(served.url)
+    with ThreadPoolExecutor(8) as pool:
+        results = [r for rs in pool.map(client_run, range(8)) for r in rs]
+    assert len(results) == 200
+    statuses = [s for _, _, ss, _ in results for s in ss]
+    assert all(s in (200, 429) for s in statuses) and statuses.count(200) == 200
+    mismatches = [(p, path, text) for p, path, _, text in results if text != expected[(p, path)]]
+    assert not mismatches
+    after = wait_idle(served.url)
+    served_ok = sum(metric(after, "speculate_requests_total", endpoint=e, status="200") -
+                    metric(before, "speculate_requests_total", endpoint=e, status="200")
+                    for e in ("/v1/completions", "/v1/chat/completions"))
+    assert served_ok == 200
+    assert metric(after, "speculate_generated_tokens_total") - metric(before, "speculate_generated_tokens_total") \
+        == 200 * 6
+
+
+def test_generation_failure_is_a_500_and_the_server_stays_healthy(served, monkeypatch):
+    def boom(self, *args, **kwargs):
+        raise RuntimeError("boom in the engine")
+        yield  # a generator, like the real one
+
+    body = {"model": served.model, "prompt": "hi there", "max_tokens": 5}
+    monkeypatch.setattr(SpeculativeDecoder, "_decode", boom)
+    r = post(served, "/v1/completions", body)
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and "boom in the engine" in err["message"] and err["code"]
+    with httpx.stream("POST", served.url + "/v1/completions", json={**body, "stream": True}, headers=AUTH) as s:
+        assert s.status_code == 200  # headers were sent before the failure: the error comes as an event
+        _, events = read_sse(s)
+    assert "boom in the engine" in events[-1]["error"]["message"]
+    monkeypatch.undo()
+    assert httpx.get(served.url + "/health").status_code == 200
+    r = post(served, "/v1/completions", body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    m = wait_idle(served.url)
+    assert metric(m, "speculate_requests_total", endpoint="/v1/completions", status="500") == 2
+
+
+@pytest.fixture
+def slow_forward(monkeypatch):
+    """Every forward of any model sleeps 10 ms, so a long generation really is long; counts forwards."""
+    calls = [0]
+    original = KVModel.forward
+
+    def forward(self, *args, **kwargs):
+        calls[0] += 1
+        time.sleep(0.01)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVModel, "forward", forward)
+    return calls
+
+
+def test_queue_full_then_disconnects_free_the_slot(served, slow_forward):
+    config = ServerConfig(model=served.model, max_concurrency=1, max_queue=0)
+    one = Served(create_app(config, served.target))
+    try:
+        long = {"model": served.model, "messages": MESSAGES, "max_tokens": 900, "temperature": 0, "stream": True,
+                "speculative": {"drafter": "none"}}
+        short = {"model": served.model, "prompt": "hi", "max_tokens": 4}
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", one.url + "/v1/chat/completions", json=long) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                pieces = 0
+                while pieces < 3:
+                    pieces += next(lines).startswith("data: ")
+                # the only worker is busy and the queue holds nothing: back-pressure
+                busy = httpx.post(one.url + "/v1/completions", json=short, timeout=30)
+                assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
+                assert busy.json()["error"]["type"] == "rate_limit_error"
+                assert metric(scrape(one.url), "speculate_requests_in_flight") == 1
+        # the client hung up mid-stream: the generation stops and frees the worker
+        m = wait_idle(one.url, timeout=5)
+        stopped_at = slow_forward[0]
+        assert stopped_at < 300  # far fewer forwards than the 900 tokens it asked for
+        assert metric(m, "speculate_requests_total", endpoint="/v1/chat/completions", status="499") == 1
+        ok = httpx.post(one.url + "/v1/completions", json=short, timeout=30)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+        assert slow_forward[0] - stopped_at < 10  # nothing else ran meanwhile (the short request: ~4 forwards)
+
+        # a non-streamed request whose client gives up is cancelled too
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(one.url + "/v1/completions", json={**short, "max_tokens": 900},
+                       timeout=httpx.Timeout(5, read=0.5))
+        m = wait_idle(one.url, timeout=5)
+        assert metric(m, "speculate_requests_total", endpoint="/v1/completions", status="499") == 1
+        assert httpx.post(one.url + "/v1/completions", json=short, timeout=30).status_code == 200
+    finally:
+        one.stop()
+
+
+def test_cli_serve_flags_and_a_real_subprocess(tiny_folders):
+    args = _parser().parse_args(["serve", "--model", "m"])
+    assert (args.host, args.port, args.max_concurrency, args.api_key) == ("127.0.0.1", 8000, 1, None)
+    assert main(["serve", "--model", str(tiny_folders[0]), "--max-concurrency", "0"]) == 2
+    assert main(["serve", "--model", str(tiny_folders[0]), "--verifier", "consultant", "--eps", "-1",
+                 "--port", "1"]) == 2  # refused at load time, before binding anything
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "SPECULATE_API_KEY": "env-key"}
+    proc = subprocess.Popen([sys.executable, "-m", "speculate", "serve", "--model", str(tiny_folders[1]), "--port",
+                             str(port), "--log-level", "warning"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="env-key", max_retries=0)
+        r = c.completions.create(model=str(tiny_folders[1]), prompt="abc abc", max_tokens=7, temperature=0)
+        assert r.usage.completion_tokens == 7
+        assert httpx.get(url + "/v1/models").status_code == 401
+    finally:
+        proc.terminate()
+        proc.wait(15)
