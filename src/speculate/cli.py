@@ -77,6 +77,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest accepted request body; larger is 413 (default 1 MiB)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+    from .calc.command import add_arguments as add_calc_arguments
+
+    add_calc_arguments(sub.add_parser(
+        "calc", help="speedup arithmetic: the lesson's model, acceptance, measured cost curves, ε",
+        description="Expected speedup of speculative decoding (the lesson's approximation and the exact "
+                    "model), α and the residual of two distributions, T(n)/T(1) measured on this machine "
+                    "with the best k per α, or Consultant Decoding's ε from the Chinchilla law. One per run."))
     return p
 
 
@@ -132,10 +140,16 @@ def _serve(args) -> int:
     return 0
 
 
+def _calc(args) -> int:
+    from .calc.command import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
-        return {"generate": _generate, "serve": _serve}[args.command](args)
+        return {"generate": _generate, "serve": _serve, "calc": _calc}[args.command](args)
     except SpeculateError as e:
         print(f"speculate: error: {e}", file=sys.stderr)
         return 2

@@ -3,7 +3,9 @@ methods round-robin on the same prompts and quote ratios, not absolute numbers).
 
     python -m speculate.bench.speed [--model M] [--max-new-tokens 128] [--repeats 2] [--out FILE.json]
 
-Methods (greedy, so every method must produce the same tokens — checked and reported):
+Prompt sets: "copy" (repeat a paragraph, fix its typos) and "paraphrase" (simplify, summarize), reported
+separately. Methods (greedy: each should produce the same tokens as HF generate — counted and reported;
+a difference means a near-tie argmax flipped between batched and single-row kernels):
   hf_generate     model.generate(do_sample=False)
   none            our engine, no drafts (plain decoding)
   hf_lookup       model.generate(prompt_lookup_num_tokens=10)   (HF's prompt lookup)
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -39,12 +42,31 @@ PARAGRAPHS = [
     "If you need help outside these hours, please send an email describing your problem, including your order "
     "number and a short description of what went wrong, and we will reply on the next working day.",
 ]
-TASKS = ["Rewrite the following paragraph, correcting any mistakes and keeping its meaning:\n\n{}",
-         "Repeat the following paragraph exactly:\n\n{}"]
+# Misspellings for the "fix the typos" prompts: the answer copies the paragraph almost word for word.
+TYPOS = [("council", "councel"), ("debate", "debat"), ("hospital", "hospitel"), ("Residents", "Residnets"),
+         ("Photosynthesis", "Photosynthesys"), ("sunlight", "sunligth"), ("structures", "structers"),
+         ("available", "availabel"), ("morning", "mornign"), ("describing", "describeing")]
+
+
+def _misspell(text: str) -> str:
+    for right, wrong in TYPOS:
+        text = text.replace(right, wrong)
+    return text
+
+
+PROMPT_SETS = {
+    # The answer is (nearly) a copy of text in the prompt: what prompt lookup is for.
+    "copy": [f"Repeat the following paragraph exactly:\n\n{p}" for p in PARAGRAPHS]
+    + [f"Correct the spelling mistakes in the following text and write it out in full:\n\n{_misspell(p)}"
+       for p in PARAGRAPHS],
+    # The answer reuses the prompt's words but not its sentences: lookup helps far less.
+    "paraphrase": [f"Rewrite the following paragraph in simpler words:\n\n{PARAGRAPHS[0]}",
+                   f"Summarize the following paragraph in two sentences:\n\n{PARAGRAPHS[2]}"],
+}
 
 
 def copy_heavy_prompts() -> list[str]:
-    return [t.format(p) for p in PARAGRAPHS for t in TASKS]
+    return PROMPT_SETS["copy"]
 
 
 def _hf(loaded, ids, max_new, **kw):
@@ -56,7 +78,6 @@ def _hf(loaded, ids, max_new, **kw):
 def run(model: str, max_new_tokens: int, repeats: int, k: int) -> dict:
     loaded = load_model(model)
     tok = loaded.tokenizer
-    torch.manual_seed(0)
     ours = {"none": SpeculativeDecoder(loaded, "none"), "lookup": SpeculativeDecoder(loaded, "lookup", "greedy", k=k)}
     methods = {
         "hf_generate": lambda ids: _hf(loaded, ids, max_new_tokens),
@@ -64,46 +85,49 @@ def run(model: str, max_new_tokens: int, repeats: int, k: int) -> dict:
         "hf_lookup": lambda ids: _hf(loaded, ids, max_new_tokens, prompt_lookup_num_tokens=10),
         "lookup": lambda ids: ours["lookup"].generate(ids, max_new_tokens=max_new_tokens).token_ids,
     }
-    prompts = [encode_prompt(tok, p) for p in copy_heavy_prompts()]
-    methods["none"](prompts[0][:20])  # warm-up (first-call allocations)
-    totals = {m: {"tokens": 0, "seconds": 0.0} for m in methods}
-    agree = {m: 0 for m in methods}
     order = list(methods)
-    runs = 0
+    jobs = [(name, encode_prompt(tok, p)) for name, prompts in PROMPT_SETS.items() for p in prompts]
+    methods["none"](jobs[0][1][:20])  # warm-up (first-call allocations)
+    totals = {(s, m): [0, 0.0] for s in PROMPT_SETS for m in methods}  # tokens, seconds
+    same = {m: 0 for m in methods}
+    done = 0
     for r in range(repeats):
-        for i, ids in enumerate(prompts):
-            reference = None
-            # Rotate the order each time so no method always runs first (or after the same neighbour).
-            rot = (r * len(prompts) + i) % len(order)
+        for i, (set_name, ids) in enumerate(jobs):
+            # Rotate the order each time so that no method always runs first or after the same neighbour.
+            rot = (r * len(jobs) + i) % len(order)
+            outs = {}
             for name in order[rot:] + order[:rot]:
                 t0 = time.perf_counter()
                 out = methods[name](ids)
                 dt = time.perf_counter() - t0
-                eos = tok.eos_token_id
-                if eos in out:  # HF keeps the EOS; count what each produced up to and including it
-                    out = out[: out.index(eos) + 1]
-                totals[name]["tokens"] += len(out)
-                totals[name]["seconds"] += dt
-                if name == "hf_generate":
-                    reference = out
-                agree[name] += out == reference if reference is not None else 0
-            runs += 1
-            print(f"  round {runs}/{repeats * len(prompts)} done", file=sys.stderr)
-    tps = {m: v["tokens"] / v["seconds"] for m, v in totals.items()}
-    return {
+                if tok.eos_token_id in out:  # HF keeps generating nothing after EOS; count up to it
+                    out = out[: out.index(tok.eos_token_id) + 1]
+                outs[name] = out
+                totals[set_name, name][0] += len(out)
+                totals[set_name, name][1] += dt
+            for name in methods:
+                same[name] += outs[name] == outs["hf_generate"]
+            done += 1
+            print(f"  {done}/{repeats * len(jobs)} prompts", file=sys.stderr)
+    result = {
         "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, {platform.processor() or ''}".strip(", "),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads",
         "torch": torch.__version__,
-        "model": model, "max_new_tokens": max_new_tokens, "repeats": repeats, "k": k, "prompts": len(prompts),
-        "tokens_per_second": {m: round(v, 2) for m, v in tps.items()},
-        "ratios": {
+        "model": model, "max_new_tokens": max_new_tokens, "repeats": repeats, "k": k,
+        "identical_to_hf_generate": {m: f"{same[m]}/{done}" for m in methods if m != "hf_generate"},
+        "sets": {},
+    }
+    for set_name in PROMPT_SETS:
+        tps = {m: totals[set_name, m][0] / totals[set_name, m][1] for m in methods}
+        result["sets"][set_name] = {
+            "prompts": len(PROMPT_SETS[set_name]),
+            "tokens_per_second": {m: round(v, 2) for m, v in tps.items()},
             "none / hf_generate": round(tps["none"] / tps["hf_generate"], 3),
             "lookup / none": round(tps["lookup"] / tps["none"], 3),
             "lookup / hf_lookup": round(tps["lookup"] / tps["hf_lookup"], 3),
             "hf_lookup / hf_generate": round(tps["hf_lookup"] / tps["hf_generate"], 3),
-        },
-        "runs_identical_to_hf_generate": {m: f"{agree[m]}/{runs}" for m in methods if m != "hf_generate"},
-    }
+        }
+    return result
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,211 @@
+"""Measured cost curves: T(n)/T(1) of one target forward over n new tokens, and the draft cost ratio c.
+
+The lesson assumes verifying k + 1 tokens costs one decode step; on a CPU it does not quite (MODELS.md:
+1.00, 1.12, 1.54, 1.88, 1.96 for n = 1, 2, 4, 8, 16 on SmolLM2-135M, and a step from 3 to 4 rows on
+Qwen-1.5B). :func:`measure_profile` measures the curve on this machine through the engine's own
+:class:`~speculate.models.kv.KVModel` calls: a forward over n new tokens after a cached context, every
+row's logits kept (as the engine's verification forward), then ``keep()`` back to the context. The
+draft is timed as the engine's model drafter runs it: one token per forward, last row only.
+
+:func:`save_profile` / :func:`load_profile` store a :class:`Profile` as JSON, for
+:func:`~speculate.calc.speedup.recommend_k` (a future ``--k auto``).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ..errors import SpeculateError
+
+FORMAT = "speculate-profile"
+VERSION = 1
+
+
+@dataclass
+class Profile:
+    """Median seconds of one target forward over n new tokens (n = 1..max_n), after ``context`` cached
+    tokens; optionally the median seconds of one single-token draft forward."""
+
+    target_seconds: dict[int, float]
+    model: str = ""
+    dtype: str = ""
+    context: int = 0
+    repeats: int = 0
+    draft_model: str | None = None
+    draft_seconds: float | None = None
+    threads: int | None = None
+    measured_at: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def curve(self) -> dict[int, float]:
+        """n → T(n)/T(1) (so curve[1] == 1.0)."""
+        t1 = self.target_seconds[1]
+        return {n: t / t1 for n, t in sorted(self.target_seconds.items())}
+
+    @property
+    def c(self) -> float | None:
+        """Draft cost per drafted token relative to one target forward: draft T(1) / target T(1)."""
+        if self.draft_seconds is None:
+            return None
+        return self.draft_seconds / self.target_seconds[1]
+
+    @property
+    def max_n(self) -> int:
+        return max(self.target_seconds)
+
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT, "version": VERSION, "model": self.model, "dtype": self.dtype,
+            "context": self.context, "repeats": self.repeats, "threads": self.threads,
+            "measured_at": self.measured_at,
+            "target_seconds": {str(n): t for n, t in sorted(self.target_seconds.items())},
+            "curve": {str(n): r for n, r in self.curve.items()},
+            "draft_model": self.draft_model, "draft_seconds": self.draft_seconds, "c": self.c,
+            **({"extra": self.extra} if self.extra else {}),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "profile") -> Profile:
+        """Inverse of :meth:`to_dict`; ``target_seconds`` is the source of truth (``curve`` and ``c`` are
+        derived). Raises SpeculateError on anything malformed."""
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise SpeculateError(f"{source}: not a speculate profile (no \"format\": \"{FORMAT}\")")
+        if d.get("version") != VERSION:
+            raise SpeculateError(f"{source}: unsupported profile version {d.get('version')!r}")
+        raw = d.get("target_seconds")
+        if not isinstance(raw, dict):
+            raise SpeculateError(f"{source}: missing \"target_seconds\"")
+        try:
+            seconds = {int(n): float(t) for n, t in raw.items()}
+        except (TypeError, ValueError):
+            raise SpeculateError(f"{source}: \"target_seconds\" must map integers to seconds") from None
+        n_max = max(seconds, default=0)
+        if n_max < 2 or sorted(seconds) != list(range(1, n_max + 1)):
+            raise SpeculateError(f"{source}: \"target_seconds\" must cover n = 1, 2, ... without gaps")
+        draft = d.get("draft_seconds")
+        values = list(seconds.values()) + ([draft] if draft is not None else [])
+        if not all(isinstance(v, (int, float)) and 0.0 < v < math.inf for v in values):
+            raise SpeculateError(f"{source}: times must be finite and > 0")
+        return cls(target_seconds=seconds, model=str(d.get("model", "")), dtype=str(d.get("dtype", "")),
+                   context=int(d.get("context") or 0), repeats=int(d.get("repeats") or 0),
+                   draft_model=d.get("draft_model"), draft_seconds=None if draft is None else float(draft),
+                   threads=d.get("threads"), measured_at=str(d.get("measured_at", "")),
+                   extra=d.get("extra") or {})
+
+
+def save_profile(profile: Profile, path: str | Path) -> Path:
+    """Write ``profile`` as JSON, atomically (readers see the old file or the new one)."""
+    from ..models.cache import atomic_write_text
+
+    path = Path(path).expanduser()
+    try:
+        atomic_write_text(path, json.dumps(profile.to_dict(), indent=2) + "\n")
+    except OSError as e:
+        raise SpeculateError(f"cannot write the profile to '{path}': {e.strerror or e}") from None
+    return path
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read a profile written by :func:`save_profile` (``speculate calc --profile --save FILE``)."""
+    path = Path(path).expanduser()
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise SpeculateError(f"cannot read the profile '{path}': {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SpeculateError(f"'{path}' is not valid JSON: {e}") from None
+    return Profile.from_dict(data, source=str(path))
+
+
+def _dtype_name(loaded) -> str:
+    """The precision name the model was loaded with (``LoadedModel.dtype`` where the loader records it;
+    else looked up from the weights' torch dtype in DTYPES, read at run time)."""
+    name = getattr(loaded, "dtype", None)
+    if isinstance(name, str):
+        return name
+    from ..models.loader import DTYPES
+
+    dtype = getattr(loaded.model, "dtype", None)
+    return next((name for name, d in DTYPES.items() if d == dtype), str(dtype))
+
+
+def measure_profile(target, draft=None, context: int = 200, max_n: int = 16, repeats: int = 5,
+                    warmup: int = 1, seed: int = 0) -> Profile:
+    """Time T(n) for n = 1..max_n on ``target`` (a LoadedModel), and one draft forward on ``draft``.
+
+    The context (``context`` random token ids) is prefilled once. Each timed call is one
+    ``KVModel.forward`` over n new tokens returning every row (the engine's verification forward),
+    followed by ``keep(context)``. ``warmup`` untimed passes over every n come first; then ``repeats``
+    passes, each over all n (and the draft) in a fresh random order so that machine noise hits every n
+    alike, and the median per n is kept. The draft is timed as the model drafter runs it: one new token,
+    last row only, after the same context in its own cache."""
+    import torch
+
+    from ..models.kv import KVModel
+
+    if context < 1:
+        raise SpeculateError(f"--context must be >= 1, got {context}")
+    if max_n < 2:
+        raise SpeculateError(f"--max-n must be >= 2 (T(2) is needed for k = 1), got {max_n}")
+    if repeats < 1:
+        raise SpeculateError(f"--repeats must be >= 1, got {repeats}")
+    for loaded in (target, draft):
+        if loaded is not None and context + max_n > loaded.context_window:
+            raise SpeculateError(f"--context {context} + {max_n} new tokens exceed the context window of "
+                                 f"'{loaded.name}' ({loaded.context_window})")
+
+    gen = torch.Generator().manual_seed(seed)
+    runs = []  # (label, KVModel, new tokens, last)
+    t_kv = KVModel(target)
+    ctx = torch.randint(0, t_kv.vocab_size, (context,), generator=gen)
+    new = torch.randint(0, t_kv.vocab_size, (max_n,), generator=gen)
+    t_kv.reset()
+    t_kv.forward(ctx, last=1)
+    runs += [(n, t_kv, new[:n], 0) for n in range(1, max_n + 1)]
+    if draft is not None:
+        d_kv = KVModel(draft)
+        d_ctx = ctx.clamp(max=d_kv.vocab_size - 1)
+        d_kv.reset()
+        d_kv.forward(d_ctx, last=1)
+        runs.append(("draft", d_kv, new[:1].clamp(max=d_kv.vocab_size - 1), 1))
+
+    def call(kv, tokens, last) -> float:
+        start = time.perf_counter()
+        kv.forward(tokens, last=last)
+        elapsed = time.perf_counter() - start
+        kv.keep(context)
+        return elapsed
+
+    order = random.Random(seed)
+    times: dict = {label: [] for label, *_ in runs}
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(warmup):
+            for _, kv, tokens, last in runs:
+                call(kv, tokens, last)
+        for _ in range(repeats):
+            for label, kv, tokens, last in order.sample(runs, len(runs)):
+                times[label].append(call(kv, tokens, last))
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    medians = {label: statistics.median(ts) for label, ts in times.items()}
+    return Profile(
+        target_seconds={n: medians[n] for n in range(1, max_n + 1)},
+        model=target.name, dtype=_dtype_name(target), context=context, repeats=repeats,
+        draft_model=None if draft is None else draft.name,
+        draft_seconds=None if draft is None else medians["draft"],
+        threads=torch.get_num_threads(),
+        measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
