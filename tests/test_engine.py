@@ -104,8 +104,13 @@ def test_stop_inside_an_accepted_draft(tiny):
     assert len(out.token_ids) < 40 and out.token_ids == ref.token_ids[: len(out.token_ids)]
 
 
-def test_rollback_equals_fresh_forward(tiny):
-    kv = KVModel(tiny[2])
+@pytest.fixture(params=["fast", "hf"])
+def make_kv(request):
+    return lambda loaded: KVModel(loaded, fast=request.param == "fast")
+
+
+def test_rollback_equals_fresh_forward(tiny, make_kv):
+    kv = make_kv(tiny[2])
     prefix = torch.tensor(random_prompt(1, 12))
     draft = torch.tensor([10, 20, 30, 40, 50])
     kv.reset()
@@ -119,8 +124,8 @@ def test_rollback_equals_fresh_forward(tiny):
     assert kv.length == len(prefix) + 3
 
 
-def test_tree_forward_gives_each_node_its_ancestors(tiny):
-    kv = KVModel(tiny[0])
+def test_tree_forward_gives_each_node_its_ancestors(tiny, make_kv):
+    kv = make_kv(tiny[0])
     prefix = torch.tensor(random_prompt(2, 9))
     #        node: 0   1   2   3   4   5      tree: 0→1→2, 0→3, 4→5
     tokens = torch.tensor([11, 12, 13, 14, 15, 16])
@@ -140,6 +145,52 @@ def test_tree_forward_gives_each_node_its_ancestors(tiny):
     after = kv.forward(torch.tensor([7]))[-1]
     kv.keep(start)
     torch.testing.assert_close(after, kv.forward(torch.tensor([11, 14, 7]))[-1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fast_path_equals_hugging_face(tmp_path, arch):
+    """The lean decoder (models/fast.py) against the HF model it shares weights with: prefill, a
+    chain, a rollback, a tree and a kept branch, with the cache growing past its first capacity."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from speculate.models.fast import FastKVModel
+    from speculate.models.kv import HFKVModel
+    from speculate.models.tiny import save_tiny_model, tiny_tokenizer
+
+    if arch == "llama":
+        folder = save_tiny_model(tmp_path / arch, seed=4)
+    else:  # Qwen2: biases on q/k/v
+        torch.manual_seed(4)
+        cfg = Qwen2Config(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                          initializer_range=0.25, tie_word_embeddings=False)
+        model = Qwen2ForCausalLM(cfg)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+        model.save_pretrained(tmp_path / arch)
+        tiny_tokenizer().save_pretrained(tmp_path / arch)
+        folder = tmp_path / arch
+    from speculate import load_model
+
+    loaded = load_model(str(folder))
+    fast, hf = FastKVModel(loaded), HFKVModel(loaded)
+    fast.reset(capacity=8)  # forces two reallocations below
+    hf.reset()
+    steps = [("forward", torch.tensor(random_prompt(6, 20)), None), ("forward", torch.tensor([3, 4, 5]), None),
+             ("keep", 21, None), ("forward", torch.tensor([7]), None),
+             ("forward", torch.tensor([8, 9, 10, 11]), [-1, 0, 0, 2]), ("keep_path", 22, [0, 2, 3]),
+             ("forward", torch.tensor([12, 13]), None)]
+    for op, arg, extra in steps:
+        if op == "forward":
+            a, b = fast.forward(arg, tree_parents=extra), hf.forward(arg, tree_parents=extra)
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        elif op == "keep":
+            fast.keep(arg), hf.keep(arg)
+        else:
+            fast.keep_path(arg, extra), hf.keep_path(arg, extra)
+        assert fast.length == hf.length
 
 
 def test_speculative_sampling_end_to_end_matches_the_target(tiny):

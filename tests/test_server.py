@@ -23,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from speculate import SpeculativeDecoder
 from speculate.cli import _parser, main
-from speculate.models.kv import KVModel
+from speculate.models.fast import FastKVModel
+from speculate.models.kv import HFKVModel
 from speculate.server import ServerConfig, create_app, load_models
 
 KEY = "sk-test-key"
@@ -430,14 +431,13 @@ def test_generation_failure_is_a_500_and_the_server_stays_healthy(served, monkey
 def slow_forward(monkeypatch):
     """Every forward of any model sleeps 10 ms, so a long generation really is long; counts forwards."""
     calls = [0]
-    original = KVModel.forward
+    for cls in (FastKVModel, HFKVModel):
+        def forward(self, *args, _original=cls.forward, **kwargs):
+            calls[0] += 1
+            time.sleep(0.01)
+            return _original(self, *args, **kwargs)
 
-    def forward(self, *args, **kwargs):
-        calls[0] += 1
-        time.sleep(0.01)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(KVModel, "forward", forward)
+        monkeypatch.setattr(cls, "forward", forward)
     return calls
 
 

@@ -149,7 +149,7 @@ class SpeculativeDecoder:
         EOS or a stop string)."""
         kv, drafter, k, vocab = self.kv, self.drafter, self.k, self.kv.vocab_size
         tokens = list(prompt_ids)
-        kv.reset()
+        kv.reset(capacity=len(tokens) + max_new_tokens + k + 1)
         drafter.begin(tokens, sampling, generator)
         # Prefill all but the last prompt token; the last one is scored with the first draft.
         if len(tokens) > 1:

@@ -3,8 +3,8 @@
 The cache holds the keys/values of positions 0..length-1. A forward writes the new tokens' entries at
 the next positions; rolling back is forgetting positions (``keep``), not copying tensors. A *tree* of
 drafts goes through the same forward with explicit position ids and an ancestor mask, and
-``keep_path`` then keeps only the accepted branch. This file is the only place that knows how the
-model library (transformers) takes caches, masks and positions.
+``keep_path`` then keeps only the accepted branch. This file and ``fast.py`` (a lean path for
+Llama-family models) are the only places that know how a model takes caches, masks and positions.
 """
 
 from __future__ import annotations
@@ -14,7 +14,17 @@ import torch
 from .loader import LoadedModel
 
 
-class KVModel:
+def KVModel(loaded: LoadedModel, fast: bool = True):
+    """The model with a KV cache: the lean Llama-family path (models/fast.py) where it applies, else
+    the generic Hugging Face path. Both have reset / forward / keep / keep_path and equal logits."""
+    from . import fast as fast_path
+
+    if fast and fast_path.supports(loaded.model):
+        return fast_path.FastKVModel(loaded)
+    return HFKVModel(loaded)
+
+
+class HFKVModel:
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
         self.model = loaded.model
@@ -24,7 +34,7 @@ class KVModel:
         self.length = 0
         self._mask_min = torch.finfo(self.model.dtype).min
 
-    def reset(self) -> None:
+    def reset(self, capacity: int = 0) -> None:
         from transformers import DynamicCache
 
         self.cache = DynamicCache(config=self.config)
@@ -46,7 +56,7 @@ class KVModel:
         if tree_parents is None:
             positions = torch.arange(self.length, self.length + n)
         else:
-            depth, allowed = _tree_depths_and_ancestors(tree_parents)
+            depth, allowed = tree_depths_and_ancestors(tree_parents)
             positions = self.length + depth
             mask = torch.zeros(1, 1, n, self.length + n, dtype=self.model.dtype)
             mask[0, 0, :, self.length:].masked_fill_(~allowed, self._mask_min)
@@ -74,7 +84,7 @@ class KVModel:
         self.length = start + len(nodes)
 
 
-def _tree_depths_and_ancestors(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_depths_and_ancestors(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Depth of each node and the [n, n] ancestor-or-self matrix; parents precede their children."""
     n = len(parents)
     allowed = torch.eye(n, dtype=torch.bool)
