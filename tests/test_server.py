@@ -11,14 +11,12 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from speculate import SpeculativeDecoder
@@ -26,36 +24,15 @@ from speculate.cli import _parser, main
 from speculate.models.fast import FastKVModel
 from speculate.models.kv import HFKVModel
 from speculate.server import ServerConfig, create_app, load_models
+from speculate.server.background import BackgroundServer
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hello hello hello"}]
 
 
-class Served:
-    """A uvicorn server for ``app`` in a daemon thread, on a free loopback port bound before it starts."""
-
-    def __init__(self, app):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not become healthy"
-            time.sleep(0.05)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(15)
-        self.sock.close()
+class Served(BackgroundServer):
+    """The shared background server, with the model id and target the tests compare against."""
 
 
 @pytest.fixture(scope="module")

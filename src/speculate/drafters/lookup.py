@@ -2,8 +2,11 @@
 occurrence of the context's last n tokens.
 
 For n from ``max_ngram`` down to ``min_ngram``, find the most recent earlier occurrence of the last n
-tokens in prompt + output and propose the (up to k) tokens that followed it. The draft is certain:
-p_draft is one-hot. An index from each n-gram to where its latest occurrence was followed is kept up to
+tokens in prompt + output and propose the tokens that followed it. The draft is certain: p_draft is
+one-hot. How many tokens: a match of the full ``max_ngram`` tokens proposes k; a shorter match of n
+tokens proposes min(k, 2^(n-1)) (1, 2, 4, ...). A one-token match is a weak hint, and on these CPUs a
+target forward over 4+ tokens costs ~1.8x one over 1-3 (docs/benchmarks.md), so a long draft on a weak
+match mostly buys a slower round; measured on the benchmark prompts this beats a fixed k. An index from each n-gram to where its latest occurrence was followed is kept up to
 date as tokens arrive, so a proposal costs O(max_ngram) dictionary look-ups, not a scan of the context.
 """
 
@@ -37,5 +40,6 @@ class LookupDrafter(Drafter):
         for n in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1):
             start = self.index.get(tuple(tokens[-n:]))
             if start is not None:
-                return Draft(torch.tensor(tokens[start: start + k], dtype=torch.long))
+                length = k if n == self.max_ngram else min(k, 2 ** (n - 1))
+                return Draft(torch.tensor(tokens[start: start + length], dtype=torch.long))
         return Draft(EMPTY)

@@ -20,7 +20,6 @@ applied): this verifier has ``raw_target = False`` and ignores ``sample_probs``.
 
 from __future__ import annotations
 
-import math
 
 import torch
 

@@ -1,0 +1,91 @@
+"""Server throughput: requests/s and tokens/s at several numbers of concurrent clients, with and
+without speculation, against a real `speculate serve` app on a loopback port (in this process).
+
+    python -m speculate.bench.serve_load [--model M] [--clients 1 4 8] [--requests 16] [--max-tokens 64]
+                                         [--max-concurrency 1] [--out FILE.json]
+
+Each client sends greedy chat requests (the copy-heavy prompts of bench/speed.py) one after another;
+the settings "none" and "lookup" alternate per concurrency level so that machine noise hits both.
+Every answer is checked against the single-request answer for its prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import date
+
+from ..models import DEFAULT_MODEL
+from ..models.cache import atomic_write_text
+from .speed import PROMPT_SETS
+
+
+def _chat(client, url, model, prompt, drafter, max_tokens):
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "speculative": {"drafter": drafter}}
+    while True:
+        r = client.post(url + "/v1/chat/completions", json=body, timeout=600)
+        if r.status_code != 429:  # back-pressure: wait as told, then retry
+            r.raise_for_status()
+            return r.json()
+        time.sleep(float(r.headers.get("Retry-After", 1)))
+
+
+def run(model: str, clients: list[int], requests: int, max_tokens: int, max_concurrency: int) -> dict:
+    import httpx
+
+    from ..server import ServerConfig, create_app, load_models
+    from ..server.background import BackgroundServer
+
+    config = ServerConfig(model=model, max_concurrency=max_concurrency, max_queue=max(clients) * 2)
+    target, draft = load_models(config)
+    server = BackgroundServer(create_app(config, target, draft))
+    prompts = PROMPT_SETS["copy"]
+    rows = []
+    try:
+        with httpx.Client() as http:
+            reference = {p: _chat(http, server.url, model, p, "none", max_tokens)["choices"][0]["message"]["content"]
+                         for p in prompts}
+            for n_clients in clients:
+                for drafter in ("none", "lookup"):
+                    jobs = [prompts[i % len(prompts)] for i in range(requests)]
+                    t0 = time.perf_counter()
+                    with ThreadPoolExecutor(n_clients) as pool:
+                        answers = list(pool.map(lambda p: _chat(http, server.url, model, p, drafter, max_tokens), jobs))
+                    dt = time.perf_counter() - t0
+                    tokens = sum(a["usage"]["completion_tokens"] for a in answers)
+                    same = sum(a["choices"][0]["message"]["content"] == reference[p] for a, p in zip(answers, jobs))
+                    rows.append({"clients": n_clients, "drafter": drafter, "requests": requests,
+                                 "seconds": round(dt, 2), "requests_per_second": round(requests / dt, 3),
+                                 "tokens_per_second": round(tokens / dt, 2), "identical_answers": f"{same}/{requests}"})
+                    print(f"  {rows[-1]}", file=sys.stderr)
+    finally:
+        server.stop()
+    return {"date": date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "model": model, "max_tokens": max_tokens, "max_concurrency": max_concurrency, "rows": rows}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m speculate.bench.serve_load", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--requests", type=int, default=16, help="requests per (clients, drafter) cell")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-concurrency", type=int, default=1, help="the server's generation workers")
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    result = run(a.model, a.clients, a.requests, a.max_tokens, a.max_concurrency)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if a.out:
+        atomic_write_text(a.out, text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
