@@ -20,7 +20,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     from .drafters import DRAFTERS
-    from .models import ALIASES, DEFAULT_MODEL
+    from .models import ALIASES, DEFAULT_MODEL, DTYPES
     from .verifiers import VERIFIERS
 
     p = _Parser(prog="speculate", description="Speculative decoding for LLMs, offline.")
@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--seed", type=int, help="seed for every random draw (reproducible runs)")
     g.add_argument("--stop", action="append", help="stop string (repeatable); not included in the output")
-    g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weight precision (default fp32)")
+    g.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="weight precision (default fp32)")
     g.add_argument("--no-chat", action="store_true", help="send the raw prompt, without the chat template")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--k", type=int, default=6, help=K_HELP)
     s.add_argument("--eps", type=float, help="default ε for consultant (NLL threshold) or typical")
     s.add_argument("--beta", type=float, help="default β for consultant (EMA decay, in [0, 1))")
-    s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weight precision (default fp32)")
+    s.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="weight precision (default fp32)")
     s.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: loopback only; 0.0.0.0 exposes the server)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")

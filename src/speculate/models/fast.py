@@ -8,16 +8,24 @@ preallocated buffer: a forward writes its new keys/values at their positions and
 moving a length back. The Hugging Face modules are re-pointed at views of the fused weights, so both
 paths share one copy and the HF model stays usable (it is the reference in the tests).
 
+The linear layers are callables: ``F.linear`` on the fused fp32 weights, or, for a model loaded with
+``dtype="int8"``, the fused int8 layers that models/quantize.py built (the HF modules are then views of
+those). int8 models also use a batch-invariant attention (:meth:`FastKVModel._forward_invariant`).
+
 Same interface as :class:`speculate.models.kv.HFKVModel`: reset / forward / keep / keep_path.
 """
 
 from __future__ import annotations
+
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .loader import LoadedModel
+from .quantize import Int8Linear, Int8Part, is_int8
 
 SUPPORTED = {"llama", "qwen2", "mistral"}
 
@@ -31,24 +39,52 @@ def supports(model: nn.Module) -> bool:
     if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
         return False
     layer = model.model.layers[0]
-    # Plain nn.Linear layers only (an int8-quantized model brings its own kernels).
-    return all(type(m) is nn.Linear for m in (layer.self_attn.q_proj, layer.mlp.gate_proj, model.lm_head))
+    # Plain nn.Linear layers, or the int8 layers of models/quantize.py (fused, as that module builds them).
+    mods = (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj, model.lm_head)
+    return all(type(m) is nn.Linear or is_int8(m) for m in mods)
 
 
-def _fuse(modules: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate the weights (and biases) of ``modules`` and point each module at its slice."""
-    weight = torch.cat([m.weight.detach() for m in modules])
-    bias = None
-    if modules[0].bias is not None:
-        bias = torch.cat([m.bias.detach() for m in modules])
-    row = 0
-    for m in modules:
-        rows = m.weight.shape[0]
-        m.weight = nn.Parameter(weight[row: row + rows], requires_grad=False)
-        if bias is not None:
-            m.bias = nn.Parameter(bias[row: row + rows], requires_grad=False)
-        row += rows
-    return weight, bias
+def _fuse(modules: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One callable computing the concatenated outputs of ``modules`` with one matmul.
+
+    fp32: the weights (and biases) are concatenated and each module is pointed at its slice, so both
+    paths share one copy. int8: quantize.py already fused them (the modules are parts of one layer)."""
+    if all(type(m) is nn.Linear for m in modules):
+        if len(modules) == 1:
+            m = modules[0]
+            return partial(F.linear, weight=m.weight, bias=m.bias)
+        weight = torch.cat([m.weight.detach() for m in modules])
+        bias = None
+        if modules[0].bias is not None:
+            bias = torch.cat([m.bias.detach() for m in modules])
+        row = 0
+        for m in modules:
+            rows = m.weight.shape[0]
+            m.weight = nn.Parameter(weight[row: row + rows], requires_grad=False)
+            if bias is not None:
+                m.bias = nn.Parameter(bias[row: row + rows], requires_grad=False)
+            row += rows
+        return partial(F.linear, weight=weight, bias=bias)
+    if len(modules) == 1 and isinstance(modules[0], Int8Linear):
+        return modules[0].matmul_2d
+    if all(isinstance(m, Int8Part) for m in modules):
+        whole, bounds = modules[0].whole, [0] + [m.stop for m in modules]
+        if all(m.whole is whole and m.start == bounds[j] for j, m in enumerate(modules)) and \
+                bounds[-1] == whole.out_features:  # the parts are the whole, in order: one matmul
+            return whole.matmul_2d
+    return lambda x: torch.cat([m(x) for m in modules], dim=-1)  # any other mix: correct, unfused
+
+
+def _residual(module: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``f(residual, x) = residual + module(x)`` with the sum fused into the matmul (o_proj, down_proj)."""
+    if type(module) is nn.Linear:
+        w_t, b = module.weight.t(), module.bias
+        if b is None:
+            return lambda residual, x: torch.addmm(residual, x, w_t)
+        return lambda residual, x: torch.addmm(residual, x, w_t).add_(b)
+    if isinstance(module, Int8Linear):
+        return module.add_matmul_2d
+    return lambda residual, x: residual + module(x)
 
 
 class FastKVModel:
@@ -69,15 +105,19 @@ class FastKVModel:
         self.layers = []
         for layer in inner.layers:
             a, mlp = layer.self_attn, layer.mlp
-            qkv_w, qkv_b = _fuse([a.q_proj, a.k_proj, a.v_proj])
-            gate_up, _ = _fuse([mlp.gate_proj, mlp.up_proj])
-            self.layers.append((layer.input_layernorm.weight, qkv_w, qkv_b, a.o_proj.weight,
-                                layer.post_attention_layernorm.weight, gate_up, mlp.down_proj.weight))
-        self.lm_head = model.lm_head.weight
-        self.vocab_size = self.lm_head.shape[0]
+            # Callables: F.linear on fused fp32 weights, or the fused int8 layers (models/quantize.py).
+            # o_proj and down_proj also add their input's residual (one op).
+            self.layers.append((layer.input_layernorm.weight, _fuse([a.q_proj, a.k_proj, a.v_proj]),
+                                _residual(a.o_proj), layer.post_attention_layernorm.weight,
+                                _fuse([mlp.gate_proj, mlp.up_proj]), _residual(mlp.down_proj)))
+        self.lm_head = _fuse([model.lm_head])
+        self.vocab_size = model.lm_head.out_features
         self.dtype = self.embed.dtype
         self.length = 0
         self.k_cache = self.v_cache = None
+        # int8: batch-invariant attention (_invariant_attention), so that a row's logits do not depend
+        # on how many rows share its forward.
+        self.invariant = any(is_int8(m) for m in model.modules())
 
     # ---------------------------------------------------------------------------------------------
     def reset(self, capacity: int = 256) -> None:
@@ -104,40 +144,105 @@ class FastKVModel:
 
         n, start = tokens.shape[0], self.length
         end = start + n
-        self._ensure(end)
         if tree_parents is None:
-            positions = torch.arange(start, end)
-            # One new token attends to everything cached: no mask. A chain: causal within the new block.
-            mask = None if n == 1 else torch.ones(n, end, dtype=torch.bool).tril_(start)
+            positions, ancestors = torch.arange(start, end), None
         else:
-            depth, allowed = tree_depths_and_ancestors(tree_parents)
+            depth, ancestors = tree_depths_and_ancestors(tree_parents)
             positions = start + depth
-            mask = torch.ones(n, end, dtype=torch.bool)
-            mask[:, start:] = allowed
+        attend = (self._invariant_attention if self.invariant else self._attention)(start, positions, ancestors)
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         x = F.embedding(tokens, self.embed)  # [n, hidden]
         cos, sin = self.rotary(x, positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [n, 1, hd]: broadcast over heads
+        # Rotary: x·cos + rotate_half(x)·sin, where rotate_half(x) = (−x₂, x₁) = roll(x, half)·(−1, +1).
         half = hd // 2
-        for i, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up, down) in enumerate(self.layers):
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        for i, (ln1, qkv, o_proj, ln2, gate_up, down) in enumerate(self.layers):
             # Attention: one fused q/k/v matmul, rotary on q and k, new k/v written at their positions.
-            h = F.rms_norm(x, (self.hidden,), ln1, self.eps)
-            q, k, v = F.linear(h, qkv_w, qkv_b).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-            qk = torch.cat([q.view(n, nh, hd), k.view(n, nkv, hd)], dim=1)
-            qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
+            out = qkv(F.rms_norm(x, (self.hidden,), ln1, self.eps))
+            qk = out[:, : (nh + nkv) * hd].view(n, nh + nkv, hd)  # q and k are adjacent: rotate them together
+            qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)
             self.k_cache[i, :, start:end] = qk[:, nh:].transpose(0, 1)
-            self.v_cache[i, :, start:end] = v.view(n, nkv, hd).transpose(0, 1)
-            out = F.scaled_dot_product_attention(
-                qk[:, :nh].transpose(0, 1)[None], self.k_cache[i, :, :end][None], self.v_cache[i, :, :end][None],
-                attn_mask=mask, scale=self.scaling, enable_gqa=nkv != nh)
-            x = x + F.linear(out[0].transpose(0, 1).reshape(n, nh * hd), o_w)
+            self.v_cache[i, :, start:end] = out[:, (nh + nkv) * hd:].view(n, nkv, hd).transpose(0, 1)
+            x = o_proj(x, attend(i, qk[:, :nh]))  # x + o_proj(attention)
             # MLP: one fused gate/up matmul.
-            gate, up = F.linear(F.rms_norm(x, (self.hidden,), ln2, self.eps), gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, down)
+            gate, up = gate_up(F.rms_norm(x, (self.hidden,), ln2, self.eps)).chunk(2, dim=-1)
+            x = down(x, F.silu(gate) * up)  # x + down_proj(...)
         self.length = end
         if last:
             x = x[-last:]
-        return F.linear(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps), self.lm_head).float()
+        return self.lm_head(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps)).float()
+
+    def _attention(self, start: int, positions: torch.Tensor, ancestors: torch.Tensor | None):
+        """attend(layer, q [n, heads, hd]) → [n, heads·hd]: PyTorch's fused attention over the cache."""
+        n = positions.shape[0]
+        end = start + n
+        self._ensure(end)
+        if ancestors is None:
+            # One new token attends to everything cached: no mask. A chain: causal within the new block.
+            mask = None if n == 1 else torch.ones(n, end, dtype=torch.bool).tril_(start)
+        else:
+            mask = torch.ones(n, end, dtype=torch.bool)
+            mask[:, start:] = ancestors
+        if mask is not None:  # additive, built once: attention would convert a boolean mask in every layer
+            mask = torch.zeros(n, end, dtype=self.dtype).masked_fill_(~mask, float("-inf"))
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], self.k_cache[i, :, :end][None], self.v_cache[i, :, :end][None],
+                attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads)
+            return out[0].transpose(0, 1).reshape(n, -1)
+
+        return attend
+
+    def _invariant_attention(self, start: int, positions: torch.Tensor, ancestors: torch.Tensor | None):
+        """Like :meth:`_attention`, with every row computed exactly as it would be alone (int8 models).
+
+        int8 activations are rounded per row, so the 1e-7 differences that fp32 attention shows
+        between a batched row and the same row alone (its kernels block the work by the number of rows
+        and keys) flip roundings, which grow through the layers into logit differences as large as the
+        quantization error itself (measured on SmolLM2: the argmax differed at 7 % of positions). The
+        int8 matmuls are row-independent bit for bit; here attention is made so too: a row at position
+        p attends over the first ceil((p+1)/64)·64 key slots (masked past p) with plain batched
+        matmuls, whose per-row results do not depend on the number of rows; rows of one forward with
+        different key lengths (a chain crossing a multiple of 64) go in two groups. Greedy speculative
+        decoding then gives exactly the tokens of plain decoding (chains; a tree's nodes sit in other
+        cache slots than the same tokens decoded one by one). Costs about what fused attention does.
+        """
+        n = positions.shape[0]
+        end = start + n
+        block = 64
+        self._ensure(-(-end // block) * block)
+        if ancestors is None:
+            lengths = ((positions + block) // block * block).tolist()  # ceil((p + 1) / block) · block
+        else:
+            lengths = [-(-end // block) * block] * n
+            allowed = torch.zeros(n, lengths[0], dtype=torch.bool)
+            allowed[:, :start] = True
+            allowed[:, start:end] = ancestors
+        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
+        rep = nh // nkv
+        groups = []  # (first row, last row + 1, key length, additive mask [1, rows · rep, key length])
+        a = 0
+        for b in range(1, n + 1):
+            if b == n or lengths[b] != lengths[a]:
+                length = lengths[a]
+                ok = allowed[a:b] if ancestors is not None else torch.arange(length)[None, :] <= positions[a:b, None]
+                mask = torch.zeros(b - a, length, dtype=self.dtype).masked_fill_(~ok, float("-inf"))
+                groups.append((a, b, length, mask[:, None, :].expand(b - a, rep, length).reshape(1, -1, length)))
+                a = b
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            outs = []
+            for a, b, length, mask in groups:
+                # [rows, nh, hd] → [nkv, rows · rep, hd]: the query rows of each KV head, one matmul per head.
+                qg = q[a:b].reshape(b - a, nkv, rep, hd).transpose(0, 1).reshape(nkv, -1, hd)
+                scores = torch.baddbmm(mask, qg, self.k_cache[i, :, :length].transpose(1, 2), alpha=self.scaling)
+                out = torch.bmm(scores.softmax(dim=-1), self.v_cache[i, :, :length])
+                outs.append(out.view(nkv, b - a, rep, hd).transpose(0, 1).reshape(b - a, nh * hd))
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+        return attend
 
     def keep(self, n_positions: int) -> None:
         # Positions past the length are simply overwritten by the next forward.

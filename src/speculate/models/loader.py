@@ -7,6 +7,7 @@ safetensors into the cache (:mod:`.cache`). Later loads read the cache: a second
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -25,7 +26,8 @@ from ..errors import SpeculateError  # noqa: E402
 from .cache import building, cache_root, sha256_file, verified  # noqa: E402
 from .registry import ALIASES, DEFAULT_MODEL, GGUFSource  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Weight precisions. int8 loads the fp32 weights, then swaps in smoothed int8 linear layers (quantize.py).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
 
 
 @dataclass
@@ -36,6 +38,7 @@ class LoadedModel:
     tokenizer: object
     name: str
     path: Path
+    dtype: str = "fp32"
 
     def __iter__(self):
         return iter((self.model, self.tokenizer))
@@ -58,7 +61,46 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = "fp32", progress:
                 f"unknown model '{name_or_path}': not an alias ({', '.join(ALIASES)}) nor an existing folder")
         if not (folder / "config.json").is_file():
             raise SpeculateError(f"'{name_or_path}' is not a Hugging Face model folder (no config.json)")
-    return _load_folder(folder, name_or_path, DTYPES[dtype])
+    loaded = _load_folder(folder, name_or_path, DTYPES[dtype])
+    loaded.dtype = dtype
+    if dtype == "int8":
+        _to_int8(loaded, name_or_path)
+    return loaded
+
+
+def _to_int8(loaded: LoadedModel, name: str) -> None:
+    """Quantize once (calibrate, smooth, quantize: see quantize.py), cache the resulting tensors
+    (atomic, checksummed), and rebuild the int8 model from the cache on later loads."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from . import quantize
+
+    if name in ALIASES:
+        key = name
+    else:  # a local folder: key on its path and its weight files' sizes and times
+        h = hashlib.sha256(str(loaded.path.resolve()).encode())
+        for f in sorted(loaded.path.glob("*.safetensors")) + sorted(loaded.path.glob("*.bin")):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        key = f"{loaded.path.name}-{h.hexdigest()[:16]}"
+    folder = cache_root() / f"{key}.int8"
+    file = folder / "int8.safetensors"
+    meta = quantize.settings()
+    tensors = None
+    if verified(folder):
+        try:
+            with safe_open(file, "pt") as f:
+                current = f.metadata() == meta  # written by this version of quantize.py
+        except Exception:  # an unreadable header: rebuild
+            current = False
+        if current:
+            tensors = load_file(file)
+    if tensors is None:
+        tensors = quantize.quantize(loaded.model, loaded.tokenizer)
+        with building(folder) as tmp:
+            save_file(tensors, tmp / "int8.safetensors", metadata=meta)
+    quantize.apply(loaded.model, tensors)
 
 
 def _load_folder(folder: Path, name: str, dtype: torch.dtype) -> LoadedModel:
