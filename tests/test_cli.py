@@ -56,6 +56,8 @@ def test_stream_prints_the_same_text(tiny_folders):
     (["--drafter", "nope"], "drafter"),
     (["--verifier", "nope"], "verifier"),
     (["--k", "two"], "--k"),
+    (["--eps", "lots"], "--eps"),
+    (["--eps", "auto"], "consultant"),  # auto calibrates CD's NLL threshold only
 ])
 def test_bad_input_is_one_line_and_exit_2(tiny_folders, capsys, args, message):
     # In-process (an unexpected exception would escape main() and fail the test); the subprocess

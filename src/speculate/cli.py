@@ -11,6 +11,23 @@ from .errors import SpeculateError
 K_HELP = ("draft length per round (default 6: on these CPUs a target forward over 7 tokens costs about "
           "1.5x one over a single token, and lookup drafts are free, so long drafts pay; a draft model "
           "costs a forward per drafted token, so try 2-4 there)")
+K_AUTO_HELP = K_HELP[:-1] + ("; 'auto': per round, the k with the best predicted speedup on this machine's "
+                             "measured cost curve at the acceptance rate seen so far)")
+
+
+def _k_arg(value: str):
+    from .calc.auto import parse_auto
+
+    k = parse_auto(value, int, "--k")
+    if k != "auto" and k < 1:
+        raise SpeculateError(f"--k must be >= 1 or 'auto', got {k}")
+    return k
+
+
+def _eps_arg(value: str):
+    from .calc.auto import parse_auto
+
+    return parse_auto(value, float, "--eps")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,8 +53,10 @@ def _parser() -> argparse.ArgumentParser:
                                          "target's tokenizer")
     g.add_argument("--verifier", choices=list(VERIFIERS),
                    help="default greedy at temperature 0, sample (lossless) otherwise")
-    g.add_argument("--k", type=int, default=6, help=K_HELP)
-    g.add_argument("--eps", type=float, help="consultant: NLL threshold ε (default 2.0); typical: ε (0.09)")
+    g.add_argument("--k", type=_k_arg, default=6, help=K_AUTO_HELP)
+    g.add_argument("--eps", type=_eps_arg,
+                   help="consultant: NLL threshold ε (default 2.0; 'auto': the target's mean NLL on a calibration "
+                        "text); typical: ε (0.09)")
     g.add_argument("--beta", type=float, help="consultant: EMA decay β in [0, 1) (default 0.2)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) means greedy")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -46,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, help="seed for every random draw (reproducible runs)")
     g.add_argument("--stop", action="append", help="stop string (repeatable); not included in the output")
     g.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="weight precision (default fp32)")
+    g.add_argument("--draft-dtype", choices=list(DTYPES), help="the draft model's precision (default: --dtype)")
     g.add_argument("--no-chat", action="store_true", help="send the raw prompt, without the chat template")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
@@ -92,8 +112,6 @@ def _generate(args) -> int:
     from .engine import SpeculativeDecoder
     from .models import load_model
 
-    if args.k < 1:
-        raise SpeculateError(f"--k must be >= 1, got {args.k}")
     if args.max_new_tokens < 0:
         raise SpeculateError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not args.prompt.strip():
@@ -101,7 +119,7 @@ def _generate(args) -> int:
     if args.draft_model and args.drafter != "model":
         raise SpeculateError("--draft-model needs --drafter model")
     target = load_model(args.model, dtype=args.dtype)
-    draft = load_model(args.draft_model, dtype=args.dtype) if args.draft_model else None
+    draft = load_model(args.draft_model, dtype=args.draft_dtype or args.dtype) if args.draft_model else None
     decoder = SpeculativeDecoder(target, args.drafter, args.verifier, k=args.k, draft_model=draft,
                                  eps=args.eps, beta=args.beta)
     stream = decoder.stream(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -19,7 +19,9 @@ from typing import Iterator
 
 import torch
 
+from .calc.auto import AutoK, FixedK, calibrate_eps, is_auto, profile_for
 from .drafters import Drafter, get_drafter
+from .drafters.none import NoDrafter
 from .errors import SpeculateError
 from .models.kv import KVModel
 from .models.loader import LoadedModel
@@ -58,18 +60,33 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target: LoadedModel, drafter: Drafter | str = "lookup", verifier: Verifier | str | None = None,
-                 k: int = 6, draft_model: LoadedModel | None = None, **verifier_params):
-        if not isinstance(k, int) or k < 1:
-            raise SpeculateError(f"k must be an integer >= 1, got {k}")
+                 k: int | str = 6, draft_model: LoadedModel | None = None, **verifier_params):
+        if not is_auto(k) and (not isinstance(k, int) or k < 1):
+            raise SpeculateError(f"k must be an integer >= 1 or 'auto', got {k}")
         self.target = target
         self.kv = KVModel(target)
         self.drafter = drafter if isinstance(drafter, Drafter) else get_drafter(drafter, draft_model, target)
-        self.k = k
         self.verifier_spec = verifier
         self.verifier_params = {key: v for key, v in verifier_params.items() if v is not None}
+        if is_auto(self.verifier_params.get("eps")):
+            if verifier != "consultant":
+                raise SpeculateError("eps 'auto' calibrates Consultant Decoding's NLL threshold: it needs the "
+                                     "verifier 'consultant'")
+            self.verifier_params["eps"] = calibrate_eps(target)
+        self.k_policy = self._k_policy(k)
+        self.k = "auto" if is_auto(k) else k
         self.eos = eos_ids(target)
         if not isinstance(verifier, Verifier):
             self._verifier(Sampling())  # validate the name and parameters now, not at the first request
+
+    def _k_policy(self, k):
+        if not is_auto(k):
+            return FixedK(k)
+        if isinstance(self.drafter, NoDrafter):
+            return FixedK(1)  # nothing is drafted: k is moot
+        draft = getattr(self.drafter, "model", None)  # a draft model's cost enters as c; lookup costs ~0
+        prof = profile_for(self.target, draft)
+        return AutoK(prof, prof.c if draft is not None else 0.0)
 
     def _verifier(self, sampling: Sampling) -> Verifier:
         if isinstance(self.verifier_spec, Verifier):
@@ -147,9 +164,10 @@ class SpeculativeDecoder:
     def _decode(self, prompt_ids, max_new_tokens, sampling, verifier, generator, stats, start) -> Iterator[int]:
         """Yield new token ids, one at a time, until the budget is spent (the caller stops earlier at
         EOS or a stop string)."""
-        kv, drafter, k, vocab = self.kv, self.drafter, self.k, self.kv.vocab_size
+        kv, drafter, policy, vocab = self.kv, self.drafter, self.k_policy, self.kv.vocab_size
         tokens = list(prompt_ids)
-        kv.reset(capacity=len(tokens) + max_new_tokens + k + 1)
+        kv.reset(capacity=len(tokens) + max_new_tokens + policy.k_max + 1)
+        policy.reset()
         drafter.begin(tokens, sampling, generator)
         # Prefill all but the last prompt token; the last one is scored with the first draft.
         if len(tokens) > 1:
@@ -158,7 +176,7 @@ class SpeculativeDecoder:
         state, produced = None, 0
         while produced < max_new_tokens:
             # 1. Draft: never more tokens than the budget can still take (the target adds one).
-            draft = drafter.propose(tokens, min(k, max_new_tokens - produced - 1))
+            draft = drafter.propose(tokens, min(policy.next_k(), max_new_tokens - produced - 1))
             m = len(draft)
             # 2. One target forward over [last committed token, x_1..x_m] → m+1 rows of logits.
             logits = kv.forward(torch.cat([torch.tensor(tokens[-1:]), draft.tokens]))
@@ -176,6 +194,7 @@ class SpeculativeDecoder:
             # 4. Roll back: keep the cache up to the last accepted draft; the next token is fed next round.
             kv.keep(len(tokens) + n)
             drafter.update(n, verdict.next_token)
+            policy.update(m, n)
             stats.record(m, n)
             for token in draft.tokens[:n].tolist() + [verdict.next_token]:
                 tokens.append(token)

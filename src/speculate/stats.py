@@ -11,6 +11,7 @@ class Stats:
     target_calls: int = 0  # target forwards after the prefill: one per round
     drafted_tokens: int = 0
     accepted_draft_tokens: int = 0
+    rejected_rounds: int = 0  # rounds that kept fewer drafts than they proposed
     drafted_by_position: list[int] = field(default_factory=list)  # rounds that drafted position i
     accepted_by_position: list[int] = field(default_factory=list)  # rounds that accepted position i
     prefill_seconds: float = 0.0
@@ -21,6 +22,7 @@ class Stats:
         self.target_calls += 1
         self.drafted_tokens += n_drafted
         self.accepted_draft_tokens += n_accepted
+        self.rejected_rounds += n_accepted < n_drafted
         grow = n_drafted - len(self.drafted_by_position)
         if grow > 0:
             self.drafted_by_position += [0] * grow
@@ -45,6 +47,13 @@ class Stats:
         return [a / d for a, d in zip(self.accepted_by_position, self.drafted_by_position) if d]
 
     @property
+    def alpha_estimate(self) -> float | None:
+        """Per-draft acceptance rate α, the MLE under the lesson's model (each draft kept independently
+        with probability α until the first rejection): Σ accepted / (Σ accepted + rejecting rounds)."""
+        trials = self.accepted_draft_tokens + self.rejected_rounds
+        return self.accepted_draft_tokens / trials if trials else None
+
+    @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
@@ -54,6 +63,7 @@ class Stats:
             "target_calls": self.target_calls,
             "drafted_tokens": self.drafted_tokens,
             "accepted_draft_tokens": self.accepted_draft_tokens,
+            "rejected_rounds": self.rejected_rounds,
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "llm_calls_ratio": round(self.llm_calls_ratio, 4),
             "acceptance_by_position": [round(a, 4) for a in self.acceptance_by_position],

@@ -23,6 +23,7 @@ class ModelDrafter(Drafter):
     def __init__(self, draft_model, target_model=None):
         if target_model is not None:
             check_same_tokenizer(draft_model.tokenizer, target_model.tokenizer)
+        self.model = draft_model  # read by --k auto for the draft's cost ratio c
         self.kv = KVModel(draft_model)
 
     def begin(self, prompt_ids, sampling, generator):

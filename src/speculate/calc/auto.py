@@ -1,0 +1,211 @@
+"""Automatic settings: ``--k auto`` and ``--eps auto``.
+
+``--k auto`` (:class:`AutoK`). The lesson's exact model says a round of k drafts yields
+E(α, k) = (1 − α^(k+1)) / (1 − α) tokens for T(k+1)/T(1) + k·c target-forward units (see
+:func:`~speculate.calc.speedup.speedup`). Both ingredients are measured rather than assumed: the cost
+curve T(n)/T(1) and the draft's cost ratio c come from a profile of this machine
+(:func:`profile_for`, measured once per model/precision/thread count and cached), and α is estimated
+*during* the generation from the rounds so far. Each round the policy drafts the k that maximises the
+predicted speedup at the current estimate — on these CPUs often 2 or 3, where the matrix kernel's cost
+steps up at 4 rows.
+
+The α estimate is the maximum-likelihood one under the lesson's model (each draft accepted
+independently with probability α, stopping at the first rejection): a round that drafted m and kept n
+contributes n successes, plus one failure when n < m, so α̂ = Σn / (Σn + #rounds with a rejection). A
+prior of ``prior_weight`` pseudo-rounds at ``alpha0`` keeps the first rounds from swinging to k = 1 or
+k_max on one observation. The estimate restarts with each generation, so a seeded generation does not
+depend on what the decoder generated before.
+
+``--eps auto`` (:func:`calibrate_eps`). The Consultant Decoding paper (§3.3, eq. 9) sets ε to the
+target's converged training loss estimated by the Chinchilla law, and names choosing ε as an open
+problem. The loss that law estimates is the target's mean negative log-likelihood on text like its
+training data, which can be measured directly: ``calibrate_eps`` runs the target teacher-forced over a
+calibration text (shipped: ``calibration.txt``, prose, a worked arithmetic problem and Python code) and
+returns its mean NLL per token. CD then accepts draft tokens while their EMA NLL stays within what the
+target finds typical of natural text. :func:`chinchilla_eps` gives the paper's estimate beside it where
+the training-token count is known.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import sys
+from importlib import resources
+from pathlib import Path
+
+from ..errors import SpeculateError
+from .profile import Profile, load_profile, measure_profile, save_profile
+from .scaling import chinchilla_loss
+from .speedup import best_k
+
+#: Largest k that ``--k auto`` considers (the profile covers n = 1..AUTO_K_MAX + 1).
+AUTO_K_MAX = 8
+#: Training tokens of the aliased models (model cards), for the Chinchilla estimate beside ``--eps auto``.
+TRAINING_TOKENS = {
+    "smollm2-135m-instruct": 2e12,  # SmolLM2-135M: 2T tokens
+    "qwen2.5-coder-0.5b-instruct": 5.5e12,  # Qwen2.5-Coder: 5.5T tokens of continued pre-training
+    "qwen2.5-coder-1.5b-instruct": 5.5e12,
+    "gemma-3-270m": 6e12,  # Gemma 3 270M: 6T tokens
+}
+
+
+# --- k auto --------------------------------------------------------------------------------------------
+
+def profile_path(target, draft=None) -> Path:
+    """Where the cached profile of ``target`` (and ``draft``) at their precisions lives.
+
+    Keyed by model names, precisions and torch's thread count: a curve measured with other threads or
+    another precision says nothing about this one."""
+    import torch
+
+    from ..models.cache import cache_root
+
+    parts = [f"{target.name}@{target.dtype}"]
+    if draft is not None:
+        parts.append(f"{draft.name}@{draft.dtype}")
+    key = "+".join(parts) + f"-{torch.get_num_threads()}t"
+    # Local folders are named by their path: keep the file name short and filesystem-safe.
+    slug = re.sub(r"[^A-Za-z0-9_.@+-]+", "_", key)[-80:]
+    digest = hashlib.sha1(key.encode()).hexdigest()[:8]
+    return cache_root() / "profiles" / f"{slug}-{digest}.json"
+
+
+def profile_for(target, draft=None, progress: bool = True) -> Profile:
+    """The cost profile of ``target`` (+ ``draft``) on this machine: loaded from the cache, or measured
+    once (n = 1..AUTO_K_MAX + 1, 3 repeats; seconds on the default model, ~half a minute on a 1.5B) and
+    cached atomically."""
+    path = profile_path(target, draft)
+    if path.is_file():
+        try:
+            return load_profile(path)
+        except SpeculateError:
+            pass  # unreadable: measure again and replace it
+    if progress:
+        print(f"speculate: measuring the cost curve of {target.name} for --k auto (once; cached in {path})",
+              file=sys.stderr, flush=True)
+    prof = measure_profile(target, draft, context=200, max_n=AUTO_K_MAX + 1, repeats=3)
+    save_profile(prof, path)
+    return prof
+
+
+class AutoK:
+    """Draft length per round from a cost curve and a running α estimate (module docstring).
+
+    ``curve``: n → T(n)/T(1) (or a :class:`Profile`); ``c``: draft cost per drafted token relative to a
+    target forward (0 for prompt lookup)."""
+
+    GRID = 100  # α resolution of the precomputed best-k table
+
+    def __init__(self, curve, c: float, k_max: int = AUTO_K_MAX, alpha0: float = 0.6, prior_weight: float = 4.0):
+        if not 0.0 <= alpha0 < 1.0:
+            raise SpeculateError(f"alpha0 must be in [0, 1), got {alpha0}")
+        # best k for α = 0, 0.01, ..., 0.99: a table lookup per round instead of a search.
+        self.table = [best_k(curve, i / self.GRID, c, k_max)[0] for i in range(self.GRID)]
+        self.k_max = max(self.table)
+        self.alpha0, self.prior_weight = alpha0, prior_weight
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the prior (called at the start of each generation)."""
+        self.successes = self.alpha0 * self.prior_weight
+        self.failures = (1.0 - self.alpha0) * self.prior_weight
+
+    @property
+    def alpha(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+    def next_k(self) -> int:
+        return self.table[min(self.GRID - 1, int(self.alpha * self.GRID))]
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """One round: ``drafted`` proposed, the first ``accepted`` kept (no information when drafted = 0)."""
+        self.successes += accepted
+        self.failures += accepted < drafted
+
+
+class FixedK:
+    """The same k every round (``--k N``); the interface of :class:`AutoK`."""
+
+    def __init__(self, k: int):
+        self.k_max = k
+
+    def reset(self) -> None:
+        pass
+
+    def next_k(self) -> int:
+        return self.k_max
+
+    def update(self, drafted: int, accepted: int) -> None:
+        pass
+
+
+# --- eps auto ------------------------------------------------------------------------------------------
+
+def calibration_text() -> str:
+    """The shipped calibration text (prose, arithmetic, code), ~500 words."""
+    return resources.files("speculate.calc").joinpath("calibration.txt").read_text(encoding="utf-8")
+
+
+def mean_nll(loaded, text: str, chunk: int = 1024) -> tuple[float, int]:
+    """(mean NLL in nats per token, tokens scored) of ``loaded`` teacher-forced over ``text``.
+
+    Scored in windows of ``chunk`` tokens (each window's first token has no context and is not
+    scored), so any length fits the context window."""
+    import torch
+
+    ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+    chunk = min(chunk, loaded.context_window)
+    if len(ids) < 2:
+        raise SpeculateError("the calibration text must be at least two tokens long")
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for start in range(0, len(ids) - 1, chunk - 1):
+            window = torch.tensor([ids[start:start + chunk]])
+            if window.shape[1] < 2:
+                break
+            logits = loaded.model(window).logits[0, :-1].float()
+            nll = torch.nn.functional.cross_entropy(logits, window[0, 1:], reduction="sum")
+            total += float(nll)
+            count += window.shape[1] - 1
+    return total / count, count
+
+
+_EPS_CACHE: dict[tuple, float] = {}
+
+
+def calibrate_eps(loaded, text: str | None = None) -> float:
+    """``--eps auto``: the target's mean NLL per token on ``text`` (default: the shipped calibration
+    text). Computed once per model, precision and text in a process."""
+    text = calibration_text() if text is None else text
+    key = (loaded.name, loaded.dtype, hashlib.sha1(text.encode()).hexdigest())
+    if key not in _EPS_CACHE:
+        _EPS_CACHE[key] = mean_nll(loaded, text)[0]
+    return _EPS_CACHE[key]
+
+
+def chinchilla_eps(loaded) -> float | None:
+    """The paper's ε (eq. 9) for ``loaded``, where its training-token count is known (else None)."""
+    tokens = TRAINING_TOKENS.get(loaded.name)
+    if tokens is None:
+        return None
+    n_params = sum(p.numel() for p in loaded.model.parameters())
+    return chinchilla_loss(n_params, tokens)
+
+
+def is_auto(value) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+def parse_auto(value: str, kind: type, flag: str):
+    """A flag's value: ``auto`` or a number of ``kind`` (for argparse ``type=``)."""
+    if is_auto(value):
+        return "auto"
+    try:
+        out = kind(value)
+    except ValueError:
+        raise SpeculateError(f"{flag} must be a number or 'auto', got {value!r}") from None
+    if isinstance(out, float) and not math.isfinite(out):
+        raise SpeculateError(f"{flag} must be finite, got {value!r}")
+    return out

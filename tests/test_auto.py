@@ -1,0 +1,108 @@
+"""``--k auto`` (cost curve + running α estimate) and ``--eps auto`` (the target's own NLL)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculate import SpeculativeDecoder
+from speculate.calc import auto
+from speculate.calc.auto import AutoK, calibrate_eps, mean_nll, profile_for, profile_path
+from speculate.calc.speedup import best_k
+from speculate.drafters import get_drafter
+from speculate.errors import SpeculateError
+from speculate.stats import Stats
+
+from conftest import noisy_copy
+
+# MKL-like step: 1-3 rows cost the same, a 4th row doubles the cost (MODELS.md, Qwen-1.5B).
+STEP = {1: 1.0, 2: 1.02, 3: 1.05, 4: 2.0, 5: 2.05, 6: 2.1, 7: 2.6, 8: 2.7, 9: 2.8}
+
+
+def test_auto_k_follows_the_estimated_alpha():
+    policy = AutoK(STEP, c=0.1, alpha0=0.6, prior_weight=4)
+    assert policy.alpha == pytest.approx(0.6)
+    assert policy.next_k() == best_k(STEP, 0.6, 0.1)[0]
+    for _ in range(200):  # every draft accepted: α̂ → 1, the longest k the step curve pays for
+        policy.update(policy.next_k(), policy.next_k())
+    assert policy.alpha > 0.99 and policy.next_k() == best_k(STEP, 0.99, 0.1)[0]
+    policy.reset()
+    for _ in range(200):  # every first draft rejected: α̂ → 0, k = 1
+        policy.update(3, 0)
+    assert policy.alpha < 0.03 and policy.next_k() == 1
+    # The table is best_k's answer at every grid point; at high α this step curve never drafts 3 < k < 7.
+    assert policy.table == [best_k(STEP, i / 100, 0.1)[0] for i in range(100)]
+    assert best_k(STEP, 0.9, 0.1)[0] == 2
+
+
+def test_alpha_estimate_is_the_geometric_mle():
+    policy, stats = AutoK(STEP, 0.0, prior_weight=0.0, alpha0=0.0), Stats()
+    for drafted, accepted in [(4, 4), (4, 1), (2, 0), (3, 3)]:  # 8 successes, 2 rejecting rounds
+        policy.update(drafted, accepted)
+        stats.record(drafted, accepted)
+    assert policy.alpha == pytest.approx(8 / 10) == stats.alpha_estimate
+    assert stats.rejected_rounds == 2
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_k_auto_is_lossless_and_measures_the_curve_once(tiny, cache, monkeypatch):
+    target, draft = tiny[0], noisy_copy(tiny[0], 0.1)
+    prompt = "abcabcabc hello hello hello abcabc"
+    ref = SpeculativeDecoder(target, "none").generate(prompt, max_new_tokens=40)
+    for drafter in (get_drafter("lookup"), get_drafter("model", draft, target)):
+        dec = SpeculativeDecoder(target, drafter, "greedy", k="auto")
+        out = dec.generate(prompt, max_new_tokens=40)
+        assert out.token_ids == ref.token_ids, drafter.name
+        assert isinstance(dec.k_policy, AutoK) and dec.k == "auto"
+        assert 1 <= max(len(out.stats.drafted_by_position), 1) <= auto.AUTO_K_MAX
+    assert profile_path(target).is_file() and profile_path(target, draft).is_file()
+    assert profile_for(target, draft).c is not None
+
+    def fail(*a, **k):
+        raise AssertionError("the cached profile should have been used")
+
+    monkeypatch.setattr(auto, "measure_profile", fail)
+    SpeculativeDecoder(target, get_drafter("model", draft, target), "greedy", k="auto")
+
+
+def test_mean_nll_equals_a_direct_computation(tiny):
+    loaded = tiny[1]
+    text = "the quick brown fox jumps over the lazy dog " * 3
+    ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logp = loaded.model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+    direct = -logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean().item()
+    value, count = mean_nll(loaded, text)
+    assert count == len(ids) - 1 and value == pytest.approx(direct, rel=1e-5)
+    # In windows of 10 tokens, each window's first token goes unscored.
+    value10, count10 = mean_nll(loaded, text, chunk=10)
+    expected = []
+    for start in range(0, len(ids) - 1, 9):
+        w = ids[start:start + 10]
+        if len(w) < 2:
+            break
+        with torch.no_grad():
+            lp = loaded.model(torch.tensor([w])).logits[0, :-1].log_softmax(-1)
+        expected += (-lp[torch.arange(len(w) - 1), torch.tensor(w[1:])]).tolist()
+    assert count10 == len(expected) and value10 == pytest.approx(sum(expected) / len(expected), rel=1e-5)
+
+
+def test_eps_auto_sets_the_consultant_threshold(tiny):
+    target = tiny[2]
+    eps = calibrate_eps(target)
+    assert eps == pytest.approx(mean_nll(target, auto.calibration_text())[0])
+    dec = SpeculativeDecoder(target, "lookup", "consultant", k=3, eps="auto", beta=0.2)
+    assert dec._verifier(dec_sampling()).eps == pytest.approx(eps)
+    with pytest.raises(SpeculateError, match="consultant"):
+        SpeculativeDecoder(target, "lookup", "typical", eps="auto")
+
+
+def dec_sampling():
+    from speculate.sampling import Sampling
+
+    return Sampling()
