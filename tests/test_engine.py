@@ -282,3 +282,14 @@ def test_bad_settings_raise_clear_errors(tiny, tmp_path):
     from speculate import load_model
     with pytest.raises(SpeculateError, match="tokenizer"):
         SpeculativeDecoder(m, "model", draft_model=load_model(str(other)))
+
+
+def test_decoders_on_one_model_share_the_fused_weights(tiny):
+    """Each decoder builds its own KV model; the fused q/k/v and gate/up weights must not be copied
+    again (a bench run holds a dozen decoders on one target)."""
+    target = tiny[1]
+    before = SpeculativeDecoder(target, "none").generate("abc", max_new_tokens=8).token_ids
+    ptrs = {p.data_ptr() for p in target.model.parameters()}
+    decoders = [SpeculativeDecoder(target, "lookup", "greedy", k=2) for _ in range(3)]
+    assert {p.data_ptr() for p in target.model.parameters()} == ptrs
+    assert all(d.generate("abc", max_new_tokens=8).token_ids == before for d in decoders)
