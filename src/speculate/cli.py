@@ -105,6 +105,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Expected speedup of speculative decoding (the lesson's approximation and the exact "
                     "model), α and the residual of two distributions, T(n)/T(1) measured on this machine "
                     "with the best k per α, or Consultant Decoding's ε from the Chinchilla law. One per run."))
+
+    from .bench.command import add_arguments as add_bench_arguments
+
+    add_bench_arguments(sub.add_parser(
+        "bench", help="measure methods against plain decoding and Hugging Face on HumanEval, GSM8K, MT-Bench",
+        description="Run a matrix of methods over datasets, interleaved, resumable: speedup, LLM-calls ratio, "
+                    "acceptance length and position, quality normalised to the target's greedy output "
+                    "(markdown, CSV, plots)."))
     return p
 
 
@@ -164,10 +172,16 @@ def _calc(args) -> int:
     return run(args)
 
 
+def _bench(args) -> int:
+    from .bench.command import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
-        return {"generate": _generate, "serve": _serve, "calc": _calc}[args.command](args)
+        return {"generate": _generate, "serve": _serve, "calc": _calc, "bench": _bench}[args.command](args)
     except SpeculateError as e:
         print(f"speculate: error: {e}", file=sys.stderr)
         return 2

@@ -67,6 +67,8 @@ class Stats:
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "llm_calls_ratio": round(self.llm_calls_ratio, 4),
             "acceptance_by_position": [round(a, 4) for a in self.acceptance_by_position],
+            "drafted_by_position": list(self.drafted_by_position),
+            "accepted_by_position": list(self.accepted_by_position),
             "prefill_seconds": round(self.prefill_seconds, 4),
             "wall_seconds": round(self.wall_seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),

@@ -33,9 +33,10 @@ MODES = {
     "--p-target/--p-draft": ("p_target", "p_draft"),
     "--profile": ("profile", "model", "draft_model", "dtype", "context", "repeats", "max_n", "save"),
     "--eps-chinchilla": ("eps_chinchilla", "params", "tokens"),
+    "--from-results": ("from_results",),
 }
 _TRIGGERS = {"--alpha": ("alpha",), "--p-target/--p-draft": ("p_target", "p_draft"), "--profile": ("profile",),
-             "--eps-chinchilla": ("eps_chinchilla",)}
+             "--eps-chinchilla": ("eps_chinchilla",), "--from-results": ("from_results",)}
 
 
 def add_arguments(parser) -> None:
@@ -64,6 +65,10 @@ def add_arguments(parser) -> None:
     p.add_argument("--repeats", type=int, help="timed passes; the median is kept (default 5)")
     p.add_argument("--max-n", type=int, help="largest n timed (default 16, so k up to 15)")
     p.add_argument("--save", metavar="FILE", help="write the profile as JSON (for recommend_k / load_profile)")
+    r = parser.add_argument_group("prediction against a bench run")
+    r.add_argument("--from-results", metavar="DIR",
+                   help="a `speculate bench` output folder: fit α per method from its rounds, take T(n)/T(1) and c "
+                        "from the run's profile, and print predicted against measured speedup")
     e = parser.add_argument_group("Consultant Decoding's ε (paper eq. 9, Chinchilla)")
     e.add_argument("--eps-chinchilla", action="store_true", default=None,
                    help="estimate the converged loss L(N, D) = E + A/N^α + B/D^β")
@@ -74,14 +79,15 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     mode = _mode(args)
     return {"--alpha": _alpha, "--p-target/--p-draft": _distributions, "--profile": _profile,
-            "--eps-chinchilla": _chinchilla}[mode](args)
+            "--eps-chinchilla": _chinchilla, "--from-results": _from_results}[mode](args)
 
 
 def _mode(args) -> str:
     given = {dest for dests in MODES.values() for dest in dests if getattr(args, dest, None) is not None}
     modes = [m for m, triggers in _TRIGGERS.items() if given & set(triggers)]
     if not modes:
-        raise SpeculateError("calc needs one of --alpha, --p-target/--p-draft, --profile, --eps-chinchilla")
+        raise SpeculateError("calc needs one of --alpha, --p-target/--p-draft, --profile, --eps-chinchilla, "
+                             "--from-results")
     if len(modes) > 1:
         raise SpeculateError(f"{' and '.join(modes)} are separate calculations: give one")
     mode = modes[0]
@@ -247,6 +253,57 @@ def format_profile(prof) -> str:
             cells.append(f"k = {k}, {s:.2f}×" + (" (none pays)" if s <= 1 else ""))
         out.append(f"  {alpha:.1f}   " + "".join(f"{cell:<28}" for cell in cells).rstrip())
     return "\n".join(out)
+
+
+# --- --from-results: the model against a bench run -------------------------------------------------------
+
+def predictions(run: dict, rows: list[dict]) -> list[dict]:
+    """Per engine method and dataset of a bench run: α fitted from its rounds (the geometric MLE,
+    :attr:`Stats.alpha_estimate`), k (fixed, or the mean drafted per round for k = auto and for prompt
+    lookup, which drafts less than k when it finds no match), c from the run's profile (0 for lookup),
+    and the exact model's speedup E(α, k) / (T(k+1)/T(1) + k·c) beside the measured one."""
+    from .profile import Profile
+
+    prof = Profile.from_dict(run["profile"])
+    curve, k_cover = prof.curve, max(prof.curve) - 1
+    specs = run.get("methods", {})
+    out = []
+    for r in rows:
+        spec = specs.get(r["method"], {})
+        if spec.get("kind") != "engine" or r["alpha"] is None or not r["mean_accepted_length"]:
+            continue
+        drafted_per_round = r["drafted_tokens"] / r["target_calls"] if r.get("target_calls") else None
+        k = spec["k"] if isinstance(spec.get("k"), int) and spec.get("drafter") == "model" else \
+            max(1, round(drafted_per_round or 1))
+        k = min(k, k_cover)
+        c = (prof.c or 0.0) if spec.get("drafter") == "model" else 0.0
+        predicted = speedup(r["alpha"], k, c, curve)
+        out.append({"method": r["method"], "dataset": r["dataset"], "alpha": r["alpha"], "k": k, "c": round(c, 3),
+                    "predicted": round(predicted, 3), "measured": r["speedup"],
+                    "error": round(r["speedup"] / predicted - 1, 3)})
+    return out
+
+
+def _from_results(args) -> int:
+    import json
+    from pathlib import Path
+
+    from ..bench.report import summarise
+    from ..bench.runner import RUN_FILE, SAMPLES_FILE, read_records
+
+    folder = Path(args.from_results)
+    if not (folder / RUN_FILE).is_file() or not (folder / SAMPLES_FILE).is_file():
+        raise SpeculateError(f"--from-results: {folder} is not a `speculate bench` output folder "
+                             f"(no {RUN_FILE} / {SAMPLES_FILE})")
+    run = json.loads((folder / RUN_FILE).read_text())
+    preds = predictions(run, summarise(read_records(folder / SAMPLES_FILE), n_resamples=200))
+    if not preds:
+        raise SpeculateError(f"--from-results: {folder} has no speculative method with finished samples")
+    print(f"{'method':<40} {'dataset':<10} {'alpha':>6} {'k':>3} {'c':>6} {'predicted':>10} {'measured':>9} {'error':>7}")
+    for p in preds:
+        print(f"{p['method']:<40} {p['dataset']:<10} {p['alpha']:6.3f} {p['k']:3d} {p['c']:6.3f} "
+              f"{p['predicted']:9.2f}× {p['measured']:8.2f}× {p['error']:+7.1%}")
+    return 0
 
 
 # --- --eps-chinchilla: Consultant Decoding eq. 9 ------------------------------------------------------

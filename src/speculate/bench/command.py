@@ -1,0 +1,137 @@
+"""``speculate bench``: flags (or a TOML file with the same keys) → a :class:`BenchConfig` → a run.
+
+    speculate bench --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct \\
+        --datasets humaneval,gsm8k --limit 20 --verifiers greedy,consultant --k 2,4,auto --eps 2,auto \\
+        --baselines hf_generate,hf_assisted --out runs/qwen
+
+The matrix is drafter × verifier × k × eps × beta × D × temperature (only sensible combinations:
+see :func:`~speculate.bench.methods.expand_matrix`); ``--method`` adds single methods
+(``verifier=mentored,k=4,D=0.3,temperature=0.3``). A TOML file (``--config``) takes the same keys with
+lists as arrays, e.g. ``verifiers = ["greedy", "consultant"]``, ``k = [2, 4, "auto"]``,
+``method = ["verifier=mentored,k=4,D=0.3,temperature=0.3"]``; flags given on the command line win.
+"""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+from pathlib import Path
+
+from ..calc.auto import parse_auto
+from ..errors import SpeculateError
+from .methods import BASELINES, expand_matrix, parse_method
+
+LIST_KEYS = {"datasets": str, "drafters": str, "verifiers": str, "baselines": str, "k": "int|auto",
+             "eps": "float|auto", "beta": float, "D": float, "temperature": float, "method": "spec"}
+SCALAR_KEYS = {"model": str, "draft_model": str, "dtype": str, "draft_dtype": str, "limit": int, "shots": int,
+               "max_new_tokens": int, "seed": int, "turns": int, "out": str, "sandbox_timeout": float}
+
+
+def add_arguments(p) -> None:
+    from ..models import ALIASES, DEFAULT_MODEL, DTYPES
+
+    p.add_argument("--config", metavar="FILE.toml", help="read these settings from a TOML file (flags win)")
+    p.add_argument("--model", help=f"target: an alias ({', '.join(ALIASES)}) or a local folder (default {DEFAULT_MODEL})")
+    p.add_argument("--draft-model", help="draft model for drafter 'model' and the hf_assisted baseline")
+    p.add_argument("--dtype", choices=list(DTYPES), help="target precision (default fp32)")
+    p.add_argument("--draft-dtype", choices=list(DTYPES), help="draft precision (default: --dtype)")
+    p.add_argument("--datasets", help="comma-separated: humaneval, gsm8k, mt_bench, copy (default humaneval,gsm8k,mt_bench)")
+    p.add_argument("--limit", type=int, help="first N samples of each dataset")
+    p.add_argument("--shots", type=int, help="GSM8K chain-of-thought examples in the prompt (default 8, as the paper)")
+    p.add_argument("--turns", type=int, choices=[1, 2], help="MT-Bench turns (default 2)")
+    p.add_argument("--max-new-tokens", type=int, help="per turn (default 256)")
+    p.add_argument("--seed", type=int, help="base seed (default 0)")
+    p.add_argument("--drafters", help="comma-separated drafters (default model with --draft-model, else lookup)")
+    p.add_argument("--verifiers", help="comma-separated verifiers (default greedy,consultant)")
+    p.add_argument("--k", help="comma-separated draft lengths or 'auto' (default auto)")
+    p.add_argument("--eps", help="consultant ε values, numbers or 'auto' (default 2)")
+    p.add_argument("--beta", help="consultant β values (default 0.2)")
+    p.add_argument("--D", help="mentored D values (default 0.3)")
+    p.add_argument("--temperature", help="temperatures (default 0)")
+    p.add_argument("--method", action="append", help="one extra method, e.g. 'verifier=mentored,k=4,D=0.3,"
+                                                     "temperature=0.3' (repeatable)")
+    p.add_argument("--baselines", help=f"comma-separated from {', '.join(BASELINES[1:])} (plain always runs; "
+                                       f"default hf_generate, plus hf_assisted with a draft model)")
+    p.add_argument("--sandbox-timeout", type=float, help="seconds per HumanEval test run (default 10)")
+    p.add_argument("--out", help="output folder (default bench-runs/<model>); rerun to resume")
+
+
+def _convert(key: str, value):
+    kind = {**LIST_KEYS, **SCALAR_KEYS}[key]
+    try:
+        if kind == "int|auto":
+            return parse_auto(str(value), int, f"--{key}")
+        if kind == "float|auto":
+            return parse_auto(str(value), float, f"--{key}")
+        if kind == "spec":
+            return parse_method(str(value))
+        return kind(value)
+    except ValueError:
+        raise SpeculateError(f"--{key.replace('_', '-')}: {value!r} is not a valid value") from None
+
+
+def settings(args) -> dict:
+    """Flags over the TOML file over defaults, lists as lists."""
+    raw: dict = {}
+    if args.config:
+        try:
+            raw = tomllib.loads(Path(args.config).read_text())
+        except FileNotFoundError:
+            raise SpeculateError(f"--config: no such file: {args.config}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise SpeculateError(f"--config {args.config}: {e}") from None
+        unknown = sorted(set(raw) - set(LIST_KEYS) - set(SCALAR_KEYS))
+        if unknown:
+            raise SpeculateError(f"--config {args.config}: unknown keys {', '.join(unknown)}")
+    for key in {**LIST_KEYS, **SCALAR_KEYS}:
+        flag = getattr(args, key, None)
+        if flag is not None:
+            raw[key] = flag.split(",") if key in LIST_KEYS and isinstance(flag, str) else flag
+    out = {}
+    for key, value in raw.items():
+        if key in LIST_KEYS:
+            values = value if isinstance(value, list) else [value]
+            out[key] = [_convert(key, v.strip() if isinstance(v, str) else v) for v in values]
+        else:
+            out[key] = _convert(key, value)
+    return out
+
+
+def build_config(args):
+    from ..models import DEFAULT_MODEL
+    from .runner import BenchConfig
+
+    s = settings(args)
+    draft = s.get("draft_model")
+    drafters = s.get("drafters", ["model" if draft else "lookup"])
+    methods = expand_matrix(drafters, s.get("verifiers", ["greedy", "consultant"]), s.get("k", ["auto"]),
+                            s.get("temperature", [0.0]), s.get("eps", [2.0]), s.get("beta", [0.2]), s.get("D", [0.3]))
+    methods += [m for m in s.get("method", []) if m not in methods]
+    baselines = s.get("baselines", ["hf_generate"] + (["hf_assisted"] if draft else []))
+    for b in baselines:
+        if b not in BASELINES:
+            raise SpeculateError(f"unknown baseline '{b}'; choose from: {', '.join(BASELINES[1:])}")
+    from .methods import baseline
+
+    methods = [baseline(b) for b in baselines if b != "plain"] + methods
+    for key, low in (("limit", 1), ("shots", 0), ("max_new_tokens", 1)):
+        if key in s and s[key] < low:
+            raise SpeculateError(f"--{key.replace('_', '-')} must be >= {low}, got {s[key]}")
+    model = s.get("model", DEFAULT_MODEL)
+    out = Path(s.get("out") or Path("bench-runs") / Path(model).name)
+    return BenchConfig(model=model, out=out, methods=methods, datasets=s.get("datasets", ["humaneval", "gsm8k", "mt_bench"]),
+                       draft_model=draft, dtype=s.get("dtype", "fp32"), draft_dtype=s.get("draft_dtype"),
+                       limit=s.get("limit"), shots=s.get("shots", 8), max_new_tokens=s.get("max_new_tokens", 256),
+                       seed=s.get("seed", 0), turns=s.get("turns", 2), sandbox_timeout=s.get("sandbox_timeout", 10.0))
+
+
+def run(args) -> int:
+    from .runner import run_bench
+
+    cfg = build_config(args)
+    print(f"speculate bench: {len(cfg.methods) + 1} methods (plain included) × {', '.join(cfg.datasets)} → {cfg.out}",
+          file=sys.stderr)
+    out = run_bench(cfg)
+    print((out / "summary.md").read_text())
+    print(f"results: {out}/samples.jsonl, summary.md, summary.csv, *.png", file=sys.stderr)
+    return 0

@@ -1,0 +1,293 @@
+"""``speculate bench``: run a matrix of methods over datasets, interleaved, resumable.
+
+For every sample, every method runs once, in an order rotated from sample to sample (so that no method
+always runs first, or always after the same neighbour, on these shared, noisy machines). Each finished
+(method, sample) pair is appended to ``samples.jsonl`` at once and flushed, so an interrupted run
+resumes where it stopped: a rerun with the same settings skips every pair already there. Settings that
+change results (models, precisions, token budget, shots, seed) are fixed per output folder
+(``run.json``); methods, datasets and ``--limit`` may grow between runs.
+
+Timing is the wall time of the whole generate call on pre-tokenised prompt ids (our engine and HF
+alike), after one untimed warm-up per method. Quality is scored outside the timed call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from ..calc.auto import calibrate_eps, chinchilla_eps, profile_for
+from ..engine import SpeculativeDecoder
+from ..errors import SpeculateError
+from ..models import load_model
+from ..models.cache import atomic_write_text
+from ..text import encode_prompt, eos_ids
+from .datasets import Sample, load_dataset
+from .methods import Method, baseline
+
+SAMPLES_FILE = "samples.jsonl"
+RUN_FILE = "run.json"
+#: Settings that change what a method outputs: an output folder holds one value of each.
+FIXED = ("model", "draft_model", "dtype", "draft_dtype", "max_new_tokens", "shots", "seed")
+
+
+@dataclass
+class BenchConfig:
+    model: str
+    out: Path
+    methods: list[Method]
+    datasets: list[str] = field(default_factory=lambda: ["humaneval", "gsm8k", "mt_bench"])
+    draft_model: str | None = None
+    dtype: str = "fp32"
+    draft_dtype: str | None = None
+    limit: int | None = None
+    shots: int = 8
+    max_new_tokens: int = 256
+    seed: int = 0
+    turns: int = 2  # MT-Bench turns to run (1 or 2)
+    sandbox_timeout: float = 10.0
+    data_dir: Path | None = None
+
+    def fixed(self) -> dict:
+        return {key: getattr(self, key) for key in FIXED}
+
+
+# --- one generation, for each kind of method ----------------------------------------------------------
+
+@dataclass
+class Output:
+    token_ids: list[int]
+    text: str
+    seconds: float
+    finish_reason: str
+    stats: dict | None = None  # the engine's Stats.to_dict(); None for Hugging Face's methods
+
+
+def cut_at_stop(text: str, stops) -> tuple[str, bool]:
+    """``text`` up to the earliest stop string (which is dropped), and whether one was found."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    return (text, False) if cut < 0 else (text[:cut], True)
+
+
+class Runner:
+    """Generates with one method; built once per run (each engine method owns its decoder)."""
+
+    def __init__(self, method: Method, target, draft):
+        self.method, self.target, self.draft = method, target, draft
+        self.eos = eos_ids(target)
+        if method.kind == "engine":
+            drafter_model = draft if method.drafter == "model" else None
+            self.decoder = SpeculativeDecoder(target, method.drafter, method.verifier, k=method.k,
+                                              draft_model=drafter_model, eps=method.eps, beta=method.beta,
+                                              D=method.D)
+        elif method.kind == "plain":
+            self.decoder = SpeculativeDecoder(target, "none")
+        elif method.kind == "hf_assisted" and draft is None:
+            raise SpeculateError("the baseline hf_assisted needs --draft-model")
+
+    def __call__(self, ids: list[int], max_new_tokens: int, stops, seed: int) -> Output:
+        if self.method.kind in ("engine", "plain"):
+            start = time.perf_counter()
+            g = self.decoder.generate(ids, max_new_tokens=max_new_tokens, temperature=self.method.temperature,
+                                      seed=seed, stop=list(stops))
+            seconds = time.perf_counter() - start
+            return Output(g.token_ids, g.text, seconds, g.finish_reason, g.stats.to_dict())
+        return self._hf(ids, max_new_tokens, stops)
+
+    @torch.inference_mode()
+    def _hf(self, ids, max_new_tokens, stops) -> Output:
+        tok = self.target.tokenizer
+        kw = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(self.eos),
+                  pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else min(self.eos))
+        if stops:
+            # Not HF's stop_strings: assisted generation hands them to the assistant without a tokenizer
+            # and fails. A criterion on the decoded new text is what our engine does too.
+            kw["stopping_criteria"] = StoppingCriteriaList([_StopOnText(tok, len(ids), stops)])
+        if self.method.kind == "hf_assisted":
+            kw["assistant_model"] = self.draft.model
+        elif self.method.kind == "hf_lookup":
+            kw["prompt_lookup_num_tokens"] = 10
+        start = time.perf_counter()
+        out = self.target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                         **kw)[0, len(ids):].tolist()
+        seconds = time.perf_counter() - start
+        finish = "length"
+        end = next((i for i, t in enumerate(out) if t in self.eos), None)
+        if end is not None:  # HF pads after EOS in a batch; count up to and including it, as our engine
+            out, finish = out[: end + 1], "stop"
+        text, stopped = cut_at_stop(tok.decode([t for t in out if t not in self.eos], skip_special_tokens=True), stops)
+        return Output(out, text, seconds, "stop" if stopped else finish)
+
+
+class _StopOnText(StoppingCriteria):
+    """Stop once the decoded new text contains a stop string (a transformers StoppingCriteria)."""
+
+    def __init__(self, tokenizer, prompt_len: int, stops):
+        self.tokenizer, self.prompt_len, self.stops = tokenizer, prompt_len, tuple(stops)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        text = self.tokenizer.decode(input_ids[0, self.prompt_len:], skip_special_tokens=True)
+        return torch.full((input_ids.shape[0],), any(s in text for s in self.stops), dtype=torch.bool)
+
+
+# --- scoring ---------------------------------------------------------------------------------------------
+
+def answer_nll(target, prompt_ids: list[int], answer_ids: list[int]) -> float | None:
+    """The target's mean NLL per token of ``answer_ids`` after ``prompt_ids``, teacher-forced (an MT-Bench
+    quality proxy: how likely the target finds the answer)."""
+    if not answer_ids:
+        return None
+    ids = torch.tensor([prompt_ids + answer_ids])
+    with torch.inference_mode():
+        logits = target.model(ids).logits[0, len(prompt_ids) - 1: -1].float()
+    return float(torch.nn.functional.cross_entropy(logits, torch.tensor(answer_ids)))
+
+
+def score(sample: Sample, answers: list[str], timeout: float) -> dict:
+    """Dataset quality of one record (ROUGE-L against the target's greedy answer is added in the report,
+    which has that answer)."""
+    from .datasets import extract_code, gsm8k_correct
+    from .sandbox import check_humaneval
+
+    if sample.dataset == "humaneval":
+        result = check_humaneval(sample.reference, extract_code(sample.reference, answers[0]), timeout=timeout)
+        return {"passed": result.passed, "sandbox": result.status}
+    if sample.dataset == "gsm8k":
+        return {"correct": gsm8k_correct(answers[0], sample.reference)}
+    return {}
+
+
+def sample_seed(seed: int, sample: Sample) -> int:
+    """A per-sample seed: sampling methods draw the same randomness for a sample in every run."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{sample.dataset}/{sample.id}".encode()).digest()[:4], "big")
+
+
+def run_sample(runner: Runner, sample: Sample, cfg: BenchConfig) -> dict:
+    """Every turn of ``sample`` (later turns see this method's own earlier answers) → one record."""
+    tok = runner.target.tokenizer
+    messages = [{"role": "system", "content": sample.system}] if sample.system else []
+    turns, answers = [], []
+    for i, user in enumerate(sample.turns[: cfg.turns if sample.dataset == "mt_bench" else 1]):
+        messages.append({"role": "user", "content": user})
+        ids = encode_prompt(tok, messages)
+        out = runner(ids, cfg.max_new_tokens, sample.stop, sample_seed(cfg.seed, sample) + i)
+        answer_ids = [t for t in out.token_ids if t not in runner.eos]
+        turn = {"text": out.text, "new_tokens": len(out.token_ids), "seconds": round(out.seconds, 5),
+                "finish_reason": out.finish_reason, "token_ids": out.token_ids, "stats": out.stats}
+        if sample.dataset == "mt_bench":
+            nll = answer_nll(runner.target, ids, answer_ids)
+            turn["target_nll"] = None if nll is None else round(nll, 5)
+        turns.append(turn)
+        answers.append(out.text)
+        messages.append({"role": "assistant", "content": out.text})
+    return {"method": runner.method.name, "dataset": sample.dataset, "id": sample.id, "turns": turns,
+            "quality": score(sample, answers, cfg.sandbox_timeout),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "spec": runner.method.to_dict()}
+
+
+# --- the results file --------------------------------------------------------------------------------------
+
+def read_records(path: Path) -> list[dict]:
+    """The records of ``samples.jsonl``. A torn last line (a run killed mid-write) is dropped, and the
+    file rewritten without it so that appends continue on a clean line."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    records, good = [], []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+            good.append(line if line.endswith("\n") else line + "\n")
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise SpeculateError(f"{path}: line {i + 1} is not JSON; the file is damaged") from None
+    if len(good) != len(lines) or (lines and not lines[-1].endswith("\n")):
+        atomic_write_text(path, "".join(good))
+    return records
+
+
+def append_record(path: Path, record: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _check_run_file(out: Path, cfg: BenchConfig) -> dict:
+    path = out / RUN_FILE
+    if path.is_file():
+        old = json.loads(path.read_text())
+        differ = [k for k in FIXED if old.get("settings", {}).get(k) != cfg.fixed()[k]]
+        if differ:
+            raise SpeculateError(f"{out} holds a run with other settings ({', '.join(differ)}); use another --out "
+                                 f"or the same settings to resume")
+        return old
+    return {}
+
+
+# --- the run -----------------------------------------------------------------------------------------------
+
+def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
+    """Run (or resume) ``cfg``; returns the output folder, with samples.jsonl, run.json and the report."""
+    from tqdm import tqdm
+
+    from .report import write_report
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    previous = _check_run_file(out, cfg)
+    samples = [s for name in cfg.datasets for s in load_dataset(name, cfg.limit, cfg.shots, cfg.data_dir)]
+    methods = [baseline("plain")] + [m for m in cfg.methods if m.kind != "plain"]
+    needs_draft = any(m.needs_draft_model for m in methods)
+    if needs_draft and not cfg.draft_model:
+        raise SpeculateError("a method drafts with a model (drafter model or hf_assisted): give --draft-model")
+    target = load_model(cfg.model, dtype=cfg.dtype)
+    draft = load_model(cfg.draft_model, dtype=cfg.draft_dtype or cfg.dtype) if cfg.draft_model else None
+    profile = profile_for(target, draft, progress=progress)
+
+    run_info = {"settings": {**cfg.fixed(), "datasets": cfg.datasets, "limit": cfg.limit, "turns": cfg.turns},
+                "machine": f"{os.uname().machine}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads",
+                "torch": torch.__version__, "profile": profile.to_dict(),
+                "started": previous.get("started") or time.strftime("%Y-%m-%d %H:%M:%S"),
+                "methods": {m.name: m.to_dict() for m in methods}}
+    if any(m.eps == "auto" for m in methods):
+        run_info["eps_auto"] = round(calibrate_eps(target), 4)
+        run_info["eps_chinchilla"] = chinchilla_eps(target)
+    run_info["methods"] = {**previous.get("methods", {}), **run_info["methods"]}
+    atomic_write_text(out / RUN_FILE, json.dumps(run_info, indent=2) + "\n")
+
+    path = out / SAMPLES_FILE
+    done = {(r["method"], r["dataset"], r["id"]) for r in read_records(path)}
+    todo = [(s, m) for s in samples for m in methods if (m.name, s.dataset, s.id) not in done]
+    if not todo:
+        write_report(out)
+        return out
+    runners = {m.name: Runner(m, target, draft) for m in methods if any(t[1] == m for t in todo)}
+    warm = encode_prompt(target.tokenizer, "Say hello.")
+    for runner in runners.values():  # untimed: first-call allocations, lazy inits, profile loading
+        runner(warm, 4, (), 0)
+    bar = tqdm(total=len(samples) * len(methods), initial=len(samples) * len(methods) - len(todo),
+               desc="bench", unit="gen", disable=not progress, file=sys.stderr)
+    order = list(runners)
+    for i, sample in enumerate(samples):
+        rot = i % len(order)
+        for name in order[rot:] + order[:rot]:
+            if (name, sample.dataset, sample.id) in done:
+                continue
+            append_record(path, run_sample(runners[name], sample, cfg))
+            bar.update(1)
+            bar.set_postfix_str(f"{sample.dataset} {sample.id} {name}", refresh=False)
+    bar.close()
+    write_report(out)
+    return out

