@@ -60,6 +60,22 @@ class Verifier:
         raise NotImplementedError
 
 
+def positive(who: str, name: str, value, meaning: str) -> float:
+    """``value`` as a float, or ValueError unless it is finite and > 0 (verifier parameters)."""
+    value = float(value)
+    if not value > 0 or math.isinf(value):
+        raise ValueError(f"{who}: {name} must be a finite number > 0 ({meaning}), got {value}")
+    return value
+
+
+def fraction(who: str, name: str, value, meaning: str) -> float:
+    """``value`` as a float, or ValueError unless 0 <= value < 1."""
+    value = float(value)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{who}: {name} must satisfy 0 <= {name} < 1 ({meaning}), got {value}")
+    return value
+
+
 def uniform(n: int, generator: torch.Generator | None, dtype=torch.float32) -> torch.Tensor:
     """n draws of U[0, 1) from the shared generator (CPU, so seeded runs reproduce anywhere)."""
     return torch.rand(n, generator=generator, dtype=dtype)

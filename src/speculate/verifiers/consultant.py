@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from .base import Verdict, Verifier, target_token
+from .base import Verdict, Verifier, fraction, positive, target_token
 from .sample import gather_drafted
 
 # Probabilities are floored here before the log, so a zero-probability token gets a large but finite
@@ -58,14 +58,8 @@ class ConsultantVerifier(Verifier):
     raw_target = True
 
     def __init__(self, eps: float = 2.0, beta: float = 0.2, greedy: bool = True):
-        eps = float(eps)
-        beta = float(beta)
-        if not eps > 0 or math.isinf(eps):
-            raise ValueError(f"consultant: eps must be a finite number > 0 (an NLL threshold), got {eps}")
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"consultant: beta must satisfy 0 <= beta < 1 (EMA decay weight), got {beta}")
-        self.eps = eps
-        self.beta = beta
+        self.eps = positive("consultant", "eps", eps, "an NLL threshold")
+        self.beta = fraction("consultant", "beta", beta, "EMA decay weight")
         self.greedy = bool(greedy)
 
     def __repr__(self):

@@ -51,7 +51,7 @@ import math
 import numpy as np
 import torch
 
-from .base import Verdict, Verifier, uniform
+from .base import Verdict, Verifier, fraction, positive, uniform
 from .base import sample_from
 from .sample import RESIDUAL_EPS, gather_drafted
 
@@ -176,11 +176,11 @@ def mentored_output_distribution(target_probs_row: torch.Tensor, draft_probs_row
     return torch.from_numpy(o), alpha, beta
 
 
-def _check_params(D, tol):
-    if not (isinstance(D, (int, float)) and D > 0 and math.isfinite(D)):
-        raise ValueError(f"mentored: D must be a finite number > 0 (target KL divergence, nats), got {D}")
-    if not (isinstance(tol, (int, float)) and 0.0 <= tol < 1.0):
-        raise ValueError(f"mentored: tol must satisfy 0 <= tol < 1 (relative tolerance on D), got {tol}")
+def _check_params(D, tol) -> tuple[float, float]:
+    if isinstance(D, bool) or isinstance(tol, bool):
+        raise ValueError("mentored: D and tol must be numbers")
+    return (positive("mentored", "D", D, "target KL divergence, nats"),
+            fraction("mentored", "tol", tol, "relative tolerance on D"))
 
 
 class MentoredVerifier(Verifier):
@@ -192,10 +192,7 @@ class MentoredVerifier(Verifier):
     raw_target = False
 
     def __init__(self, D: float = 0.3, tol: float = 0.2):
-        D, tol = float(D), float(tol)
-        _check_params(D, tol)
-        self.D = D
-        self.tol = tol
+        self.D, self.tol = _check_params(D, tol)
 
     def __repr__(self):
         return f"MentoredVerifier(D={self.D}, tol={self.tol})"

@@ -36,9 +36,11 @@ from typing import Any
 
 import torch
 
-from .base import sample_from, target_token, uniform
+from ..errors import SpeculateError
+from .base import Verifier, sample_from, target_token, uniform
 from .consultant import ConsultantVerifier, ema, nll
-from .sample import residual_distribution
+from .greedy import GreedyVerifier
+from .sample import SampleVerifier, residual_distribution
 from .typical import TypicalVerifier
 
 
@@ -398,14 +400,67 @@ def tree_typical(
     return TreeVerdict(path=_path_to(parents, node), next_token=token, state=state)
 
 
+# ------------------------------------------------------------------------------------- dispatcher
+
+# The chain verifiers whose rule has a tree form here. Exact types: a subclass may change the rule.
+TREE_RULES = {GreedyVerifier: "tree_greedy", SampleVerifier: "tree_sample", ConsultantVerifier: "tree_consultant",
+              TypicalVerifier: "tree_typical"}
+
+
+def has_tree_rule(verifier: Verifier) -> bool:
+    return type(verifier) in TREE_RULES
+
+
+def verify_tree(
+    verifier: Verifier,
+    tokens: torch.Tensor,
+    parents,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    state: Any = None,
+    generator: torch.Generator | None = None,
+    sample_probs: torch.Tensor | None = None,
+    *,
+    replacement: bool = False,
+) -> TreeVerdict:
+    """The tree form of ``verifier``'s chain rule, with its parameters and the carried ``state``.
+
+    The engine's counterpart of ``verifier.verify`` for a tree draft; the arguments follow the chain
+    convention (``target_probs`` raw when ``verifier.raw_target``, then ``sample_probs`` the warped
+    rows; ``draft_probs`` only when ``verifier.needs_draft_probs``). ``replacement``: how the
+    siblings were drawn (``tree_sample``). A verifier without a tree rule (mentored, or any other
+    class) raises :class:`SpeculateError`."""
+    kind = type(verifier)
+    if kind is GreedyVerifier:
+        return tree_greedy(tokens, parents, target_probs, state)
+    if kind is SampleVerifier:
+        return tree_sample(tokens, parents, draft_probs, target_probs, generator, sample_probs,
+                           replacement=replacement, state=state)
+    if kind is ConsultantVerifier:
+        return tree_consultant(tokens, parents, target_probs, state, eps=verifier.eps, beta=verifier.beta,
+                               greedy=verifier.greedy, generator=generator, sample_probs=sample_probs)
+    if kind is TypicalVerifier:
+        return tree_typical(tokens, parents, target_probs, eps=verifier.eps, delta=verifier.delta,
+                            greedy=verifier.greedy, generator=generator, sample_probs=sample_probs, state=state)
+    raise SpeculateError(tree_rule_missing(verifier))
+
+
+def tree_rule_missing(verifier: Verifier) -> str:
+    return (f"verifier '{verifier.name}' has no tree rule: tree drafts (drafter 'model-tree') can be verified "
+            f"by {', '.join(cls.name for cls in TREE_RULES)}")
+
+
 __all__ = [
+    "TREE_RULES",
     "TreeVerdict",
     "chain_as_tree",
     "children_of",
     "depths",
+    "has_tree_rule",
     "paths",
     "tree_consultant",
     "tree_greedy",
     "tree_sample",
     "tree_typical",
+    "verify_tree",
 ]

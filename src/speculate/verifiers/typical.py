@@ -15,11 +15,10 @@ Medusa's defaults: eps (posterior_threshold) = 0.09, delta (posterior_alpha) = 0
 
 from __future__ import annotations
 
-import math
 
 import torch
 
-from .base import Verdict, Verifier, target_token
+from .base import Verdict, Verifier, positive, target_token
 from .sample import gather_drafted
 
 
@@ -40,14 +39,8 @@ class TypicalVerifier(Verifier):
     raw_target = True
 
     def __init__(self, eps: float = 0.09, delta: float = 0.3, greedy: bool = True):
-        eps = float(eps)
-        delta = float(delta)
-        if not eps > 0 or math.isinf(eps):
-            raise ValueError(f"typical: eps must be a finite number > 0 (probability threshold), got {eps}")
-        if not delta > 0 or math.isinf(delta):
-            raise ValueError(f"typical: delta must be a finite number > 0 (entropy-scaled threshold), got {delta}")
-        self.eps = eps
-        self.delta = delta
+        self.eps = positive("typical", "eps", eps, "probability threshold")
+        self.delta = positive("typical", "delta", delta, "entropy-scaled threshold")
         self.greedy = bool(greedy)
 
     def __repr__(self):
