@@ -1,0 +1,27 @@
+"""Benchmarks: ``speculate bench`` (runner, report, datasets, sandbox, metrics) and two focused scripts,
+``python -m speculate.bench.speed`` (engine against Hugging Face, precisions, per-round overhead) and
+``python -m speculate.bench.serve_load`` (server throughput). Helpers shared by the scripts live here."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+
+
+def machine() -> str:
+    """What the numbers were measured on (architecture, cores, torch threads)."""
+    import torch
+
+    return f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+
+
+def emit(result: dict, out: str | None) -> int:
+    """Print ``result`` as JSON and, with ``out``, write it there atomically; the scripts' exit code."""
+    from ..models.cache import atomic_write_text
+
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        atomic_write_text(out, text + "\n")
+    return 0

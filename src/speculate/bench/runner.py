@@ -31,6 +31,7 @@ from ..errors import SpeculateError
 from ..models import load_model
 from ..models.cache import atomic_write_text
 from ..text import encode_prompt, eos_ids
+from . import machine
 from .datasets import Sample, load_dataset
 from .methods import Method, baseline
 
@@ -257,7 +258,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
     profile = profile_for(target, draft, progress=progress)
 
     run_info = {"settings": {**cfg.fixed(), "datasets": cfg.datasets, "limit": cfg.limit, "turns": cfg.turns},
-                "machine": f"{os.uname().machine}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads",
+                "machine": machine(),
                 "torch": torch.__version__, "profile": profile.to_dict(),
                 "started": previous.get("started") or time.strftime("%Y-%m-%d %H:%M:%S"),
                 "methods": {m.name: m.to_dict() for m in methods}}

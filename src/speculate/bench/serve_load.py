@@ -12,16 +12,13 @@ Every answer is checked against the single-request answer for its prompt.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import date
 
 from ..models import DEFAULT_MODEL
-from ..models.cache import atomic_write_text
+from . import emit, machine
 from .speed import PROMPT_SETS
 
 
@@ -66,7 +63,7 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, max_conc
                     print(f"  {rows[-1]}", file=sys.stderr)
     finally:
         server.stop()
-    return {"date": date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    return {"date": date.today().isoformat(), "machine": machine(),
             "model": model, "max_tokens": max_tokens, "max_concurrency": max_concurrency, "rows": rows}
 
 
@@ -79,12 +76,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-concurrency", type=int, default=1, help="the server's generation workers")
     p.add_argument("--out")
     a = p.parse_args(argv)
-    result = run(a.model, a.clients, a.requests, a.max_tokens, a.max_concurrency)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        atomic_write_text(a.out, text + "\n")
-    return 0
+    return emit(run(a.model, a.clients, a.requests, a.max_tokens, a.max_concurrency), a.out)
 
 
 if __name__ == "__main__":

@@ -1,33 +1,37 @@
-"""Engine speed against Hugging Face, interleaved in one process (these machines are noisy: compare
-methods round-robin on the same prompts and quote ratios, not absolute numbers).
+"""Engine speed against Hugging Face and across precisions, interleaved in one process (these machines
+are noisy: compare methods round-robin on the same prompts and quote ratios, not absolute numbers).
 
-    python -m speculate.bench.speed [--model M] [--max-new-tokens 128] [--repeats 2] [--out FILE.json]
+    python -m speculate.bench.speed [--model M] [--dtypes fp32,int8] [--max-new-tokens 128] [--repeats 2]
+                                    [--k 6] [--out FILE.json]
 
 Prompt sets: "copy" (repeat a paragraph, fix its typos) and "paraphrase" (simplify, summarize), reported
-separately. Methods (greedy: each should produce the same tokens as HF generate — counted and reported;
-a difference means a near-tie argmax flipped between batched and single-row kernels):
-  hf_generate     model.generate(do_sample=False)
-  none            our engine, no drafts (plain decoding)
-  hf_lookup       model.generate(prompt_lookup_num_tokens=10)   (HF's prompt lookup)
-  lookup          our engine, prompt lookup, k=6
+separately. Methods (greedy: each should produce the same tokens as HF generate at the same precision —
+counted and reported; a difference means a near-tie argmax flipped between batched and single-row kernels):
+  hf_generate     model.generate(do_sample=False)                 (first precision only)
+  hf_lookup       model.generate(prompt_lookup_num_tokens=10)     (HF's prompt lookup; first precision only)
+  none@D          our engine, no drafts (plain decoding), at precision D
+  lookup@D        our engine, prompt lookup, k, at precision D
+
+Engine overhead: for our methods, the time inside target forwards and inside the drafter is measured per
+call (timers around ``KVModel.forward`` and the drafter's ``propose``/``update``); the rest of a
+generation's wall time is the engine's own (verification, sampling, bookkeeping, detokenization) and is
+reported as a share of the wall time and in ms per round.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import time
 from datetime import date
+from functools import partial
 
 import torch
 
 from ..engine import SpeculativeDecoder
 from ..models import DEFAULT_MODEL, load_model
-from ..models.cache import atomic_write_text
 from ..text import encode_prompt
+from . import emit, machine
 
 PARAGRAPHS = [
     "The city council met on Tuesday evening to discuss the proposed changes to the public transport network. "
@@ -75,19 +79,58 @@ def _hf(loaded, ids, max_new, **kw):
     return out[0, len(ids):].tolist()
 
 
-def run(model: str, max_new_tokens: int, repeats: int, k: int) -> dict:
-    loaded = load_model(model)
-    tok = loaded.tokenizer
-    ours = {"none": SpeculativeDecoder(loaded, "none"), "lookup": SpeculativeDecoder(loaded, "lookup", "greedy", k=k)}
-    methods = {
-        "hf_generate": lambda ids: _hf(loaded, ids, max_new_tokens),
-        "none": lambda ids: ours["none"].generate(ids, max_new_tokens=max_new_tokens).token_ids,
-        "hf_lookup": lambda ids: _hf(loaded, ids, max_new_tokens, prompt_lookup_num_tokens=10),
-        "lookup": lambda ids: ours["lookup"].generate(ids, max_new_tokens=max_new_tokens).token_ids,
-    }
+class _Timed:
+    """Our decoder with timers around the target forwards and the drafter: what is left is engine time."""
+
+    def __init__(self, decoder: SpeculativeDecoder):
+        self.decoder, self.model_seconds, self.drafter_seconds = decoder, 0.0, 0.0
+        self.wall_seconds, self.rounds = 0.0, 0
+        decoder.kv.forward = self._timer(decoder.kv.forward, "model_seconds")
+        decoder.drafter.propose = self._timer(decoder.drafter.propose, "drafter_seconds")
+        decoder.drafter.update = self._timer(decoder.drafter.update, "drafter_seconds")
+
+    def _timer(self, fn, field):
+        def timed(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                setattr(self, field, getattr(self, field) + time.perf_counter() - start)
+        return timed
+
+    def __call__(self, ids, max_new_tokens):
+        g = self.decoder.generate(ids, max_new_tokens=max_new_tokens)
+        self.wall_seconds += g.stats.wall_seconds
+        self.rounds += g.stats.target_calls
+        return g.token_ids
+
+    def overhead(self) -> dict:
+        engine = self.wall_seconds - self.model_seconds - self.drafter_seconds
+        return {"engine_share": round(engine / self.wall_seconds, 4),
+                "engine_ms_per_round": round(1e3 * engine / max(self.rounds, 1), 3),
+                "model_share": round(self.model_seconds / self.wall_seconds, 4),
+                "drafter_share": round(self.drafter_seconds / self.wall_seconds, 4),
+                "rounds": self.rounds}
+
+
+def run(model: str, max_new_tokens: int, repeats: int, k: int, dtypes: list[str] | tuple = ("fp32",)) -> dict:
+    loaded = {d: load_model(model, dtype=d) for d in dtypes}
+    ref = loaded[dtypes[0]]
+    tok = ref.tokenizer
+    ours = {}
+    for d in dtypes:
+        ours[f"none@{d}"] = _Timed(SpeculativeDecoder(loaded[d], "none"))
+        ours[f"lookup@{d}"] = _Timed(SpeculativeDecoder(loaded[d], "lookup", "greedy", k=k))
+    methods = {"hf_generate": lambda ids: _hf(ref, ids, max_new_tokens),
+               "hf_lookup": lambda ids: _hf(ref, ids, max_new_tokens, prompt_lookup_num_tokens=10)}
+    methods.update({name: partial(timed, max_new_tokens=max_new_tokens) for name, timed in ours.items()})
     order = list(methods)
     jobs = [(name, encode_prompt(tok, p)) for name, prompts in PROMPT_SETS.items() for p in prompts]
-    methods["none"](jobs[0][1][:20])  # warm-up (first-call allocations)
+    for fn in methods.values():  # warm-up (first-call allocations), not timed
+        fn(jobs[0][1][:20])
+    for timed in ours.values():
+        timed.model_seconds = timed.drafter_seconds = timed.wall_seconds = 0.0
+        timed.rounds = 0
     totals = {(s, m): [0, 0.0] for s in PROMPT_SETS for m in methods}  # tokens, seconds
     same = {m: 0 for m in methods}
     done = 0
@@ -106,44 +149,51 @@ def run(model: str, max_new_tokens: int, repeats: int, k: int) -> dict:
                 totals[set_name, name][0] += len(out)
                 totals[set_name, name][1] += dt
             for name in methods:
-                same[name] += outs[name] == outs["hf_generate"]
+                reference = outs["hf_generate"] if name.startswith("hf") or name.endswith(dtypes[0]) else \
+                    outs[f"none@{name.split('@')[1]}"]
+                same[name] += outs[name] == reference
             done += 1
             print(f"  {done}/{repeats * len(jobs)} prompts", file=sys.stderr)
     result = {
-        "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads",
-        "torch": torch.__version__,
-        "model": model, "max_new_tokens": max_new_tokens, "repeats": repeats, "k": k,
-        "identical_to_hf_generate": {m: f"{same[m]}/{done}" for m in methods if m != "hf_generate"},
+        "date": date.today().isoformat(), "machine": machine(), "torch": torch.__version__,
+        "model": model, "dtypes": list(dtypes), "max_new_tokens": max_new_tokens, "repeats": repeats, "k": k,
+        "identical_to_reference": {m: f"{same[m]}/{done}" for m in methods if m != "hf_generate"},
+        "reference": f"hf_generate for {dtypes[0]} and HF methods; none@D for the other precisions",
+        "engine_overhead": {name: timed.overhead() for name, timed in ours.items()},
         "sets": {},
     }
     for set_name in PROMPT_SETS:
         tps = {m: totals[set_name, m][0] / totals[set_name, m][1] for m in methods}
-        result["sets"][set_name] = {
-            "prompts": len(PROMPT_SETS[set_name]),
-            "tokens_per_second": {m: round(v, 2) for m, v in tps.items()},
-            "none / hf_generate": round(tps["none"] / tps["hf_generate"], 3),
-            "lookup / none": round(tps["lookup"] / tps["none"], 3),
-            "lookup / hf_lookup": round(tps["lookup"] / tps["hf_lookup"], 3),
-            "hf_lookup / hf_generate": round(tps["hf_lookup"] / tps["hf_generate"], 3),
-        }
+        d0 = dtypes[0]
+        ratios = {f"none@{d0} / hf_generate": tps[f"none@{d0}"] / tps["hf_generate"],
+                  f"lookup@{d0} / hf_lookup": tps[f"lookup@{d0}"] / tps["hf_lookup"],
+                  "hf_lookup / hf_generate": tps["hf_lookup"] / tps["hf_generate"]}
+        for d in dtypes:
+            ratios[f"lookup@{d} / none@{d}"] = tps[f"lookup@{d}"] / tps[f"none@{d}"]
+            if d != d0:
+                ratios[f"none@{d} / none@{d0}"] = tps[f"none@{d}"] / tps[f"none@{d0}"]
+        result["sets"][set_name] = {"prompts": len(PROMPT_SETS[set_name]),
+                                    "tokens_per_second": {m: round(v, 2) for m, v in tps.items()},
+                                    **{name: round(v, 3) for name, v in ratios.items()}}
     return result
 
 
 def main(argv=None) -> int:
+    from ..models import DTYPES
+
     p = argparse.ArgumentParser(prog="python -m speculate.bench.speed", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtypes", default="fp32", help="comma-separated precisions, the first is the HF reference "
+                                                   f"(from {', '.join(DTYPES)}; default fp32)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--k", type=int, default=6)
     p.add_argument("--out", help="write the result as JSON here (atomically)")
     a = p.parse_args(argv)
-    result = run(a.model, a.max_new_tokens, a.repeats, a.k)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        atomic_write_text(a.out, text + "\n")
-    return 0
+    dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
+    if not dtypes or any(d not in DTYPES for d in dtypes):
+        p.error(f"--dtypes: choose from {', '.join(DTYPES)}")
+    return emit(run(a.model, a.max_new_tokens, a.repeats, a.k, dtypes), a.out)
 
 
 if __name__ == "__main__":
