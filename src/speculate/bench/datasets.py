@@ -111,8 +111,11 @@ def _load_humaneval(limit: int | None, shots: int, root: Path) -> list[Sample]:
     """HumanEval problems as instructions to write the function in a fenced block."""
     problems = _humaneval_problems()[:limit]
     keys = ("task_id", "prompt", "test", "entry_point")
+    # Stop at the end of the code block: what follows is prose that costs time and scores nothing. The
+    # closing fence is "\n```" then a newline (or EOS, which stops anyway); an opening fence as the
+    # instruction asks ("```python") never contains "\n```\n".
     return [Sample("humaneval", p["task_id"], (HUMANEVAL_INSTRUCTION.format(prompt=p["prompt"]),),
-                   reference={k: p[k] for k in keys}) for p in problems]
+                   reference={k: p[k] for k in keys}, stop=("\n```\n",)) for p in problems]
 
 
 # ----------------------------------------------------------------------------------------------- gsm8k
@@ -212,7 +215,9 @@ def _load_mt_bench(limit: int | None, shots: int, root: Path) -> list[Sample]:
 
 def _load_copy(limit: int | None, shots: int, root: Path) -> list[Sample]:
     """The speed benchmark's copy-heavy and paraphrase prompts (the regime prompt lookup is built for)."""
-    from .speed import PROMPT_SETS  # imported here: speed imports torch, which the other datasets don't need
+    from .speed import (
+        PROMPT_SETS,  # imported here: speed imports torch, which the other datasets don't need
+    )
 
     samples = [Sample("copy", f"{name}-{i}", (prompt,))
                for name in ("copy", "paraphrase") for i, prompt in enumerate(PROMPT_SETS[name])]
