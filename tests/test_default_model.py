@@ -51,3 +51,15 @@ def test_corrupted_cache_is_rebuilt_not_loaded(default_model, tmp_path, monkeypa
     assert ensure_converted(src, progress=False) == folder
     assert verified(folder)
     assert weights.stat().st_size == (default_model.path / "model.safetensors").stat().st_size
+
+
+def test_incremental_decoding_on_the_real_tokenizer(default_model):
+    from test_text_and_cache import assert_incremental_equals_full
+
+    tok = default_model.tokenizer
+    import random
+
+    rng = random.Random(1)
+    text = "def f(x):\n    return x ** 2  # naïve 東京 😀\n\nThe answer is 42.  Done.\n"
+    assert_incremental_equals_full(tok, tok(text, add_special_tokens=False)["input_ids"])
+    assert_incremental_equals_full(tok, [rng.randrange(len(tok)) for _ in range(400)])

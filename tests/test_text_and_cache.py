@@ -84,3 +84,25 @@ def test_failed_build_leaves_nothing_and_keeps_the_old_folder(tmp_path):
     with building(folder) as tmp:  # a rebuild replaces the old folder whole
         (tmp / "b").write_text("new")
     assert sorted(p.name for p in folder.iterdir()) == ["b", "manifest.json"] and verified(folder)
+
+
+def assert_incremental_equals_full(tokenizer, ids):
+    """At every step the incremental text is the full decode (up to a held-back partial character)."""
+    d = Detokenizer(tokenizer)
+    pieces = []
+    for i, t in enumerate(ids):
+        pieces.append(d.add(t))
+        full = tokenizer.decode(ids[: i + 1], skip_special_tokens=True)
+        assert d.text == full, (i, d.text[-20:], full[-20:])
+    pieces.append(d.flush())
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_incremental_decoding_equals_decoding_everything(tok):
+    text = "naïve café — 東京 😀 spaces   and\ttabs\n" * 3
+    assert_incremental_equals_full(tok, tok(text)["input_ids"])
+    # Random bytes: incomplete UTF-8 sequences everywhere.
+    import random
+
+    rng = random.Random(0)
+    assert_incremental_equals_full(tok, [rng.randrange(3, len(tok)) for _ in range(300)])

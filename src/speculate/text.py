@@ -56,13 +56,35 @@ class Detokenizer:
         self.emitted = 0  # characters of the text already returned
         self.text = ""
         self.stopped = False
+        # Incremental decoding (as vLLM and TGI do): decode only the ids from prefix_offset on, and
+        # take the text beyond what ids[prefix_offset:read_offset] decode to. Decoding the whole output
+        # per token would cost O(n²) over a long generation; a window that starts a few tokens back
+        # still sees the context that byte-level and sentencepiece decoders need for spaces and merges.
+        self._done = ""  # text of ids[:read_offset], final
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _current(self) -> str:
+        """The text of every id so far (a trailing incomplete character decodes as U+FFFD)."""
+        prefix = self._decode(self.ids[self._prefix_offset: self._read_offset])
+        window = self._decode(self.ids[self._prefix_offset:])
+        if len(window) > len(prefix) and window.startswith(prefix) and not window.endswith("\ufffd"):
+            self._done += window[len(prefix):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+            return self._done
+        if not window.startswith(prefix):  # the decoder revised text inside the window: start afresh
+            self._done = self._decode(self.ids)
+            self._prefix_offset = self._read_offset = len(self.ids)
+            return self._done
+        return self._done + window[len(prefix):]
 
     def add(self, token_id: int) -> str:
         """Append one token; return the new text that is now safe to show."""
         self.ids.append(token_id)
-        # Decoding the whole output each time is simple and, at tens of microseconds, far below the
-        # cost of a forward pass; it sidesteps the merge rules of byte-level and sentencepiece decoders.
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self._current()
         # Held-back text never reaches the caller, so a stop string can only start at >= emitted
         # (minus its length, in case decoding revised the tail).
         hits = [j for s in self.stop if (j := text.find(s, max(0, self.emitted - len(s)))) >= 0]
