@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy import stats as sstats
 
-from speculate import SpeculateError, SpeculativeDecoder
+from speculate import SpeculateError, SpeculativeDecoder, load_model
 from speculate.drafters import get_drafter
 from speculate.drafters.base import Draft, Drafter
 from speculate.models.kv import KVModel
@@ -104,8 +104,13 @@ def test_stop_inside_an_accepted_draft(tiny):
     assert len(out.token_ids) < 40 and out.token_ids == ref.token_ids[: len(out.token_ids)]
 
 
-@pytest.fixture(params=["fast", "hf"])
-def make_kv(request):
+@pytest.fixture(params=["fast", "hf", "int8"])
+def make_kv(request, tmp_path, monkeypatch):
+    """Each KV backend: the lean decoder, the Hugging Face modules, and the lean decoder at int8 (its
+    batch-invariant attention keeps chains and trees equal to separate forwards there too)."""
+    if request.param == "int8":
+        monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path))
+        return lambda loaded: KVModel(load_model(str(loaded.path), dtype="int8"))
     return lambda loaded: KVModel(loaded, fast=request.param == "fast")
 
 

@@ -215,28 +215,6 @@ def test_int8_rows_do_not_depend_on_the_batch(int8_tiny):
     assert torch.equal(chains[0], rows[58:66]) and torch.equal(chains[1], rows[61:75])
 
 
-def test_int8_tree_forward(int8_tiny):
-    """Trees on the int8 fast path: each node sees its ancestors (close to the chain, not bit-equal:
-    the nodes sit in other cache slots), and a kept branch equals having run it alone."""
-    kv = KVModel(int8_tiny)
-    prefix = torch.tensor(random_prompt(2, 9))
-    tokens = torch.tensor([11, 12, 13, 14, 15, 16])
-    parents = [-1, 0, 1, 0, -1, 4]
-    kv.reset()
-    kv.forward(prefix)
-    start = kv.length
-    tree = kv.forward(tokens, tree_parents=parents)
-    for path in ([0, 1, 2], [0, 3], [4, 5]):
-        kv.keep(start)
-        torch.testing.assert_close(tree[path], kv.forward(tokens[path]), rtol=1e-4, atol=1e-4)
-    kv.keep(start)
-    kv.forward(tokens, tree_parents=parents)
-    kv.keep_path(start, [0, 3])
-    after = kv.forward(torch.tensor([7]))[-1]
-    kv.keep(start)
-    torch.testing.assert_close(after, kv.forward(torch.tensor([11, 14, 7]))[-1], rtol=1e-4, atol=1e-4)
-
-
 def test_int8_is_close_to_fp32_on_tiny(int8_tiny, tiny):
     ids = random_prompt(4, 200)
     a, b = logits(int8_tiny, ids), logits(tiny[0], ids)
