@@ -15,6 +15,12 @@ from speculate.calc.command import predictions
 from speculate.cli import main
 from speculate.errors import SpeculateError
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Cost profiles measured for --k auto go to a temporary cache, not the user's."""
+    monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path / "cache"))
+
+
 FILES = ["samples.jsonl", "run.json", "summary.md", "summary.csv", "summary.json", "speedup_vs_quality.png",
          "acceptance_vs_k.png", "acceptance_by_position.png"]
 
