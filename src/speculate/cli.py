@@ -124,8 +124,8 @@ def _generate(args) -> int:
         raise SpeculateError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not args.prompt.strip():
         raise SpeculateError("the prompt is empty")
-    if args.draft_model and args.drafter != "model":
-        raise SpeculateError("--draft-model needs --drafter model")
+    if args.draft_model and args.drafter not in ("model", "model-tree"):
+        raise SpeculateError("--draft-model needs --drafter model (or model-tree)")
     target = load_model(args.model, dtype=args.dtype)
     draft = load_model(args.draft_model, dtype=args.draft_dtype or args.dtype) if args.draft_model else None
     decoder = SpeculativeDecoder(target, args.drafter, args.verifier, k=args.k, draft_model=draft,

@@ -9,6 +9,12 @@ One round (Leviathan et al. 2023, Algorithm 1; Consultant Decoding, Algorithm 1)
 4. both KV caches forget the m−n rejected positions; the n drafts and the next token are emitted.
 
 Plain decoding is the same loop with an empty draft (drafter ``none``): one target call per token.
+
+Tree drafts (``Draft.parents``, e.g. drafter ``model-tree``) take the same four steps: the forward
+runs [last committed token] + the N nodes under the tree mask (each node sees its ancestors only),
+giving N+1 rows (row 0 after the root, row i+1 after node i); the verifier's tree rule
+(verifiers/tree.py, :func:`verify_tree`) names the accepted root-to-node path; the cache keeps
+exactly that path (``keep_path``). Acceptance by position is acceptance by depth.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from .sampling import Sampling, one_hot, warp
 from .stats import Stats
 from .text import Detokenizer, encode_prompt, eos_ids
 from .verifiers import Verifier, get_verifier
+from .verifiers.tree import has_tree_rule, tree_rule_missing, verify_tree
 
 
 @dataclass
@@ -54,7 +61,8 @@ class Stream:
 class SpeculativeDecoder:
     """``SpeculativeDecoder(target, drafter, verifier, k)``.
 
-    ``drafter``: a :class:`Drafter` or a name (``none``, ``lookup``, ``model`` with ``draft_model``).
+    ``drafter``: a :class:`Drafter` or a name (``none``, ``lookup``, ``model`` or ``model-tree`` with
+    ``draft_model``).
     ``verifier``: a :class:`Verifier`, a name, or None for ``greedy`` at temperature 0 and ``sample``
     (lossless) otherwise. ``verifier_params`` go to :func:`get_verifier` (eps, beta, D, tol, ...).
     """
@@ -76,8 +84,7 @@ class SpeculativeDecoder:
         self.k_policy = self._k_policy(k)
         self.k = "auto" if is_auto(k) else k
         self.eos = eos_ids(target)
-        if not isinstance(verifier, Verifier):
-            self._verifier(Sampling())  # validate the name and parameters now, not at the first request
+        self._verifier(Sampling())  # validate the name, parameters and tree rule now, not at the first request
 
     def _k_policy(self, k):
         if not is_auto(k):
@@ -90,6 +97,8 @@ class SpeculativeDecoder:
 
     def _verifier(self, sampling: Sampling) -> Verifier:
         if isinstance(self.verifier_spec, Verifier):
+            if self.drafter.tree and not has_tree_rule(self.verifier_spec):
+                raise SpeculateError(tree_rule_missing(self.verifier_spec))
             return self.verifier_spec
         name = self.verifier_spec or ("greedy" if sampling.greedy else "sample")
         if name == "greedy" and not sampling.greedy:
@@ -99,9 +108,12 @@ class SpeculativeDecoder:
         if name in ("consultant", "typical"):
             params.setdefault("greedy", sampling.greedy)
         try:
-            return get_verifier(name, **params)
+            verifier = get_verifier(name, **params)
         except ValueError as e:
             raise SpeculateError(str(e)) from None
+        if self.drafter.tree and not has_tree_rule(verifier):
+            raise SpeculateError(tree_rule_missing(verifier))
+        return verifier
 
     # ---------------------------------------------------------------------------------------------
     def generate(self, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
@@ -164,9 +176,9 @@ class SpeculativeDecoder:
     def _decode(self, prompt_ids, max_new_tokens, sampling, verifier, generator, stats, start) -> Iterator[int]:
         """Yield new token ids, one at a time, until the budget is spent (the caller stops earlier at
         EOS or a stop string)."""
-        kv, drafter, policy, vocab = self.kv, self.drafter, self.k_policy, self.kv.vocab_size
+        kv, drafter, policy = self.kv, self.drafter, self.k_policy
         tokens = list(prompt_ids)
-        kv.reset(capacity=len(tokens) + max_new_tokens + policy.k_max + 1)
+        kv.reset(capacity=len(tokens) + max_new_tokens + drafter.max_nodes(policy.k_max) + 1)
         policy.reset()
         drafter.begin(tokens, sampling, generator)
         # Prefill all but the last prompt token; the last one is scored with the first draft.
@@ -175,31 +187,57 @@ class SpeculativeDecoder:
         stats.prefill_seconds = time.perf_counter() - start
         state, produced = None, 0
         while produced < max_new_tokens:
-            # 1. Draft: never more tokens than the budget can still take (the target adds one).
-            draft = drafter.propose(tokens, min(policy.next_k(), max_new_tokens - produced - 1))
-            m = len(draft)
-            # 2. One target forward over [last committed token, x_1..x_m] → m+1 rows of logits.
-            logits = kv.forward(torch.cat([torch.tensor(tokens[-1:]), draft.tokens]))
-            # 3. Verify. Warped (temperature/top-k/top-p) target rows, or raw ones plus the warped rows
-            #    for verifiers that judge by the target's own likelihood (consultant, typical).
-            warped = warp(logits, sampling)
-            draft_probs = None
-            if verifier.needs_draft_probs:
-                draft_probs = draft.probs if draft.probs is not None else one_hot(draft.tokens, vocab)
-            if verifier.raw_target:
-                verdict = verifier.verify(draft.tokens, draft_probs, logits.softmax(-1), state, generator, warped)
-            else:
-                verdict = verifier.verify(draft.tokens, draft_probs, warped, state, generator)
-            n, state = verdict.n_accepted, verdict.state
+            # 1. Draft: never deeper than the budget can still take (the target adds one token).
+            budget = max_new_tokens - produced - 1
+            draft = drafter.propose(tokens, min(policy.next_k(), budget)).within(budget)
+            # 2. One target forward over [last committed token] + drafts → a row after each of them.
+            root = torch.tensor(tokens[-1:])
+            logits = kv.forward(torch.cat([root, draft.tokens]), tree_parents=_rooted(draft.parents))
+            # 3. Verify: the accepted drafts (a chain's first n, or a tree's path) and the next token.
+            verdict = _verify(verifier, draft, logits, sampling, state, generator)
+            path, state = _accepted(verdict), verdict.state
             # 4. Roll back: keep the cache up to the last accepted draft; the next token is fed next round.
-            kv.keep(len(tokens) + n)
-            drafter.update(n, verdict.next_token)
-            policy.update(m, n)
-            stats.record(m, n)
-            for token in draft.tokens[:n].tolist() + [verdict.next_token]:
+            if draft.parents is None:
+                kv.keep(len(tokens) + len(path))
+                drafter.update(len(path), verdict.next_token)
+            else:
+                kv.keep_path(len(tokens) - 1, [0] + [node + 1 for node in path])  # the root, then the path
+                drafter.update(len(path), verdict.next_token, path)
+            policy.update(draft.depth, len(path))
+            stats.record(len(draft), len(path), draft.depth)
+            for token in draft.tokens[path].tolist() + [verdict.next_token]:
                 tokens.append(token)
                 produced += 1
                 yield token
+
+
+def _verify(verifier: Verifier, draft, logits: torch.Tensor, sampling: Sampling, state, generator):
+    """The verdict on a draft from the target's rows ``logits`` [m+1, V]: the chain rule, or its tree
+    form (:func:`verify_tree`). Warped (temperature/top-k/top-p) target rows, or raw ones plus the
+    warped rows for verifiers that judge by the target's own likelihood (consultant, typical)."""
+    warped = warp(logits, sampling)
+    draft_probs = None
+    if verifier.needs_draft_probs:
+        draft_probs = draft.probs if draft.probs is not None else one_hot(draft.tokens, logits.shape[-1])
+    if draft.parents is not None:
+        target_probs, sample_probs = (logits.softmax(-1), warped) if verifier.raw_target else (warped, None)
+        return verify_tree(verifier, draft.tokens, draft.parents, draft_probs, target_probs, state, generator,
+                           sample_probs, replacement=draft.replacement)
+    if verifier.raw_target:
+        return verifier.verify(draft.tokens, draft_probs, logits.softmax(-1), state, generator, warped)
+    return verifier.verify(draft.tokens, draft_probs, warped, state, generator)
+
+
+def _rooted(parents: list[int] | None) -> list[int] | None:
+    """A tree's parents for the forward over [root] + nodes: the root (row 0) becomes every top
+    node's parent, node i is row i+1. None (a chain) stays None: a causal forward."""
+    return None if parents is None else [-1] + [parent + 1 for parent in parents]
+
+
+def _accepted(verdict) -> list[int]:
+    """The accepted draft indices: a tree verdict's path, or a chain's first n."""
+    path = getattr(verdict, "path", None)
+    return list(range(verdict.n_accepted)) if path is None else list(path)
 
 
 def _is_token_ids(prompt) -> bool:

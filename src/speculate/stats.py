@@ -11,23 +11,26 @@ class Stats:
     target_calls: int = 0  # target forwards after the prefill: one per round
     drafted_tokens: int = 0
     accepted_draft_tokens: int = 0
-    rejected_rounds: int = 0  # rounds that kept fewer drafts than they proposed
-    drafted_by_position: list[int] = field(default_factory=list)  # rounds that drafted position i
-    accepted_by_position: list[int] = field(default_factory=list)  # rounds that accepted position i
+    rejected_rounds: int = 0  # rounds that kept fewer drafts than their deepest path
+    drafted_by_position: list[int] = field(default_factory=list)  # rounds that drafted position (depth) i
+    accepted_by_position: list[int] = field(default_factory=list)  # rounds that accepted position (depth) i
     prefill_seconds: float = 0.0
     wall_seconds: float = 0.0  # prefill + decoding; loading excluded
 
-    def record(self, n_drafted: int, n_accepted: int) -> None:
-        """One round: ``n_drafted`` tokens proposed, the first ``n_accepted`` of them kept."""
+    def record(self, n_drafted: int, n_accepted: int, depth: int | None = None) -> None:
+        """One round: ``n_drafted`` tokens proposed, ``n_accepted`` of them kept. A tree of
+        ``n_drafted`` nodes drafts positions (depths) 1..``depth`` and accepts a path of
+        ``n_accepted``; a chain's depth is its length (the default)."""
+        depth = n_drafted if depth is None else depth
         self.target_calls += 1
         self.drafted_tokens += n_drafted
         self.accepted_draft_tokens += n_accepted
-        self.rejected_rounds += n_accepted < n_drafted
-        grow = n_drafted - len(self.drafted_by_position)
+        self.rejected_rounds += n_accepted < depth
+        grow = depth - len(self.drafted_by_position)
         if grow > 0:
             self.drafted_by_position += [0] * grow
             self.accepted_by_position += [0] * grow
-        for i in range(n_drafted):
+        for i in range(depth):
             self.drafted_by_position[i] += 1
             self.accepted_by_position[i] += i < n_accepted
 

@@ -15,7 +15,7 @@ import itertools
 from dataclasses import asdict, dataclass, fields
 
 from ..calc.auto import is_auto, parse_auto
-from ..drafters import DRAFTERS
+from ..drafters import DRAFTERS, MODEL_DRAFTERS
 from ..errors import SpeculateError
 from ..verifiers import VERIFIERS
 
@@ -58,7 +58,7 @@ class Method:
 
     @property
     def needs_draft_model(self) -> bool:
-        return self.drafter == "model" or self.kind == "hf_assisted"
+        return self.drafter in MODEL_DRAFTERS or self.kind == "hf_assisted"
 
     def to_dict(self) -> dict:
         return {"name": self.name, **asdict(self)}

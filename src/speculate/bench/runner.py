@@ -86,7 +86,7 @@ class Runner:
         self.method, self.target, self.draft = method, target, draft
         self.eos = eos_ids(target)
         if method.kind == "engine":
-            drafter_model = draft if method.drafter == "model" else None
+            drafter_model = draft if method.needs_draft_model else None
             self.decoder = SpeculativeDecoder(target, method.drafter, method.verifier, k=method.k,
                                               draft_model=drafter_model, eps=method.eps, beta=method.beta,
                                               D=method.D)

@@ -273,10 +273,11 @@ def predictions(run: dict, rows: list[dict]) -> list[dict]:
         if spec.get("kind") != "engine" or r["alpha"] is None or not r["mean_accepted_length"]:
             continue
         drafted_per_round = r["drafted_tokens"] / r["target_calls"] if r.get("target_calls") else None
-        k = spec["k"] if isinstance(spec.get("k"), int) and spec.get("drafter") == "model" else \
+        drafts_with_model = spec.get("drafter") in ("model", "model-tree")
+        k = spec["k"] if isinstance(spec.get("k"), int) and drafts_with_model else \
             max(1, round(drafted_per_round or 1))
         k = min(k, k_cover)
-        c = (prof.c or 0.0) if spec.get("drafter") == "model" else 0.0
+        c = (prof.c or 0.0) if drafts_with_model else 0.0
         predicted = speedup(r["alpha"], k, c, curve)
         out.append({"method": r["method"], "dataset": r["dataset"], "alpha": r["alpha"], "k": k, "c": round(c, 3),
                     "predicted": round(predicted, 3), "measured": r["speedup"],

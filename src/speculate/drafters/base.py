@@ -1,8 +1,13 @@
 """The drafter interface.
 
-A drafter proposes up to k tokens that continue the committed sequence, with the distributions they
-were drawn from, and learns the verifier's verdict through :meth:`update` (so it can roll back its own
+A drafter proposes drafts that continue the committed sequence, with the distributions they were
+drawn from, and learns the verifier's verdict through :meth:`update` (so it can roll back its own
 state). The engine never special-cases a drafter.
+
+A draft is a *chain* (``parents`` None: x_1..x_m, each continuing the one before) or a *tree*
+(``parents`` a list): nodes in topological order, ``parents[i]`` = -1 for a child of the last
+committed token, else the index of node i's parent. A tree is verified in one target forward
+(the engine's ``tree_parents`` mask) and the verdict names the accepted root-to-node ``path``.
 """
 
 from __future__ import annotations
@@ -16,27 +21,67 @@ from ..sampling import Sampling
 
 @dataclass
 class Draft:
-    tokens: torch.Tensor  # LongTensor [m], m <= k (m = 0: nothing to propose this round)
-    probs: torch.Tensor | None = None  # p_draft rows [m, V]; None means one-hot on `tokens`
+    tokens: torch.Tensor  # LongTensor [m], m <= k chain tokens or m tree nodes (m = 0: nothing this round)
+    probs: torch.Tensor | None = None  # p_draft rows [m, V], row i the distribution token i was drawn
+    #                                    from (tree siblings share their parent's row); None: one-hot
+    parents: list[int] | None = None  # None: a chain; else each node's parent (-1: the last committed token)
+    replacement: bool = False  # tree only: siblings drawn i.i.d. WITH replacement (else without); the
+    #                            lossless sampling rule differs (verifiers/tree.py, tree_sample)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    def node_depths(self) -> list[int]:
+        """Depth of each token, 1 for a child of the last committed token (a chain: 1..m)."""
+        if self.parents is None:
+            return list(range(1, len(self) + 1))
+        out: list[int] = []
+        for parent in self.parents:
+            out.append(1 if parent < 0 else out[parent] + 1)
+        return out
+
+    @property
+    def depth(self) -> int:
+        """The longest path: how many draft tokens one round can accept."""
+        return max(self.node_depths(), default=0)
+
+    def within(self, max_depth: int) -> Draft:
+        """This draft without the tokens deeper than ``max_depth`` (self when none is). Nodes are
+        topologically ordered and a child is deeper than its parent, so what stays is still a tree."""
+        depth = self.node_depths()
+        keep = [i for i, d in enumerate(depth) if d <= max_depth]
+        if len(keep) == len(depth):
+            return self
+        index = torch.tensor(keep, dtype=torch.long)
+        probs = None if self.probs is None else self.probs[index]
+        if self.parents is None:
+            return Draft(self.tokens[index], probs)
+        new_index = {old: new for new, old in enumerate(keep)}
+        parents = [-1 if self.parents[i] < 0 else new_index[self.parents[i]] for i in keep]
+        return Draft(self.tokens[index], probs, parents, self.replacement)
+
 
 class Drafter:
     name = "base"
+    tree = False  # True: proposals may be trees (Draft.parents); the verifier must have a tree rule
 
     def begin(self, prompt_ids: list[int], sampling: Sampling, generator: torch.Generator) -> None:
         """Start a new generation (reset any state)."""
         self.sampling, self.generator = sampling, generator
 
     def propose(self, tokens: list[int], k: int) -> Draft:
-        """Up to k tokens continuing ``tokens`` (prompt + everything committed so far)."""
+        """Drafts continuing ``tokens`` (prompt + everything committed so far): a chain of up to k
+        tokens, or a tree at most k deep."""
         raise NotImplementedError
 
-    def update(self, n_accepted: int, next_token: int) -> None:
-        """The verdict on the last proposal: its first ``n_accepted`` tokens were kept, then
-        ``next_token`` was appended by the target."""
+    def max_nodes(self, k: int) -> int:
+        """The most draft tokens one proposal at ``k`` holds (k for chains); sizes the KV caches."""
+        return k
+
+    def update(self, n_accepted: int, next_token: int, path: list[int] | None = None) -> None:
+        """The verdict on the last proposal: ``n_accepted`` drafts were kept, then ``next_token`` was
+        appended by the target. For a chain they are its first ``n_accepted`` tokens and ``path`` is
+        not passed; for a tree ``path`` lists the accepted node indices, root side first."""
 
 
 EMPTY = torch.empty(0, dtype=torch.long)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..drafters import MODEL_DRAFTERS
 from ..errors import SpeculateError
 
 MiB = 1 << 20
@@ -37,8 +38,8 @@ class ServerConfig:
             raise SpeculateError(f"the body size limit must be >= 1 byte, got {self.max_body_bytes}")
         if not 0 <= self.port <= 65535:
             raise SpeculateError(f"--port must be in 0..65535, got {self.port}")
-        if self.draft_model and self.drafter != "model":
-            raise SpeculateError("--draft-model needs --drafter model")
+        if self.draft_model and self.drafter not in MODEL_DRAFTERS:
+            raise SpeculateError("--draft-model needs --drafter model (or model-tree)")
         if self.api_key is not None and not self.api_key:
             raise SpeculateError("--api-key must not be empty")
 

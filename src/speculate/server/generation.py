@@ -13,8 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..drafters import get_drafter
-from ..drafters.model import ModelDrafter
+from ..drafters import MODEL_DRAFTERS, get_drafter
 from ..engine import Generation, SpeculativeDecoder, Stream
 from ..errors import SpeculateError
 from ..models.loader import LoadedModel
@@ -114,11 +113,12 @@ def merge_settings(config: ServerConfig, spec: SpeculativeSettings | None) -> di
 
 def build_decoder(target: LoadedModel, draft: LoadedModel | None, settings: dict) -> SpeculativeDecoder:
     try:
-        if settings["drafter"] == "model":
+        if settings["drafter"] in MODEL_DRAFTERS:
             if draft is None:
-                raise SpeculateError("drafter 'model' needs a draft model: start the server with --drafter model "
-                                     "--draft-model M")
-            drafter = ModelDrafter(draft)  # its tokenizer was checked against the target's at startup
+                raise SpeculateError(f"drafter '{settings['drafter']}' needs a draft model: start the server with "
+                                     f"--drafter {settings['drafter']} --draft-model M")
+            # The draft's tokenizer was checked against the target's at startup.
+            drafter = MODEL_DRAFTERS[settings["drafter"]](draft)
         else:
             drafter = get_drafter(settings["drafter"])
         return SpeculativeDecoder(target, drafter, settings["verifier"], k=settings["k"], **settings["params"])
