@@ -167,3 +167,11 @@ def test_bench_bad_input_is_one_line(capsys, args, message, tmp_path):
     assert main(["bench", *args, "--out", str(tmp_path / "x")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_a_method_run_on_one_dataset_only_is_compared_there_only():
+    records = [_record("plain", "gsm8k", 0, 10, 1.0, 10, {"correct": True}),
+               _record("plain", "humaneval", 0, 10, 1.0, 10, {"passed": True}),
+               _record("hf_generate", "humaneval", 0, 10, 2.0, 0, {"passed": True})]
+    rows = {(r["method"], r["dataset"]) for r in summarise(records, n_resamples=50)}
+    assert rows == {("plain", "gsm8k"), ("plain", "humaneval"), ("hf_generate", "humaneval"), ("plain", "all")}

@@ -79,14 +79,17 @@ def summarise(records: list[dict], n_resamples: int = 2000, seed: int = 0) -> li
     for dataset in datasets + ["all"]:
         ds = datasets if dataset == "all" else [dataset]
         plain = {(d, i): r for d in ds for i, r in by.get(("plain", d), {}).items()}
-        # The samples every method finished: the comparison is on the same prompts.
-        keys = sorted(set.intersection(*[{(d, i) for d in ds for i in by.get((m, d), {})} for m in methods]))
-        if not keys or not plain:
+        # The methods run on every dataset of this row, and the samples all of them finished: the
+        # comparison is on the same prompts (a method run on fewer datasets is left out of "all").
+        here = [m for m in methods if all(by.get((m, d)) for d in ds)]
+        keys = sorted(set.intersection(*[{(d, i) for d in ds for i in by.get((m, d), {})} for m in here])) \
+            if "plain" in here else []
+        if not keys:
             continue
         p_tok = np.array([_sum(plain[k], "new_tokens") for k in keys], float)
         p_sec = np.array([_sum(plain[k], "seconds") for k in keys], float)
         p_q = np.array([_quality(plain[k], None if k[0] in ("gsm8k", "humaneval") else plain[k]) for k in keys])
-        for method in methods:
+        for method in here:
             recs = [by[method, k[0]][k[1]] for k in keys]
             tok = np.array([_sum(r, "new_tokens") for r in recs], float)
             sec = np.array([_sum(r, "seconds") for r in recs], float)
