@@ -36,7 +36,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .drafters import DRAFTERS
+    from .drafters import ALL_DRAFTERS
     from .models import ALIASES, DEFAULT_MODEL, DTYPES
     from .verifiers import VERIFIERS
 
@@ -48,7 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"target model: an alias ({', '.join(ALIASES)}) or a local Hugging Face folder "
                         f"(default {DEFAULT_MODEL})")
-    g.add_argument("--drafter", default="lookup", choices=list(DRAFTERS), help="default lookup (prompt lookup)")
+    g.add_argument("--drafter", default="lookup", choices=list(ALL_DRAFTERS),
+                   help="default lookup (prompt lookup); medusa / eagle draft trees with heads trained on the "
+                        "target (shipped for the default model; -chain variants draft chains)")
+    g.add_argument("--heads", metavar="DIR", help="heads folder for medusa / eagle (default: the shipped ones)")
     g.add_argument("--draft-model", help="draft model for --drafter model: an alias or a folder sharing the "
                                          "target's tokenizer")
     g.add_argument("--verifier", choices=list(VERIFIERS),
@@ -76,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"target model: an alias ({', '.join(ALIASES)}) or a local Hugging Face folder "
                         f"(default {DEFAULT_MODEL}); also the model id clients must send")
-    s.add_argument("--drafter", default="lookup", choices=list(DRAFTERS),
+    s.add_argument("--drafter", default="lookup", choices=list(ALL_DRAFTERS),
                    help="default drafter for requests (default lookup)")
     s.add_argument("--draft-model", help="draft model for --drafter model (loaded once, shared by requests)")
     s.add_argument("--verifier", choices=list(VERIFIERS),
@@ -106,6 +109,13 @@ def _parser() -> argparse.ArgumentParser:
                     "model), α and the residual of two distributions, T(n)/T(1) measured on this machine "
                     "with the best k per α, or Consultant Decoding's ε from the Chinchilla law. One per run."))
 
+    from .heads.command import add_arguments as add_heads_arguments
+
+    add_heads_arguments(sub.add_parser(
+        "train-heads", help="train Medusa heads or an EAGLE head on a target's own hidden states",
+        description="Self-distillation: the target answers a prompt set, its hidden states are cached, and "
+                    "draft heads are trained on them (resumable; writes safetensors + config.json)."))
+
     from .bench.command import add_arguments as add_bench_arguments
 
     add_bench_arguments(sub.add_parser(
@@ -117,6 +127,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _generate(args) -> int:
+    from .drafters import SELF_DRAFTERS, get_drafter
     from .engine import SpeculativeDecoder
     from .models import load_model
 
@@ -128,7 +139,12 @@ def _generate(args) -> int:
         raise SpeculateError("--draft-model needs --drafter model (or model-tree)")
     target = load_model(args.model, dtype=args.dtype)
     draft = load_model(args.draft_model, dtype=args.draft_dtype or args.dtype) if args.draft_model else None
-    decoder = SpeculativeDecoder(target, args.drafter, args.verifier, k=args.k, draft_model=draft,
+    drafter = args.drafter
+    if args.heads:
+        if args.drafter not in SELF_DRAFTERS:
+            raise SpeculateError("--heads is for --drafter medusa / eagle (and their -chain variants)")
+        drafter = get_drafter(args.drafter, None, target, heads=args.heads)
+    decoder = SpeculativeDecoder(target, drafter, args.verifier, k=args.k, draft_model=draft,
                                  eps=args.eps, beta=args.beta)
     stream = decoder.stream(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
@@ -172,6 +188,12 @@ def _calc(args) -> int:
     return run(args)
 
 
+def _train_heads(args) -> int:
+    from .heads.command import run
+
+    return run(args)
+
+
 def _bench(args) -> int:
     from .bench.command import run
 
@@ -181,7 +203,8 @@ def _bench(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
-        return {"generate": _generate, "serve": _serve, "calc": _calc, "bench": _bench}[args.command](args)
+        return {"generate": _generate, "serve": _serve, "calc": _calc, "bench": _bench,
+                "train-heads": _train_heads}[args.command](args)
     except SpeculateError as e:
         print(f"speculate: error: {e}", file=sys.stderr)
         return 2

@@ -184,6 +184,8 @@ class SpeculativeDecoder:
         # Prefill all but the last prompt token; the last one is scored with the first draft.
         if len(tokens) > 1:
             kv.forward(torch.tensor(tokens[:-1]), last=1)
+            if drafter.wants_hidden:
+                drafter.observe(kv.hidden)
         stats.prefill_seconds = time.perf_counter() - start
         state, produced = None, 0
         while produced < max_new_tokens:
@@ -197,12 +199,15 @@ class SpeculativeDecoder:
             verdict = _verify(verifier, draft, logits, sampling, state, generator)
             path, state = _accepted(verdict), verdict.state
             # 4. Roll back: keep the cache up to the last accepted draft; the next token is fed next round.
+            rows = list(range(len(path) + 1)) if draft.parents is None else [0] + [node + 1 for node in path]
             if draft.parents is None:
                 kv.keep(len(tokens) + len(path))
                 drafter.update(len(path), verdict.next_token)
             else:
-                kv.keep_path(len(tokens) - 1, [0] + [node + 1 for node in path])  # the root, then the path
+                kv.keep_path(len(tokens) - 1, rows)  # the root, then the path
                 drafter.update(len(path), verdict.next_token, path)
+            if drafter.wants_hidden:  # self-drafting heads continue from the target's own features
+                drafter.observe(kv.hidden[rows])
             policy.update(draft.depth, len(path))
             stats.record(len(draft), len(path), draft.depth)
             for token in draft.tokens[path].tolist() + [verdict.next_token]:

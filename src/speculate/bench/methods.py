@@ -15,7 +15,7 @@ import itertools
 from dataclasses import asdict, dataclass, fields
 
 from ..calc.auto import is_auto, parse_auto
-from ..drafters import DRAFTERS, MODEL_DRAFTERS
+from ..drafters import ALL_DRAFTERS, MODEL_DRAFTERS
 from ..errors import SpeculateError
 from ..verifiers import VERIFIERS
 
@@ -77,9 +77,9 @@ def baseline(kind: str) -> Method:
 
 def engine_method(drafter: str, verifier: str, k, temperature: float = 0.0, eps=None, beta=None, D=None) -> Method:
     """One engine method, checked: names exist, k >= 1 or auto, the verifier fits the temperature."""
-    if drafter not in DRAFTERS or drafter == "none":
+    if drafter not in ALL_DRAFTERS or drafter == "none":
         raise SpeculateError(f"unknown drafter '{drafter}' for a speculative method; choose from: "
-                             f"{', '.join(d for d in DRAFTERS if d != 'none')} (plain decoding is the baseline 'plain')")
+                             f"{', '.join(d for d in ALL_DRAFTERS if d != 'none')} (plain decoding is the baseline 'plain')")
     if verifier not in VERIFIERS:
         raise SpeculateError(f"unknown verifier '{verifier}'; choose from: {', '.join(VERIFIERS)}")
     if not is_auto(k) and (not isinstance(k, int) or k < 1):

@@ -64,6 +64,7 @@ class Draft:
 class Drafter:
     name = "base"
     tree = False  # True: proposals may be trees (Draft.parents); the verifier must have a tree rule
+    wants_hidden = False  # True: the engine hands over the target's hidden states through observe()
 
     def begin(self, prompt_ids: list[int], sampling: Sampling, generator: torch.Generator) -> None:
         """Start a new generation (reset any state)."""
@@ -82,6 +83,12 @@ class Drafter:
         """The verdict on the last proposal: ``n_accepted`` drafts were kept, then ``next_token`` was
         appended by the target. For a chain they are its first ``n_accepted`` tokens and ``path`` is
         not passed; for a tree ``path`` lists the accepted node indices, root side first."""
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        """For drafters that draft from the target's own features (``wants_hidden``): the final-normed
+        hidden states [r, H] of newly committed positions, in order — after the prefill (every prompt
+        token but the last) and after each round (the last committed token and the accepted drafts).
+        The last row is always the one whose LM-head output named the current last token."""
 
 
 EMPTY = torch.empty(0, dtype=torch.long)

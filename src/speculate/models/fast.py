@@ -108,7 +108,8 @@ class FastKVModel:
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = attn0.head_dim
         self.scaling = attn0.scaling
-        self.hidden = cfg.hidden_size
+        self.hidden_size = cfg.hidden_size
+        self.hidden = None  # after each forward: final-normed hidden rows [n_new, H] (the LM head's input)
         self.layers = []
         for layer in inner.layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -166,19 +167,22 @@ class FastKVModel:
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         for i, (ln1, qkv, o_proj, ln2, gate_up, down) in enumerate(self.layers):
             # Attention: one fused q/k/v matmul, rotary on q and k, new k/v written at their positions.
-            out = qkv(F.rms_norm(x, (self.hidden,), ln1, self.eps))
+            out = qkv(F.rms_norm(x, (self.hidden_size,), ln1, self.eps))
             qk = out[:, : (nh + nkv) * hd].view(n, nh + nkv, hd)  # q and k are adjacent: rotate them together
             qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)
             self.k_cache[i, :, start:end] = qk[:, nh:].transpose(0, 1)
             self.v_cache[i, :, start:end] = out[:, (nh + nkv) * hd:].view(n, nkv, hd).transpose(0, 1)
             x = o_proj(x, attend(i, qk[:, :nh]))  # x + o_proj(attention)
             # MLP: one fused gate/up matmul.
-            gate, up = gate_up(F.rms_norm(x, (self.hidden,), ln2, self.eps)).chunk(2, dim=-1)
+            gate, up = gate_up(F.rms_norm(x, (self.hidden_size,), ln2, self.eps)).chunk(2, dim=-1)
             x = down(x, F.silu(gate) * up)  # x + down_proj(...)
         self.length = end
+        # The final-normed rows of every new token (the LM head's input), kept for self-drafting heads
+        # (Medusa, EAGLE): a reference, no copy; the norm is row-wise, so slicing after it is the same.
+        self.hidden = x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
         if last:
             x = x[-last:]
-        return self.lm_head(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps)).float()
+        return self.lm_head(x).float()
 
     def _attention(self, start: int, positions: torch.Tensor, ancestors: torch.Tensor | None):
         """attend(layer, q [n, heads, hd]) → [n, heads·hd]: PyTorch's fused attention over the cache."""

@@ -32,6 +32,7 @@ class HFKVModel:
         self.vocab_size = int(self.model.get_output_embeddings().out_features)
         self.cache = None
         self.length = 0
+        self.hidden = None  # after each forward: final-normed hidden rows [n_new, H] (the LM head's input)
         self._mask_min = torch.finfo(self.model.dtype).min
 
     def reset(self, capacity: int = 0) -> None:
@@ -63,9 +64,10 @@ class HFKVModel:
             kwargs["attention_mask"] = mask
         out = self.model(
             input_ids=tokens[None], position_ids=positions[None], cache=self.cache, use_cache=True,
-            logits_to_keep=last, **kwargs,
+            logits_to_keep=last, output_hidden_states=True, **kwargs,
         )
         self.length += n
+        self.hidden = out.hidden_states[-1][0]  # transformers 5: the last entry is the final-normed one
         return out.logits[0].float()
 
     def keep(self, n_positions: int) -> None:

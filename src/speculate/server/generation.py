@@ -120,7 +120,7 @@ def build_decoder(target: LoadedModel, draft: LoadedModel | None, settings: dict
             # The draft's tokenizer was checked against the target's at startup.
             drafter = MODEL_DRAFTERS[settings["drafter"]](draft)
         else:
-            drafter = get_drafter(settings["drafter"])
+            drafter = get_drafter(settings["drafter"], target=target)
         return SpeculativeDecoder(target, drafter, settings["verifier"], k=settings["k"], **settings["params"])
     except SpeculateError as e:
         raise APIError(400, f"speculative: {e}", "speculative", "invalid_value") from None

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..drafters import DRAFTERS
+from ..drafters import ALL_DRAFTERS
 from ..verifiers import VERIFIERS
 from .errors import APIError
 
@@ -22,7 +22,7 @@ class SpeculativeSettings(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    drafter: Literal[tuple(DRAFTERS)] | None = None
+    drafter: Literal[tuple(ALL_DRAFTERS)] | None = None
     verifier: Literal[tuple(VERIFIERS)] | None = None
     k: int | None = Field(None, ge=1, le=MAX_K)
     eps: float | None = None  # consultant: NLL threshold; typical: probability threshold

@@ -1,0 +1,150 @@
+"""An EAGLE head as a drafter (Li et al. 2024; the dynamic tree of EAGLE-2, Li et al. 2024b).
+
+The head (heads/eagle.py) continues the target's feature sequence: the engine hands over the
+target's hidden rows of newly committed positions (``observe``), and each proposal first feeds the
+pairs [embedding of token t+1, f_t] that the head has not seen yet into its own KV cache (real
+features only: whatever it drafted before is overwritten), then drafts on its own predicted features.
+
+Chain (default): k steps, each token the argmax / a sample of the warped LM-head row of the predicted
+feature (that row is p_draft, so ``sample`` stays lossless).
+Tree (``tree=True``, EAGLE-2): expand the ``topk`` nodes of highest cumulative draft log-probability
+at each depth (one head forward for all of them, under a tree mask), give each its ``topk`` best
+children, and finally keep the ``budget`` nodes of highest cumulative log-probability (a set closed
+under ancestors: a child never scores above its parent). Reranking by draft confidence breaks the
+lossless multi-candidate sampling rule, so trees are drafted for greedy decoding only; when sampling,
+a tree drafter proposes chains.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..heads.io import find_heads, target_matrices
+from ..heads.medusa import expand_rows, subset_weight
+from ..sampling import warp
+from .base import EMPTY, Draft, Drafter
+
+
+class EagleDrafter(Drafter):
+    name = "eagle"
+    wants_hidden = True
+
+    def __init__(self, target, heads=None, tree: bool = False, topk: int = 3, budget: int = 12, depth: int = 6):
+        self.head, self.config, self.folder = find_heads(target, "eagle", heads)
+        self.embed, lm = target_matrices(target)
+        self.vocab_size = int(lm.shape[0])
+        self.vocab = self.head.vocab
+        self.lm_weight = subset_weight(lm, self.vocab)
+        if topk < 1 or budget < 1 or depth < 1:
+            raise ValueError("EagleDrafter needs topk, budget and depth >= 1")
+        self.tree, self.topk, self.budget, self.depth = bool(tree), topk, budget, depth
+        self.hidden_size = self.head.hidden_size
+
+    def begin(self, prompt_ids, sampling, generator):
+        super().begin(prompt_ids, sampling, generator)
+        self.cache = self.head.new_cache(len(prompt_ids) + 256)
+        self.feats = torch.empty(len(prompt_ids) + 256, self.hidden_size)
+        self.n_feats = 0  # target features observed: positions 0..n_feats-1
+        self.fed = 0  # pairs in the head's cache (real features only): positions 0..fed-1
+        self.root = None  # the head's output at position fed-1: its predicted feature at position fed
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        n = hidden.shape[0]
+        if self.n_feats + n > self.feats.shape[0]:
+            grown = torch.empty(max(2 * self.feats.shape[0], self.n_feats + n), self.hidden_size)
+            grown[: self.n_feats] = self.feats[: self.n_feats]
+            self.feats = grown
+        self.feats[self.n_feats: self.n_feats + n] = hidden.float()
+        self.n_feats += n
+
+    def max_nodes(self, k):
+        return max(self.budget, k) if self.tree else k  # sampling: a tree drafter proposes chains
+
+    def _emb(self, ids) -> torch.Tensor:
+        return self.embed[torch.as_tensor(ids, dtype=torch.long)].float()
+
+    def _token(self, sub_index) -> int:
+        return int(sub_index) if self.vocab is None else int(self.vocab[sub_index])
+
+    def _feed(self, tokens) -> bool:
+        """Feed the pairs (f_p, token p+1) not yet in the cache; False when features are missing."""
+        if len(tokens) != self.n_feats + 1 or self.n_feats == 0:
+            return False
+        if self.fed < self.n_feats:
+            pos = torch.arange(self.fed, self.n_feats)
+            out = self.head.step(self.cache, self._emb(tokens[self.fed + 1: self.n_feats + 1]),
+                                 self.feats[self.fed: self.n_feats], pos, pos, None)
+            self.root, self.fed = out[-1], self.n_feats
+        return self.root is not None
+
+    @torch.inference_mode()
+    def propose(self, tokens, k):
+        if k <= 0 or not self._feed(tokens):
+            return Draft(EMPTY)
+        if self.tree and self.sampling.greedy:
+            return self._tree(min(k, self.depth))
+        return self._chain(k)
+
+    def _chain(self, k):
+        start, feat, drafted, rows = self.fed, self.root, [], []
+        greedy = self.sampling.greedy
+        for j in range(k):
+            logits = F.linear(feat, self.lm_weight)[None]  # [1, S]
+            if greedy:
+                token = self._token(logits.argmax(-1))
+            else:
+                row = warp(logits, self.sampling)
+                token = self._token(torch.multinomial(row[0], 1, generator=self.generator))
+                rows.append(row)
+            drafted.append(token)
+            if j + 1 < k:  # the last drafted token is never fed
+                pos = torch.tensor([start + j])
+                feat = self.head.step(self.cache, self._emb([token]), feat[None], pos, pos, None)[0]
+        probs = None if greedy else expand_rows(torch.cat(rows), self.vocab, self.vocab_size)
+        return Draft(torch.tensor(drafted, dtype=torch.long), probs)
+
+    def _tree(self, depth):
+        """EAGLE-2's dynamic tree (greedy): nodes as (token, parent, cumulative log-prob)."""
+        start, topk = self.fed, self.topk
+        toks, parents, scores = [], [], []
+        logp = F.linear(self.root, self.lm_weight).log_softmax(-1)
+        top = logp.topk(min(topk, logp.shape[-1]))
+        for s, i in zip(top.values.tolist(), top.indices.tolist()):
+            toks.append(self._token(i)), parents.append(-1), scores.append(s)
+        frontier = list(range(len(toks)))
+        out_of = {-1: self.root}  # node → the head's predicted feature after it
+        slot_of: dict[int, int] = {}
+        next_slot = start
+        for d in range(2, depth + 1):
+            # Feed the frontier (depth d-1 nodes) in one forward: each sees the real prefix and its ancestors.
+            slots = list(range(next_slot, next_slot + len(frontier)))
+            for node, slot in zip(frontier, slots):
+                slot_of[node] = slot
+            next_slot += len(frontier)
+            allowed = torch.zeros(len(frontier), next_slot, dtype=torch.bool)
+            allowed[:, :start] = True
+            for row, node in enumerate(frontier):
+                a = node
+                while a >= 0:
+                    allowed[row, slot_of[a]] = True
+                    a = parents[a]
+            feats = torch.stack([out_of[parents[node]] for node in frontier])
+            pos = torch.full((len(frontier),), start + d - 2, dtype=torch.long)
+            outs = self.head.step(self.cache, self._emb([toks[n] for n in frontier]), feats, pos,
+                                  torch.tensor(slots), allowed)
+            logp = F.linear(outs, self.lm_weight).log_softmax(-1)
+            top = logp.topk(min(topk, logp.shape[-1]), dim=-1)
+            new = []
+            for row, node in enumerate(frontier):
+                out_of[node] = outs[row]
+                for s, i in zip(top.values[row].tolist(), top.indices[row].tolist()):
+                    new.append(len(toks))
+                    toks.append(self._token(i)), parents.append(node), scores.append(scores[node] + s)
+            frontier = sorted(new, key=lambda n: (-scores[n], n))[:topk]
+        # Rerank: the budget best nodes by cumulative log-prob (ties: earlier node first, so a parent
+        # always precedes its equally scored child), then back into node (topological) order.
+        keep = sorted(sorted(range(len(toks)), key=lambda n: (-scores[n], n))[: self.budget])
+        new_index = {old: i for i, old in enumerate(keep)}
+        return Draft(torch.tensor([toks[n] for n in keep], dtype=torch.long), None,
+                     [-1 if parents[n] < 0 else new_index[parents[n]] for n in keep])

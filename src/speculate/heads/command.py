@@ -1,0 +1,105 @@
+"""``speculate train-heads``: build the self-distillation data, train Medusa heads or an EAGLE head on
+the target's own hidden states, and save them (heads.safetensors + config.json) into ``--out``.
+
+    speculate train-heads --kind medusa --model smollm2-135m-instruct --out heads/medusa
+    speculate train-heads --kind eagle  --model smollm2-135m-instruct --out heads/eagle
+
+The data (``--prompts`` answers of up to ``--max-new-tokens``) is cached in ``--out`` (or
+``--data-dir``, to share it between kinds); training checkpoints there every ``--checkpoint-every``
+steps, and rerunning the same command resumes from the last checkpoint. Bad input raises
+SpeculateError: one line on stderr, exit code 2 (see :func:`speculate.cli.main`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from ..errors import SpeculateError
+
+DEFAULTS = {"prompts": 384, "max_new_tokens": 160, "batch": 16, "medusa_steps": 1000, "eagle_steps": 800,
+            "heads": 4, "vocab_subset": 8192}
+
+
+def add_arguments(parser) -> None:
+    from ..models import ALIASES, DEFAULT_MODEL
+
+    parser.add_argument("--kind", required=True, choices=("medusa", "eagle"), help="which heads to train")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"target model: an alias ({', '.join(ALIASES)}) or a local Hugging Face folder "
+                             f"(default {DEFAULT_MODEL})")
+    parser.add_argument("--out", required=True, help="output folder: the heads, the checkpoint and the data cache")
+    parser.add_argument("--data-dir", help="where to cache the self-distillation data (default: --out)")
+    parser.add_argument("--prompts", type=int, default=DEFAULTS["prompts"],
+                        help=f"prompts to answer for the training data (default {DEFAULTS['prompts']})")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULTS["max_new_tokens"],
+                        help=f"longest answer per prompt (default {DEFAULTS['max_new_tokens']})")
+    parser.add_argument("--gen-batch", type=int, default=DEFAULTS["batch"],
+                        help=f"prompts per generate() batch (default {DEFAULTS['batch']})")
+    parser.add_argument("--steps", type=int,
+                        help=f"optimizer steps (default {DEFAULTS['medusa_steps']} for medusa, "
+                             f"{DEFAULTS['eagle_steps']} for eagle; --epochs instead sets them from the data size)")
+    parser.add_argument("--epochs", type=float, help="passes over the training data (instead of --steps)")
+    parser.add_argument("--batch-size", type=int, help="training batch: positions (medusa, default 256) or "
+                                                        "sequences (eagle, default 8)")
+    parser.add_argument("--lr", type=float, help="peak learning rate (default 1e-3 medusa, 5e-4 eagle)")
+    parser.add_argument("--heads", type=int, default=DEFAULTS["heads"],
+                        help=f"Medusa heads K (default {DEFAULTS['heads']})")
+    parser.add_argument("--vocab-subset", type=int, default=DEFAULTS["vocab_subset"],
+                        help="FR-Spec: draft over the N most frequent answer tokens only (0 = whole vocabulary; "
+                             f"default {DEFAULTS['vocab_subset']})")
+    parser.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints (default 200)")
+    parser.add_argument("--fp32", action="store_true", help="store the heads in fp32 (default fp16: half the size)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def run(args) -> int:
+    from ..models import load_model
+    from .data import build_data
+    from .io import save_heads
+    from .train import train_heads
+
+    for flag, value, low in (("--prompts", args.prompts, 1), ("--max-new-tokens", args.max_new_tokens, 1),
+                             ("--gen-batch", args.gen_batch, 1), ("--heads", args.heads, 1),
+                             ("--checkpoint-every", args.checkpoint_every, 1),
+                             ("--vocab-subset", args.vocab_subset, 0)):
+        if value < low:
+            raise SpeculateError(f"{flag} must be >= {low}, got {value}")
+    if args.steps is not None and args.epochs is not None:
+        raise SpeculateError("give --steps or --epochs, not both")
+    if args.steps is not None and args.steps < 1 or args.epochs is not None and not args.epochs > 0:
+        raise SpeculateError("--steps must be >= 1 and --epochs > 0")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise SpeculateError("--batch-size must be >= 1")
+    progress = not args.quiet
+    out = Path(args.out)
+    data_dir = Path(args.data_dir) if args.data_dir else out
+
+    def log(msg):
+        print(f"speculate: {msg}", file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    target = load_model(args.model, progress=progress)
+    data = build_data(target, data_dir, args.prompts, args.max_new_tokens, args.gen_batch, progress=progress)
+    log(f"data: {data.starts.numel()} sequences, {data.meta['tokens']} tokens ({data.meta['answer_tokens']} in "
+        f"answers), hidden rows {data.hidden.numel() * 2 / 1e6:.0f} MB, ready after {time.perf_counter() - t0:.0f} s")
+    steps = args.steps
+    if steps is None:
+        if args.epochs is not None:
+            batch = args.batch_size or (256 if args.kind == "medusa" else 8)
+            units = data.meta["answer_tokens"] if args.kind == "medusa" else data.starts.numel()
+            steps = max(1, round(args.epochs * units / batch))
+        else:
+            steps = DEFAULTS[f"{args.kind}_steps"]
+    heads, meta = train_heads(args.kind, target, data, out, steps, args.batch_size, args.lr, args.heads,
+                              args.vocab_subset or None, args.checkpoint_every, args.seed, progress=progress, log=log)
+    meta["train_seconds_total"] = round(time.perf_counter() - t0, 1)
+    vocab_size = int(target.model.get_output_embeddings().out_features)
+    import torch
+
+    save_heads(out, heads, target.name, vocab_size, meta, torch.float32 if args.fp32 else torch.float16)
+    log(f"saved {args.kind} heads to {out} (held-out top-1: {meta.get('heldout_top1')}, vocabulary coverage "
+        f"{meta['vocab_coverage']:.1%}) in {meta['train_seconds_total']:.0f} s")
+    return 0

@@ -1,0 +1,266 @@
+"""Self-distillation data for the draft heads: the target's own greedy answers to a prompt set, and
+its final-normed hidden states over prompt + answer (what the heads see at drafting time).
+
+Prompts (:func:`default_prompts`): GSM8K *train* questions (the benchmark uses the test split),
+MT-Bench-style questions written here (not MT-Bench's own), and rewrite / summarize / explain tasks
+over GSM8K train solutions, interleaved. Answers are generated in batches with Hugging Face
+``generate`` (left padding, greedy), then one teacher-forced pass of the target (the KV model, one
+sequence at a time, no padding) gives the hidden rows. Everything lands in one safetensors file,
+written atomically, keyed by model, prompt count and answer length, so a rerun (or a resumed
+training) reuses it; the answers are also saved after every generation batch, so an interrupted
+generation resumes at the next batch.
+
+Sizes: rows are stored in fp16; N sequences of ~L tokens take N·L·H·2 bytes (512 × 300 × 576 × 2 ≈
+180 MB for the default model).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import SpeculateError
+
+QUESTIONS = [
+    "Explain how a refrigerator keeps food cold, step by step.",
+    "Write a short email to a colleague asking to move our meeting to Thursday.",
+    "What are three tips for staying focused while studying?",
+    "Describe the water cycle to a ten-year-old.",
+    "Compare trains and planes for a 500 km trip: cost, time and comfort.",
+    "Write a haiku about autumn leaves.",
+    "What is the difference between a list and a tuple in Python?",
+    "Give me a simple recipe for pancakes.",
+    "Why is the sky blue? Answer in a short paragraph.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "List five ways to save energy at home.",
+    "Explain what a neural network is in simple terms.",
+    "Write a short story about a robot who learns to paint.",
+    "What should I pack for a weekend hiking trip?",
+    "How do vaccines work?",
+    "Suggest a name for a coffee shop and explain why.",
+    "What are the pros and cons of working from home?",
+    "Explain recursion with an example.",
+    "Write a thank-you note to a teacher.",
+    "How can I improve my sleep?",
+    "Describe the main causes of the French Revolution.",
+    "Write a SQL query that counts orders per customer.",
+    "What is photosynthesis?",
+    "Give three arguments for learning a second language.",
+    "Explain the rules of chess briefly.",
+    "Write a limerick about a cat.",
+    "What is inflation and why does it matter?",
+    "How does a bicycle stay upright?",
+    "Plan a one-day visit to a museum with children.",
+    "Explain the difference between weather and climate.",
+    "Write a JavaScript function that reverses a string.",
+    "What makes a good presentation?",
+    "Describe how to change a flat tire.",
+    "Explain what an API is to a non-programmer.",
+    "Write a motivational message for someone starting a new job.",
+    "What are the planets of the solar system, in order?",
+    "How do I make a budget?",
+    "Summarize the plot of Romeo and Juliet.",
+    "Explain Newton's three laws of motion.",
+    "What are some healthy breakfast ideas?",
+]
+TASKS = [
+    "Rewrite in plain English: {text}",
+    "Summarize in one sentence: {text}",
+    "Explain this solution step by step: {text}",
+    "Rewrite this more formally: {text}",
+]
+
+
+def default_prompts(n: int, seed: int = 0, data_dir: Path | None = None) -> list[str]:
+    """``n`` prompts: GSM8K train questions, the questions above and rewrite/summarize tasks, mixed
+    about 2:1:1 (fewer GSM8K ones when its file is absent)."""
+    from ..bench.datasets import default_data_dir
+
+    rng = random.Random(seed)
+    path = (data_dir or default_data_dir()) / "gsm8k" / "train.jsonl"
+    rows = []
+    if path.is_file():
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        rng.shuffle(rows)
+    out, i, q = [], 0, 0
+    while len(out) < n:
+        slot = len(out) % 4
+        if slot == 2 and q < len(QUESTIONS) or not rows:  # each written question once (greedy: no repeats)
+            out.append(QUESTIONS[q % len(QUESTIONS)] + ("" if q < len(QUESTIONS) else f" ({q // len(QUESTIONS)})"))
+            q += 1
+        elif slot in (0, 1):
+            out.append(rows[i % len(rows)]["question"])
+            i += 1
+        else:
+            text = rows[i % len(rows)]["answer"].split("####")[0].strip()
+            i += 1
+            out.append(rng.choice(TASKS).format(text=re.sub(r"<<[^>]*>>", "", text)))
+    return out[:n]
+
+
+@dataclass
+class DistillData:
+    """Concatenated sequences: ``ids`` [N_tok] (prompt + answer of each), ``hidden`` [N_tok, H] fp16 (row
+    t predicts token t+1 of its sequence), ``starts``/``lengths``/``prompt_lengths`` [N_seq]."""
+
+    ids: torch.Tensor
+    hidden: torch.Tensor
+    starts: torch.Tensor
+    lengths: torch.Tensor
+    prompt_lengths: torch.Tensor
+    meta: dict
+
+    def answer_tokens(self) -> torch.Tensor:
+        return torch.cat([self.ids[s + p: s + n] for s, n, p in
+                          zip(self.starts.tolist(), self.lengths.tolist(), self.prompt_lengths.tolist())])
+
+    def frequency_subset(self, size: int, vocab_size: int) -> torch.Tensor:
+        """FR-Spec: the ``size`` most frequent token ids of the answers (then of the prompts, then the lowest
+        ids), sorted by id."""
+        counts = torch.bincount(self.answer_tokens(), minlength=vocab_size).double()
+        counts += torch.bincount(self.ids, minlength=vocab_size).double() * 1e-3  # prompts break ties
+        # Then lower ids first: BPE vocabularies number their tokens roughly by merge order (frequency).
+        counts += torch.linspace(1e-6, 0, vocab_size, dtype=torch.float64)
+        top = counts.topk(min(size, vocab_size)).indices
+        return top.sort().values
+
+
+def encode(tokenizer, prompt: str) -> list[int]:
+    from ..text import encode_prompt
+
+    return list(encode_prompt(tokenizer, prompt, None))
+
+
+def generate_answers(loaded, prompts: list[str], max_new_tokens: int, batch_size: int = 16,
+                     progress: bool = True, partial: Path | None = None) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy answer ids) per prompt, with HF generate in left-padded batches (longest
+    prompts together, to waste little on padding). An answer ends at (and keeps) EOS.
+
+    ``partial``: a JSON file where the answers so far are saved (atomically) after every batch, and
+    read back at the start, so an interrupted run resumes at the next batch."""
+    from tqdm import tqdm
+
+    from ..models.cache import atomic_write_text
+    from ..text import eos_ids
+
+    model, tok = loaded.model, loaded.tokenizer
+    eos = sorted(eos_ids(loaded))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    encoded = [encode(tok, p) for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
+    out: list = [None] * len(prompts)
+    done = {}
+    if partial is not None and partial.is_file():
+        try:
+            saved = json.loads(partial.read_text())
+            if saved.get("max_new_tokens") == max_new_tokens:
+                done = {tuple(pair[0]): pair[1] for pair in saved["pairs"]}
+        except (ValueError, KeyError, TypeError):
+            done = {}
+    for i, ids in enumerate(encoded):
+        if tuple(ids) in done:
+            out[i] = (ids, done[tuple(ids)])
+    order = [i for i in order if out[i] is None]
+    bar = tqdm(total=len(prompts), initial=len(prompts) - len(order), desc="generating answers", unit="prompt",
+               disable=not progress)
+    for b in range(0, len(order), batch_size):
+        idx = order[b: b + batch_size]
+        width = max(len(encoded[i]) for i in idx)
+        input_ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        mask = torch.zeros(len(idx), width, dtype=torch.long)
+        for row, i in enumerate(idx):
+            input_ids[row, width - len(encoded[i]):] = torch.tensor(encoded[i])
+            mask[row, width - len(encoded[i]):] = 1
+        with torch.inference_mode():
+            gen = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=eos, pad_token_id=pad)
+        for row, i in enumerate(idx):
+            answer = gen[row, width:].tolist()
+            for j, t in enumerate(answer):
+                if t in eos:
+                    answer = answer[: j + 1]
+                    break
+            out[i] = (encoded[i], answer)
+        bar.update(len(idx))
+        if partial is not None:
+            atomic_write_text(partial, json.dumps({"max_new_tokens": max_new_tokens,
+                                                   "pairs": [pair for pair in out if pair is not None]}))
+    bar.close()
+    return out
+
+
+def hidden_states(loaded, pairs, progress: bool = True) -> DistillData:
+    """The teacher-forced pass: final-normed hidden rows over each prompt + answer (KVModel.hidden)."""
+    from tqdm import tqdm
+
+    from ..models.kv import KVModel
+
+    kv = KVModel(loaded)
+    ids, rows, starts, lengths, plens = [], [], [], [], []
+    at = 0
+    for prompt, answer in tqdm(pairs, desc="hidden states", unit="seq", disable=not progress):
+        seq = prompt + answer
+        kv.reset(capacity=len(seq) + 1)
+        kv.forward(torch.tensor(seq), last=1)
+        rows.append(kv.hidden.to(torch.float16))
+        ids.append(torch.tensor(seq))
+        starts.append(at), lengths.append(len(seq)), plens.append(len(prompt))
+        at += len(seq)
+    return DistillData(torch.cat(ids), torch.cat(rows), torch.tensor(starts), torch.tensor(lengths),
+                       torch.tensor(plens), {})
+
+
+def save_data(path: Path, data: DistillData) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({"ids": data.ids, "hidden": data.hidden, "starts": data.starts, "lengths": data.lengths,
+                   "prompt_lengths": data.prompt_lengths}, tmp, metadata={"meta": json.dumps(data.meta)})
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_data(path: Path) -> DistillData | None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            meta = json.loads(f.metadata()["meta"])
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        return DistillData(t["ids"], t["hidden"], t["starts"], t["lengths"], t["prompt_lengths"], meta)
+    except Exception:  # missing, truncated or from another version: rebuild
+        return None
+
+
+def build_data(loaded, out_dir: Path, n_prompts: int, max_new_tokens: int, batch_size: int = 16,
+               prompts: list[str] | None = None, progress: bool = True) -> DistillData:
+    """The cached data in ``out_dir/data-<prompts>x<tokens>.safetensors``, built first when missing."""
+    path = Path(out_dir) / f"data-{n_prompts}x{max_new_tokens}.safetensors"
+    key = {"model": loaded.name, "prompts": n_prompts, "max_new_tokens": max_new_tokens,
+           "hidden_size": int(loaded.model.config.hidden_size)}
+    data = load_data(path)
+    if data is not None and all(data.meta.get(k) == v for k, v in key.items()):
+        return data
+    prompts = prompts if prompts is not None else default_prompts(n_prompts)
+    if not prompts:
+        raise SpeculateError("no prompts to build training data from")
+    partial = path.with_suffix(".answers.json")
+    pairs = generate_answers(loaded, prompts, max_new_tokens, batch_size, progress, partial)
+    data = hidden_states(loaded, pairs, progress)
+    data.meta = {**key, "tokens": int(data.ids.numel()), "answer_tokens": int(data.answer_tokens().numel())}
+    save_data(path, data)
+    partial.unlink(missing_ok=True)
+    return data

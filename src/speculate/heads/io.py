@@ -1,0 +1,136 @@
+"""Saving and loading draft heads: ``heads.safetensors`` (weights, and the FR-Spec vocabulary subset
+as the tensor ``vocab`` when there is one) + ``config.json`` (kind, target model, sizes, training
+metadata). Both are written atomically (a temporary file, then ``os.replace``), the weights first, so
+a reader never pairs a new config with half-written weights. The target's LM head and embeddings are
+never saved: the heads always use the target's own (frozen) ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..errors import SpeculateError
+from ..models.cache import atomic_write_text
+from .eagle import EagleHead
+from .medusa import MedusaHeads
+
+WEIGHTS, CONFIG = "heads.safetensors", "config.json"
+KINDS = {"medusa": MedusaHeads, "eagle": EagleHead}
+FORMAT = 1
+
+
+def save_heads(folder: str | Path, heads: MedusaHeads | EagleHead, target: str, vocab_size: int | None = None,
+               meta: dict | None = None, dtype: torch.dtype = torch.float32) -> Path:
+    """Write ``heads`` into ``folder`` (created if needed); ``target``: the target model's name,
+    ``vocab_size``: its vocabulary size (checked at load), ``meta``: training metadata, ``dtype``:
+    how the weights are stored (float16 halves the files; they load back into fp32 heads)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().to(dtype).contiguous().clone() for name, t in heads.state_dict().items()
+               if name != "vocab"}
+    if heads.vocab is not None:
+        tensors["vocab"] = heads.vocab.contiguous().clone()
+    fd, tmp = tempfile.mkstemp(prefix=f".{WEIGHTS}.", dir=folder)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp)
+        os.replace(tmp, folder / WEIGHTS)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    config = {"format": FORMAT, **heads.config(), "target": target, "vocab_size": vocab_size,
+              "weights_dtype": str(dtype).replace("torch.", ""), "training": meta or {}}
+    atomic_write_text(folder / CONFIG, json.dumps(config, indent=1))
+    return folder
+
+
+def read_config(folder: str | Path) -> dict:
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / CONFIG).read_text())
+    except FileNotFoundError:
+        raise SpeculateError(f"no draft heads in {folder} (no {CONFIG})") from None
+    except ValueError as e:
+        raise SpeculateError(f"{folder / CONFIG} is not valid JSON: {e}") from None
+    if config.get("kind") not in KINDS:
+        raise SpeculateError(f"{folder / CONFIG}: unknown head kind {config.get('kind')!r}")
+    return config
+
+
+def load_heads(folder: str | Path, kind: str | None = None) -> tuple[MedusaHeads | EagleHead, dict]:
+    """(heads in eval mode, config) from ``folder``; ``kind`` checks which kind is expected."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config = read_config(folder)
+    if kind is not None and config["kind"] != kind:
+        raise SpeculateError(f"{folder} holds {config['kind']} heads, not {kind}")
+    try:
+        tensors = load_file(folder / WEIGHTS)
+    except FileNotFoundError:
+        raise SpeculateError(f"no draft heads in {folder} (no {WEIGHTS})") from None
+    except Exception as e:  # a truncated or corrupted file
+        raise SpeculateError(f"cannot read {folder / WEIGHTS}: {e}") from None
+    vocab = tensors.get("vocab")
+    heads = KINDS[config["kind"]].from_config(config, vocab)
+    try:
+        heads.load_state_dict(tensors, strict=True)
+    except RuntimeError as e:
+        raise SpeculateError(f"{folder / WEIGHTS} does not match its config: {str(e).splitlines()[0]}") from None
+    heads.eval().requires_grad_(False)
+    return heads, config
+
+
+def shipped_folder(model_name: str, kind: str):
+    """The heads shipped with the package for ``model_name`` (an alias), or None."""
+    from importlib.resources import files
+
+    safe = model_name.replace("/", "_")
+    path = files("speculate.heads").joinpath("shipped", safe, kind)
+    return Path(str(path)) if path.joinpath(CONFIG).is_file() else None
+
+
+def check_target(config: dict, loaded, folder) -> None:
+    """Refuse heads trained for another model size (a mismatched hidden size would only crash later)."""
+    hidden = int(loaded.model.config.hidden_size)
+    if int(config["hidden_size"]) != hidden:
+        raise SpeculateError(f"the draft heads in {folder} were trained for {config.get('target')!r} "
+                             f"(hidden size {config['hidden_size']}), not for {loaded.name} (hidden size {hidden})")
+    vocab_size = int(loaded.model.get_output_embeddings().out_features)
+    meta_v = config.get("vocab_size")
+    if meta_v is not None and int(meta_v) != vocab_size:
+        raise SpeculateError(f"the draft heads in {folder} were trained for a vocabulary of {meta_v} tokens; "
+                             f"{loaded.name} has {vocab_size}")
+
+
+def find_heads(loaded, kind: str, folder: str | Path | None = None):
+    """(heads, config, folder) for the target ``loaded``: from ``folder``, or the ones shipped for it."""
+    if folder is None:
+        folder = shipped_folder(loaded.name, kind)
+        if folder is None:
+            raise SpeculateError(f"no {kind} heads ship for model '{loaded.name}'; train them with "
+                                 f"`speculate train-heads --kind {kind} --model {loaded.name} --out DIR` and pass "
+                                 f"the folder (--heads DIR)")
+    heads, config = load_heads(folder, kind)
+    check_target(config, loaded, folder)
+    return heads, config, Path(folder)
+
+
+def target_matrices(loaded) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input embeddings, LM-head weight in fp32) of the target, shared with the heads, never copied
+    for an fp32 model. int8 targets are refused: their final norm and LM head are smoothed
+    (models/quantize.py), so their hidden rows are not the features the heads were trained on."""
+    model = loaded.model
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or getattr(loaded, "dtype", "fp32") == "int8":
+        raise SpeculateError("draft heads need an fp32 or bf16 target: the int8 model's hidden states are "
+                             "smoothed, not the features the heads were trained on")
+    return model.get_input_embeddings().weight.detach(), weight.detach().float()

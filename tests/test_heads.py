@@ -1,0 +1,299 @@
+"""Self-drafting heads (Medusa, EAGLE): hidden rows from the KV models, save/load, training, and
+greedy decoding with random heads equal to plain decoding (chains and trees), on tiny models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculate.drafters.eagle import EagleDrafter
+from speculate.drafters.medusa import MedusaDrafter
+from speculate import SpeculativeDecoder
+from speculate.errors import SpeculateError
+from speculate.heads import EagleHead, MedusaHeads, load_heads, save_heads
+from speculate.heads.data import build_data
+from speculate.heads.train import _Batches, _medusa_loss, make_heads, train_heads
+from speculate.models.kv import KVModel
+from speculate.sampling import Sampling
+
+PROMPT = [5, 40, 77, 12, 9, 100, 33, 250, 7, 64, 64, 3]
+
+
+def lm_head(loaded):
+    return loaded.model.get_output_embeddings()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_kv_hidden_is_the_lm_head_input(tiny, fast):
+    loaded = tiny[0]
+    kv = KVModel(loaded, fast=fast)
+    assert type(kv).__name__ == ("FastKVModel" if fast else "HFKVModel")
+    kv.reset(64)
+    tokens = torch.tensor(PROMPT)
+    logits = kv.forward(tokens, last=1)
+    assert kv.hidden.shape == (len(PROMPT), loaded.model.config.hidden_size)
+    with torch.no_grad():
+        assert torch.allclose(lm_head(loaded)(kv.hidden[-1:]).float(), logits, atol=1e-5)
+        logits = kv.forward(torch.tensor([8, 9, 10]))  # a chain: every row
+        assert kv.hidden.shape[0] == 3
+        assert torch.allclose(lm_head(loaded)(kv.hidden).float(), logits, atol=1e-5)
+        logits = kv.forward(torch.tensor([1, 2, 3]), tree_parents=[-1, 0, 0])  # a tree
+        assert torch.allclose(lm_head(loaded)(kv.hidden).float(), logits, atol=1e-5)
+
+
+def test_hidden_equal_on_both_backends(tiny):
+    rows = []
+    for fast in (True, False):
+        kv = KVModel(tiny[1], fast=fast)
+        kv.reset(64)
+        kv.forward(torch.tensor(PROMPT))
+        rows.append(kv.hidden.clone())
+    assert torch.allclose(rows[0], rows[1], atol=1e-4)
+
+
+def random_heads(kind, loaded, subset=None, seed=0):
+    torch.manual_seed(seed)
+    vocab = None
+    v = lm_head(loaded).out_features
+    if subset:
+        vocab = torch.randperm(v)[:subset].sort().values
+    if kind == "medusa":
+        heads = MedusaHeads(loaded.model.config.hidden_size, 3, 1, vocab, zero_init=False)
+    else:
+        heads = EagleHead.for_target(loaded.model.config, vocab)
+    return heads.eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("kind,subset", [("medusa", None), ("medusa", 100), ("eagle", None), ("eagle", 100)])
+def test_save_load_round_trip(tiny, tmp_path, kind, subset):
+    loaded = tiny[0]
+    heads = random_heads(kind, loaded, subset)
+    save_heads(tmp_path, heads, loaded.name, 259, {"steps": 3})
+    back, config = load_heads(tmp_path, kind)
+    assert config["kind"] == kind and config["training"] == {"steps": 3} and config["vocab_size"] == 259
+    assert (back.vocab is None) == (subset is None)
+    if subset:
+        assert torch.equal(back.vocab, heads.vocab)
+    h = torch.randn(5, loaded.model.config.hidden_size)
+    if kind == "medusa":
+        assert torch.equal(back.features(h), heads.features(h))
+    else:
+        emb = torch.randn(2, 5, h.shape[1])
+        assert torch.equal(back(emb, h[None].expand(2, -1, -1)), heads(emb, h[None].expand(2, -1, -1)))
+    # fp16 storage (what `speculate train-heads` writes): half the size, the same heads to fp16 precision.
+    save_heads(tmp_path / "half", heads, loaded.name, 259, dtype=torch.float16)
+    half, config = load_heads(tmp_path / "half", kind)
+    assert config["weights_dtype"] == "float16" and all(p.dtype == torch.float32 for p in half.parameters())
+    for key, value in heads.state_dict().items():
+        assert torch.allclose(half.state_dict()[key].float(), value.float(), rtol=1e-3, atol=1e-4), key
+    with pytest.raises(SpeculateError):
+        load_heads(tmp_path, "eagle" if kind == "medusa" else "medusa")
+    (tmp_path / "heads.safetensors").write_bytes(b"garbage")
+    with pytest.raises(SpeculateError):
+        load_heads(tmp_path)
+
+
+def test_no_shipped_heads_for_a_local_model(tiny):
+    with pytest.raises(SpeculateError, match="no medusa heads ship"):
+        MedusaDrafter(tiny[0])
+
+
+def test_eagle_cache_matches_training_forward(tiny):
+    """The drafting path (static cache, one pair at a time) equals the batched causal forward."""
+    loaded = tiny[0]
+    head = random_heads("eagle", loaded)
+    h = loaded.model.config.hidden_size
+    emb, feat = torch.randn(1, 7, h), torch.randn(1, 7, h)
+    full = head(emb, feat)[0]
+    cache = head.new_cache(16)
+    out = [head.step(cache, emb[0, :3], feat[0, :3], torch.arange(3), torch.arange(3), None)]
+    for t in range(3, 7):
+        out.append(head.step(cache, emb[0, t:t + 1], feat[0, t:t + 1], torch.tensor([t]), torch.tensor([t]), None))
+    assert torch.allclose(torch.cat(out), full, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- decoding loops
+
+def plain_greedy(loaded, prompt, n):
+    kv = KVModel(loaded)
+    kv.reset(len(prompt) + n + 1)
+    tokens = list(prompt)
+    logits = kv.forward(torch.tensor(tokens), last=1)
+    out = []
+    for _ in range(n):
+        out.append(int(logits[-1].argmax()))
+        logits = kv.forward(torch.tensor(out[-1:]))
+    return out
+
+
+def spec_greedy(loaded, drafter, prompt, n, k, fast=True):
+    """Greedy decoding through the engine, whose observe() hook feeds the heads the target's features.
+    Returns (tokens, accepted drafts, rounds); the tokens stop early only at EOS."""
+    decoder = SpeculativeDecoder(loaded, drafter, "greedy", k=k)
+    if not fast:
+        decoder.kv = KVModel(loaded, fast=False)
+    g = decoder.generate(list(prompt), max_new_tokens=n)
+    assert len(g.token_ids) == n or g.finish_reason == "stop"
+    return g.token_ids, g.stats.accepted_draft_tokens, g.stats.target_calls
+
+
+def drafter_for(kind, loaded, folder, tree):
+    return MedusaDrafter(loaded, folder, tree=tree) if kind == "medusa" else EagleDrafter(loaded, folder, tree=tree)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("subset", [None, 120])
+def test_greedy_with_random_heads_equals_plain(tiny, tmp_path, kind, tree, subset):
+    loaded = tiny[2]
+    save_heads(tmp_path, random_heads(kind, loaded, subset, seed=3), loaded.name, 259)
+    expected = plain_greedy(loaded, PROMPT, 30)
+    drafter = drafter_for(kind, loaded, tmp_path, tree)
+    assert drafter.tree == tree
+    for fast in (True, False) if subset is None else (True,):  # both KV backends feed the hook
+        got, _, rounds = spec_greedy(loaded, drafter, PROMPT, 30, 4, fast)
+        assert got == expected[: len(got)]
+        assert rounds <= 30
+
+
+def test_eagle_tree_respects_budget_and_order(tiny, tmp_path):
+    loaded = tiny[1]
+    save_heads(tmp_path, random_heads("eagle", loaded, seed=5), loaded.name, 259)
+    drafter = EagleDrafter(loaded, tmp_path, tree=True, topk=3, budget=7, depth=4)
+    kv = KVModel(loaded)
+    kv.reset(64)
+    drafter.begin(PROMPT, Sampling(), torch.Generator())
+    kv.forward(torch.tensor(PROMPT[:-1]))
+    drafter.observe(kv.hidden)
+    draft = drafter.propose(list(PROMPT), 4)
+    assert len(draft) == 7 and draft.parents[0] == -1
+    assert all(p < i for i, p in enumerate(draft.parents))
+    assert max(draft.node_depths()) <= 4
+    assert drafter.max_nodes(4) == 7
+
+
+def test_medusa_sampling_tree_rows(tiny, tmp_path):
+    """Sampling trees: siblings share their depth's row and are distinct (drawn without replacement),
+    every token has mass in its row."""
+    loaded = tiny[0]
+    save_heads(tmp_path, random_heads("medusa", loaded, seed=1), loaded.name, 259)
+    drafter = MedusaDrafter(loaded, tmp_path, tree=True)
+    drafter.begin(PROMPT, Sampling(temperature=1.0), torch.Generator().manual_seed(0))
+    kv = KVModel(loaded)
+    kv.reset(64)
+    kv.forward(torch.tensor(PROMPT[:-1]))
+    drafter.observe(kv.hidden)
+    draft = drafter.propose(list(PROMPT), 3)
+    assert draft.probs is not None and draft.probs.shape == (len(draft), 259)
+    for i, parent in enumerate(draft.parents):
+        assert draft.probs[i, draft.tokens[i]] > 0
+        sibs = [j for j, p in enumerate(draft.parents) if p == parent]
+        assert len({int(draft.tokens[j]) for j in sibs}) == len(sibs)
+        assert all(torch.equal(draft.probs[j], draft.probs[i]) for j in sibs)
+
+
+# ----------------------------------------------------------------------------------- training
+
+@pytest.fixture(scope="module")
+def tiny_data(tiny, tmp_path_factory):
+    loaded = tiny[0]
+    prompts = ["hello there", "write a poem", "count to ten", "abc abc abc", "what is two plus two",
+               "the quick brown fox", "once upon a time", "rewrite: cats are nice"]
+    folder = tmp_path_factory.mktemp("data")
+    data = build_data(loaded, folder, len(prompts), 24, batch_size=4, prompts=prompts, progress=False)
+    again = build_data(loaded, folder, len(prompts), 24, batch_size=4, prompts=prompts, progress=False)
+    assert torch.equal(again.hidden, data.hidden)  # served from the cache file
+    return data
+
+
+def test_data_rows_are_the_targets_hidden(tiny, tiny_data):
+    data = tiny_data
+    assert data.hidden.dtype == torch.float16 and data.hidden.shape[0] == data.ids.numel()
+    s, n, p = (int(x[0]) for x in (data.starts, data.lengths, data.prompt_lengths))
+    ids = data.ids[s: s + n]
+    # The answer is the target's greedy continuation: row t's LM-head argmax is token t+1.
+    logits = lm_head(tiny[0])(data.hidden[s: s + n].float())
+    assert torch.equal(logits[p - 1: n - 1].argmax(-1), ids[p:n])
+
+
+def test_medusa_training_lowers_the_loss(tiny, tiny_data, tmp_path):
+    loaded = tiny[0]
+    lm = lm_head(loaded).weight.detach()
+    batches = _Batches(tiny_data, 3, torch.arange(259), holdout=0.0)
+    fixed = batches.medusa(batches.medusa_train[:512])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        before = float(_medusa_loss(make_heads("medusa", loaded, 3), lm, *fixed)[0])
+    heads, meta = train_heads("medusa", loaded, tiny_data, tmp_path, 60, 64, 3e-3, 3, None, progress=False)
+    after = float(_medusa_loss(heads, lm, *fixed)[0])
+    assert after < before - 0.1, (before, after)
+    assert meta["steps"] == 60 and len(meta["heldout_top1"]) == 3
+    # Decoding a training prompt with the trained heads: still the target's tokens, and drafts land.
+    save_heads(tmp_path / "heads", heads, loaded.name, 259, meta)
+    s, p = int(tiny_data.starts[-1]), int(tiny_data.prompt_lengths[-1])
+    prompt = tiny_data.ids[s: s + p].tolist()
+    for tree in (False, True):
+        got, accepted, _ = spec_greedy(loaded, MedusaDrafter(loaded, tmp_path / "heads", tree=tree), prompt, 20, 3)
+        assert got == plain_greedy(loaded, prompt, 20)
+        assert accepted > 0
+
+
+def test_eagle_training_lowers_the_loss_and_resumes(tiny, tiny_data, tmp_path):
+    loaded = tiny[0]
+    kw = dict(batch_size=4, lr=3e-3, vocab_subset=150, progress=False, checkpoint_every=1000)
+    straight, meta = train_heads("eagle", loaded, tiny_data, tmp_path / "a", 30, **kw)
+    first = float(meta["final_loss"])
+    assert meta["vocab_subset"] == 150 and 0 < meta["vocab_coverage"] <= 1
+    # Interrupted at step 12 (checkpoint), then rerun: it resumes there and ends with the same weights.
+    none, info = train_heads("eagle", loaded, tiny_data, tmp_path / "b", 30, stop_at=12, **kw)
+    assert none is None and info == {"stopped_at": 12}
+    logs = []
+    resumed, _ = train_heads("eagle", loaded, tiny_data, tmp_path / "b", 30, log=logs.append, **kw)
+    assert any("at step 12/30" in line for line in logs)
+    for key, value in straight.state_dict().items():
+        assert torch.allclose(value, resumed.state_dict()[key], atol=1e-6), key
+    # The loss went down: compare the first steps' loss with the final running loss.
+    _, early = train_heads("eagle", loaded, tiny_data, tmp_path / "c", 2, **kw)
+    assert first < float(early["final_loss"])
+    # Settings that differ from the checkpoint's are refused, not silently mixed.
+    with pytest.raises(SpeculateError, match="other settings"):
+        train_heads("eagle", loaded, tiny_data, tmp_path / "b", 40, **{**kw, "lr": 1e-3})
+
+
+def test_answer_generation_resumes_from_its_partial_file(tiny, tmp_path, monkeypatch):
+    from speculate.heads.data import generate_answers
+
+    loaded = tiny[1]
+    prompts = ["one", "two two", "three three three"]
+    partial = tmp_path / "answers.json"
+    first = generate_answers(loaded, prompts[:2], 8, batch_size=1, progress=False, partial=partial)
+    calls = []
+    real = loaded.model.generate
+    monkeypatch.setattr(loaded.model, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = generate_answers(loaded, prompts, 8, batch_size=1, progress=False, partial=partial)
+    assert again[:2] == first and len(calls) == 1  # only the new prompt was generated
+
+
+def test_eagle_drafting_pairs_match_training_pairs(tiny, tiny_data, tmp_path):
+    """The drafter feeds the head exactly the pairs training does: after observing the hidden rows of
+    a sequence, its predicted feature equals the training forward's output at the same position, and
+    its first draft is that output's LM-head argmax."""
+    loaded = tiny[0]
+    head = random_heads("eagle", loaded, seed=7)
+    save_heads(tmp_path, head, loaded.name, 259)
+    data = tiny_data
+    s, n = int(data.starts[0]), int(data.lengths[0])
+    ids, rows = data.ids[s: s + n].tolist(), data.hidden[s: s + n].float()
+    embed = loaded.model.get_input_embeddings().weight.detach()
+    batches = _Batches(data, 1, torch.arange(259), holdout=0.0)
+    emb, feat, *_ = batches.eagle(torch.tensor([0]), embed, 4096, torch.Generator())
+    with torch.no_grad():
+        trained_view = head(emb, feat)[0]  # row t: the prediction of feature t+1
+    drafter = EagleDrafter(loaded, tmp_path)
+    L = n - 3
+    drafter.begin(ids[:L], Sampling(), torch.Generator())
+    drafter.observe(rows[: L - 1])
+    draft = drafter.propose(ids[:L], 1)
+    assert torch.allclose(drafter.root, trained_view[L - 2], atol=1e-4)
+    lm = loaded.model.get_output_embeddings().weight.detach()
+    assert int(draft.tokens[0]) == int((lm @ trained_view[L - 2]).argmax())

