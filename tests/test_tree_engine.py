@@ -306,3 +306,26 @@ def test_stats_record_a_tree_by_depth():
     st.record(3, 1)  # a chain of 3
     assert st.drafted_tokens == 13 and st.accepted_draft_tokens == 5 and st.rejected_rounds == 2
     assert st.drafted_by_position == [3, 3, 2] and st.accepted_by_position == [3, 2, 0]
+
+
+def test_layerskip_drafts_with_the_targets_own_first_layers(tiny):
+    """Early exit shares every weight with the target (nothing copied, the target untouched) and greedy
+    decoding with it equals plain decoding."""
+    from speculate.drafters import get_drafter
+    from speculate.drafters.layerskip import early_exit_model
+
+    target = tiny[0]
+    prompt = "abcabc hello hello"
+    plain = SpeculativeDecoder(target, "none").generate(prompt, max_new_tokens=30)  # fuses the target once
+    target_ptrs = {p.data_ptr() for p in target.model.parameters()}
+    n_layers = len(target.model.model.layers)
+    short = early_exit_model(target, 1)
+    assert len(short.model.model.layers) == 1 and len(target.model.model.layers) == n_layers
+    assert {p.data_ptr() for p in short.model.parameters()} <= target_ptrs
+    out = SpeculativeDecoder(target, get_drafter("layerskip", None, target), "greedy", k=3).generate(
+        prompt, max_new_tokens=30)
+    assert out.token_ids == plain.token_ids
+    assert out.stats.drafted_tokens > 0
+    assert {p.data_ptr() for p in target.model.parameters()} == target_ptrs  # no weight was copied
+    with pytest.raises(SpeculateError, match="layerskip"):
+        early_exit_model(target, n_layers)

@@ -18,13 +18,15 @@ MODEL_DRAFTERS = {"model": ModelDrafter, "model-tree": ModelTreeDrafter}  # the 
 def _self_drafters():
     """Drafters that draft from the target's own hidden states with trained heads (imported lazily)."""
     from .eagle import EagleDrafter
+    from .layerskip import LayerSkipDrafter
     from .medusa import MedusaDrafter
 
     return {"medusa": partial(MedusaDrafter, tree=True), "medusa-chain": partial(MedusaDrafter, tree=False),
-            "eagle": partial(EagleDrafter, tree=True), "eagle-chain": partial(EagleDrafter, tree=False)}
+            "eagle": partial(EagleDrafter, tree=True), "eagle-chain": partial(EagleDrafter, tree=False),
+            "layerskip": LayerSkipDrafter}
 
 
-SELF_DRAFTERS = ("medusa", "medusa-chain", "eagle", "eagle-chain")
+SELF_DRAFTERS = ("medusa", "medusa-chain", "eagle", "eagle-chain", "layerskip")
 ALL_DRAFTERS = (*DRAFTERS, *SELF_DRAFTERS)  # every name get_drafter takes
 
 
@@ -36,6 +38,7 @@ def get_drafter(name: str, draft_model=None, target=None, **params) -> Drafter:
             raise SpeculateError(f"drafter '{name}' drafts with heads on the target itself; it takes no draft model")
         if target is None:
             raise SpeculateError(f"drafter '{name}' needs the target model")
+        # drafts from the target itself: heads trained on its hidden states, or its own first layers
         return _self_drafters()[name](target, **params)
     if name not in DRAFTERS:
         raise SpeculateError(f"unknown drafter '{name}'; choose one of: {', '.join(ALL_DRAFTERS)}")
