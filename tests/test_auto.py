@@ -106,3 +106,12 @@ def dec_sampling():
     from speculate.sampling import Sampling
 
     return Sampling()
+
+
+def test_calc_eps_auto_prints_the_calibrated_value(tiny_folders, tiny, capsys):
+    from speculate.cli import main
+
+    assert main(["calc", "--eps-auto", "--model", str(tiny_folders[0])]) == 0
+    out = capsys.readouterr().out
+    assert f"{calibrate_eps(tiny[0]):.3f} nats per token" in out and "Chinchilla estimate" in out
+    assert main(["calc", "--eps-auto", "--calibration", "/no/such/file", "--model", str(tiny_folders[0])]) == 2

@@ -34,9 +34,11 @@ MODES = {
     "--profile": ("profile", "model", "draft_model", "dtype", "context", "repeats", "max_n", "save"),
     "--eps-chinchilla": ("eps_chinchilla", "params", "tokens"),
     "--from-results": ("from_results",),
+    "--eps-auto": ("eps_auto", "model", "dtype", "calibration"),
 }
 _TRIGGERS = {"--alpha": ("alpha",), "--p-target/--p-draft": ("p_target", "p_draft"), "--profile": ("profile",),
-             "--eps-chinchilla": ("eps_chinchilla",), "--from-results": ("from_results",)}
+             "--eps-chinchilla": ("eps_chinchilla",), "--from-results": ("from_results",),
+             "--eps-auto": ("eps_auto",)}
 
 
 def add_arguments(parser) -> None:
@@ -69,7 +71,11 @@ def add_arguments(parser) -> None:
     r.add_argument("--from-results", metavar="DIR",
                    help="a `speculate bench` output folder: fit α per method from its rounds, take T(n)/T(1) and c "
                         "from the run's profile, and print predicted against measured speedup")
-    e = parser.add_argument_group("Consultant Decoding's ε (paper eq. 9, Chinchilla)")
+    e = parser.add_argument_group("Consultant Decoding's ε (paper eq. 9, Chinchilla; or calibrated)")
+    e.add_argument("--eps-auto", action="store_true", default=None,
+                   help="ε as --eps auto sets it: the target's (--model) mean NLL on a calibration text, with the "
+                        "Chinchilla estimate beside it")
+    e.add_argument("--calibration", metavar="FILE", help="calibration text for --eps-auto (default: the shipped one)")
     e.add_argument("--eps-chinchilla", action="store_true", default=None,
                    help="estimate the converged loss L(N, D) = E + A/N^α + B/D^β")
     e.add_argument("--params", metavar="N", help="parameter count, e.g. 135e6 or 135M")
@@ -79,7 +85,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     mode = _mode(args)
     return {"--alpha": _alpha, "--p-target/--p-draft": _distributions, "--profile": _profile,
-            "--eps-chinchilla": _chinchilla, "--from-results": _from_results}[mode](args)
+            "--eps-chinchilla": _chinchilla, "--from-results": _from_results, "--eps-auto": _eps_auto}[mode](args)
 
 
 def _mode(args) -> str:
@@ -87,7 +93,7 @@ def _mode(args) -> str:
     modes = [m for m, triggers in _TRIGGERS.items() if given & set(triggers)]
     if not modes:
         raise SpeculateError("calc needs one of --alpha, --p-target/--p-draft, --profile, --eps-chinchilla, "
-                             "--from-results")
+                             "--from-results, --eps-auto")
     if len(modes) > 1:
         raise SpeculateError(f"{' and '.join(modes)} are separate calculations: give one")
     mode = modes[0]
@@ -304,6 +310,29 @@ def _from_results(args) -> int:
     for p in preds:
         print(f"{p['method']:<40} {p['dataset']:<10} {p['alpha']:6.3f} {p['k']:3d} {p['c']:6.3f} "
               f"{p['predicted']:9.2f}× {p['measured']:8.2f}× {p['error']:+7.1%}")
+    return 0
+
+
+def _eps_auto(args) -> int:
+    from pathlib import Path
+
+    from ..models import DEFAULT_MODEL, load_model
+    from .auto import calibrate_eps, calibration_text, chinchilla_eps, mean_nll
+
+    text = calibration_text()
+    if args.calibration:
+        try:
+            text = Path(args.calibration).read_text(encoding="utf-8")
+        except OSError as e:
+            raise SpeculateError(f"--calibration: cannot read {args.calibration}: {e.strerror}") from None
+    loaded = load_model(args.model or DEFAULT_MODEL, dtype=args.dtype or "fp32")
+    eps = calibrate_eps(loaded, text)
+    tokens = mean_nll(loaded, text)[1]
+    print(f"eps auto for {loaded.name} ({loaded.dtype}): {eps:.3f} nats per token (the target's mean NLL over "
+          f"{tokens} tokens of {'the shipped calibration text' if not args.calibration else args.calibration})")
+    chin = chinchilla_eps(loaded)
+    print("Chinchilla estimate (paper eq. 9): " + (f"{chin:.3f}" if chin is not None else
+                                                    "n/a (training-token count unknown for this model)"))
     return 0
 
 
