@@ -156,29 +156,11 @@ def test_tree_forward_gives_each_node_its_ancestors(tiny, make_kv):
 def test_fast_path_equals_hugging_face(tmp_path, arch):
     """The lean decoder (models/fast.py) against the HF model it shares weights with: prefill, a
     chain, a rollback, a tree and a kept branch, with the cache growing past its first capacity."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from speculate.models.fast import FastKVModel
     from speculate.models.kv import HFKVModel
-    from speculate.models.tiny import save_tiny_model, tiny_tokenizer
+    from speculate.models.tiny import save_tiny_model
 
-    if arch == "llama":
-        folder = save_tiny_model(tmp_path / arch, seed=4)
-    else:  # Qwen2: biases on q/k/v
-        torch.manual_seed(4)
-        cfg = Qwen2Config(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                          initializer_range=0.25, tie_word_embeddings=False)
-        model = Qwen2ForCausalLM(cfg)
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.5)
-        model.save_pretrained(tmp_path / arch)
-        tiny_tokenizer().save_pretrained(tmp_path / arch)
-        folder = tmp_path / arch
-    from speculate import load_model
-
+    folder = save_tiny_model(tmp_path / arch, seed=4, arch=arch)
     loaded = load_model(str(folder))
     fast, hf = FastKVModel(loaded), HFKVModel(loaded)
     fast.reset(capacity=8)  # forces two reallocations below

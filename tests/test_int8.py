@@ -99,22 +99,9 @@ def outlier_model(loaded, seed=0):
 
 def qwen2_folder(tmp_path):
     """A tiny Qwen2: biases on q/k/v (the v bias is smoothed with v_proj's rows), GQA, untied head."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from speculate.models.tiny import save_tiny_model
 
-    from speculate.models.tiny import tiny_tokenizer
-
-    torch.manual_seed(4)
-    cfg = Qwen2Config(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      initializer_range=0.25, tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)
-    model.save_pretrained(tmp_path / "qwen2")
-    tiny_tokenizer().save_pretrained(tmp_path / "qwen2")
-    return tmp_path / "qwen2"
+    return save_tiny_model(tmp_path / "qwen2", seed=4, arch="qwen2")
 
 
 def smoothed_copy(loaded, alpha=0.5):

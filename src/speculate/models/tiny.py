@@ -49,8 +49,26 @@ def tiny_model(seed: int = 0, vocab_size: int = 259, hidden: int = 64, layers: i
     return model
 
 
-def save_tiny_model(folder: str | Path, seed: int = 0, **kwargs) -> Path:
+def tiny_qwen2(seed: int = 4):
+    """A tiny Qwen2: biases on q/k/v (random, so that paths which fold or smooth them are exercised),
+    grouped-query attention, an untied LM head."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      initializer_range=0.25, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model.eval()
+
+
+def save_tiny_model(folder: str | Path, seed: int = 0, arch: str = "llama", **kwargs) -> Path:
+    """A tiny random model (``arch`` llama or qwen2) and the byte-level tokenizer, as an HF folder."""
     folder = Path(folder)
-    tiny_model(seed, **kwargs).save_pretrained(folder)
+    (tiny_qwen2(seed) if arch == "qwen2" else tiny_model(seed, **kwargs)).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return folder
