@@ -208,6 +208,9 @@ def plot(rows: list[dict], run: dict, out: Path) -> list[Path]:
     for dataset in dict.fromkeys(r["dataset"] for r in allrows):
         pts = [r for r in allrows if r["dataset"] == dataset]
         ax.scatter([r["normalised_quality"] for r in pts], [r["speedup"] for r in pts], label=dataset, s=18)
+        for r in pts:  # which method each point is
+            ax.annotate(r["method"], (r["normalised_quality"], r["speedup"]), fontsize=5, alpha=0.8,
+                        xytext=(3, 2), textcoords="offset points")
         cd = sorted((r for r in pts if specs.get(r["method"], {}).get("verifier") == "consultant"
                      and isinstance(specs[r["method"]].get("eps"), (int, float))),
                     key=lambda r: specs[r["method"]]["eps"])
