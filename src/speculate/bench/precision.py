@@ -16,8 +16,7 @@ import json
 import sys
 from datetime import date
 
-import torch
-
+from ..calc.auto import teacher_forced
 from ..models import DEFAULT_MODEL, DTYPES, load_model
 from . import emit, machine
 from .datasets import default_data_dir
@@ -45,20 +44,6 @@ def held_out_texts(chars: int = 12000) -> dict[str, str]:
     return texts
 
 
-@torch.inference_mode()
-def score(loaded, ids: list[int], window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(argmax, NLL) per scored position of ``ids``, in windows of ``window`` tokens."""
-    argmax, nll = [], []
-    for start in range(0, len(ids) - 1, window - 1):
-        w = torch.tensor([ids[start:start + window]])
-        if w.shape[1] < 2:
-            break
-        logits = loaded.model(w).logits[0, :-1].float()
-        argmax.append(logits.argmax(-1))
-        nll.append(torch.nn.functional.cross_entropy(logits, w[0, 1:], reduction="none"))
-    return torch.cat(argmax), torch.cat(nll)
-
-
 def run(model: str, dtypes: list[str], tokens: int, window: int = 512) -> dict:
     texts = held_out_texts()
     results = {}
@@ -67,7 +52,7 @@ def run(model: str, dtypes: list[str], tokens: int, window: int = 512) -> dict:
         loaded = load_model(model, dtype=dtype)
         for name, text in texts.items():
             ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
-            argmax, nll = score(loaded, ids, window)
+            argmax, nll = teacher_forced(loaded, ids, window)
             if i == 0:
                 reference[name] = argmax
             results.setdefault(name, {})[dtype] = {

@@ -148,28 +148,33 @@ def calibration_text() -> str:
     return resources.files("speculate.calc").joinpath("calibration.txt").read_text(encoding="utf-8")
 
 
-def mean_nll(loaded, text: str, chunk: int = 1024) -> tuple[float, int]:
-    """(mean NLL in nats per token, tokens scored) of ``loaded`` teacher-forced over ``text``.
-
-    Scored in windows of ``chunk`` tokens (each window's first token has no context and is not
-    scored), so any length fits the context window."""
+def teacher_forced(loaded, ids: list[int], window: int = 1024):
+    """(argmax, NLL) tensors per scored position of ``ids`` under ``loaded``, teacher-forced in windows
+    of ``window`` tokens (each window's first token has no context and is not scored), so any length
+    fits the context window. Shared by ``--eps auto`` and ``bench/precision.py``."""
     import torch
 
+    window = min(window, loaded.context_window)
+    argmax, nll = [], []
+    with torch.inference_mode():
+        for start in range(0, len(ids) - 1, window - 1):
+            w = torch.tensor([ids[start:start + window]])
+            if w.shape[1] < 2:
+                break
+            logits = loaded.model(w).logits[0, :-1].float()
+            argmax.append(logits.argmax(-1))
+            nll.append(torch.nn.functional.cross_entropy(logits, w[0, 1:], reduction="none"))
+    return torch.cat(argmax), torch.cat(nll)
+
+
+def mean_nll(loaded, text: str, chunk: int = 1024) -> tuple[float, int]:
+    """(mean NLL in nats per token, tokens scored) of ``loaded`` teacher-forced over ``text``
+    (:func:`teacher_forced`, windows of ``chunk`` tokens)."""
     ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
-    chunk = min(chunk, loaded.context_window)
     if len(ids) < 2:
         raise SpeculateError("the calibration text must be at least two tokens long")
-    total, count = 0.0, 0
-    with torch.inference_mode():
-        for start in range(0, len(ids) - 1, chunk - 1):
-            window = torch.tensor([ids[start:start + chunk]])
-            if window.shape[1] < 2:
-                break
-            logits = loaded.model(window).logits[0, :-1].float()
-            nll = torch.nn.functional.cross_entropy(logits, window[0, 1:], reduction="sum")
-            total += float(nll)
-            count += window.shape[1] - 1
-    return total / count, count
+    nll = teacher_forced(loaded, ids, chunk)[1]
+    return float(nll.double().mean()), len(nll)
 
 
 _EPS_CACHE: dict[tuple, float] = {}

@@ -268,6 +268,7 @@ def predictions(run: dict, rows: list[dict]) -> list[dict]:
     :attr:`Stats.alpha_estimate`), k (fixed, or the mean drafted per round for k = auto and for prompt
     lookup, which drafts less than k when it finds no match), c from the run's profile (0 for lookup),
     and the exact model's speedup E(α, k) / (T(k+1)/T(1) + k·c) beside the measured one."""
+    from ..drafters import MODEL_DRAFTERS
     from .profile import Profile
 
     prof = Profile.from_dict(run["profile"])
@@ -279,7 +280,7 @@ def predictions(run: dict, rows: list[dict]) -> list[dict]:
         if spec.get("kind") != "engine" or r["alpha"] is None or not r["mean_accepted_length"]:
             continue
         drafted_per_round = r["drafted_tokens"] / r["target_calls"] if r.get("target_calls") else None
-        drafts_with_model = spec.get("drafter") in ("model", "model-tree")
+        drafts_with_model = spec.get("drafter") in MODEL_DRAFTERS
         k = spec["k"] if isinstance(spec.get("k"), int) and drafts_with_model else \
             max(1, round(drafted_per_round or 1))
         k = min(k, k_cover)
