@@ -260,6 +260,43 @@ def test_eagle_training_lowers_the_loss_and_resumes(tiny, tiny_data, tmp_path):
         train_heads("eagle", loaded, tiny_data, tmp_path / "b", 40, **{**kw, "lr": 1e-3})
 
 
+def test_prompt_mix_and_self_instruct_filtering(tiny, monkeypatch):
+    """default_prompts: slots of GSM8K question / chat / chat / task, the written chat questions first,
+    then the target's own; self_instruct_prompts keeps user turns that ended, of >= 4 words, once each,
+    sampled after the template's user-turn prefix, and leaves the global RNG as it was."""
+    from speculate.heads.data import QUESTIONS, chat_slots, default_prompts, self_instruct_prompts
+    from speculate.text import eos_ids
+
+    prompts = default_prompts(100, chat=["own question one?", "own question two?"])
+    chat = [p for i, p in enumerate(prompts) if i % 4 in (1, 2)]
+    assert len(chat) == chat_slots(100) == 50 and chat[:40] == QUESTIONS
+    assert chat[40:42] == ["own question one?", "own question two?"] and chat[42] == QUESTIONS[0] + " (1)"
+    assert all(chat_slots(n) == sum(i % 4 in (1, 2) for i in range(n)) for n in range(12))
+
+    loaded = tiny[0]
+    tok = loaded.tokenizer
+    eos = min(eos_ids(loaded))
+    rows = [tok("What is the tallest mountain?")["input_ids"] + [eos],
+            tok("What is the tallest mountain?")["input_ids"] + [eos],  # a duplicate
+            tok("Hi there")["input_ids"] + [eos],  # too short
+            tok("Tell me a long story that never ends")["input_ids"]]  # no end of turn
+    width = max(map(len, rows))
+    seen_prefix = []
+
+    def generate(input_ids, **kw):
+        seen_prefix.append(input_ids[0].tolist())
+        torch.rand(3)  # the sampler draws from the global RNG
+        tails = torch.tensor([r + [eos] * (width - len(r)) for r in rows])
+        return torch.cat([input_ids[: len(rows)], tails], dim=1)
+
+    monkeypatch.setattr(loaded.model, "generate", generate)
+    state = torch.random.get_rng_state()
+    got = self_instruct_prompts(loaded, 3, batch_size=4, progress=False)
+    assert got == ["What is the tallest mountain?"]
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert tok.decode(seen_prefix[0]) == "<|im_start|>user\n"  # the template up to the user's words
+
+
 def test_answer_generation_resumes_from_its_partial_file(tiny, tmp_path, monkeypatch):
     from speculate.heads.data import generate_answers
 
@@ -297,3 +334,89 @@ def test_eagle_drafting_pairs_match_training_pairs(tiny, tiny_data, tmp_path):
     assert torch.allclose(drafter.root, trained_view[L - 2], atol=1e-4)
     lm = loaded.model.get_output_embeddings().weight.detach()
     assert int(draft.tokens[0]) == int((lm @ trained_view[L - 2]).argmax())
+
+
+# ------------------------------------------------------------------------------------ int8 targets
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int8_hidden_rows_scale_back_to_the_fp32_features(tiny_folders, tmp_path, monkeypatch, arch):
+    """An int8 target's final norm is smoothed (its rows are the fp32 features divided by s): the
+    feature scale undoes that, and the LM head the drafters use is the fp32 one (tied: the embedding,
+    exactly; untied: dequantized and unsmoothed)."""
+    from speculate import load_model
+    from speculate.heads.io import target_matrices
+    from speculate.models.tiny import save_tiny_model
+
+    monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path / "cache"))
+    folder = tiny_folders[0] if arch == "llama" else save_tiny_model(tmp_path / "qwen2", seed=4, arch="qwen2")
+    fp32, int8 = load_model(str(folder)), load_model(str(folder), dtype="int8")
+    rows = {}
+    for name, loaded in (("fp32", fp32), ("int8", int8)):
+        kv = KVModel(loaded)
+        kv.reset()
+        kv.forward(torch.tensor(PROMPT))
+        rows[name] = kv.hidden
+    _, lm, scale = target_matrices(int8)
+    assert target_matrices(fp32)[2] is None
+    assert scale is not None and (scale - 1).abs().max() > 0.1  # smoothing did move the rows
+    error = (rows["int8"] * scale - rows["fp32"]).norm() / rows["fp32"].norm()
+    unscaled = (rows["int8"] - rows["fp32"]).norm() / rows["fp32"].norm()
+    assert error < 0.1 and unscaled > 5 * error, (error, unscaled)  # int8 noise of a random model: ~6 %
+    fp32_lm = target_matrices(fp32)[1]
+    if arch == "llama":
+        assert torch.equal(lm, fp32_lm)
+    else:
+        assert ((lm - fp32_lm).norm() / fp32_lm.norm()) < 0.01
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("tree", [False, True])
+def test_greedy_with_heads_on_an_int8_target_equals_plain_int8(tiny_folders, tmp_path, monkeypatch, kind, tree):
+    """Beside an int8 target the heads and their LM head run in int8 too; greedy decoding stays exactly
+    the int8 target's own."""
+    from speculate import load_model
+    from speculate.models.quantize import Int8Linear
+
+    monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path / "cache"))
+    loaded = load_model(str(tiny_folders[2]), dtype="int8")
+    save_heads(tmp_path / "heads", random_heads(kind, loaded, 120, seed=3), loaded.name, 259)
+    drafter = drafter_for(kind, loaded, tmp_path / "heads", tree)
+    assert isinstance(drafter.lm, Int8Linear)
+    assert any(isinstance(m, Int8Linear) for m in (drafter.heads if kind == "medusa" else drafter.head).modules())
+    got, _, _ = spec_greedy(loaded, drafter, PROMPT, 30, 4)
+    assert got == plain_greedy(loaded, PROMPT, 30)[: len(got)]
+
+
+# ------------------------------------------------------------------------ the shipped heads, for real
+
+SHIPPED_PROMPTS = [
+    "A baker makes 24 muffins and sells them in boxes of 4. Each box costs $6. How much money does the "
+    "baker get for all the muffins?",
+    "Give me three tips for a good night's sleep.",
+]
+
+
+@pytest.fixture(scope="module")
+def default_int8(default_model):
+    from speculate import load_model
+
+    return load_model(dtype="int8")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_shipped_heads_decode_exactly_like_plain_greedy(default_model, default_int8, precision):
+    """The heads that ship for the default model, as chains and trees, at both precisions: exactly the
+    plain greedy tokens of the target as run, and their drafts are accepted (random heads would give
+    τ ≈ 1.0; these reach 1.4-2.2 here)."""
+    target = default_model if precision == "fp32" else default_int8
+    plain = SpeculativeDecoder(target, "none")
+    refs = [plain.generate(p, max_new_tokens=48).token_ids for p in SHIPPED_PROMPTS]
+    for spec in ("eagle", "eagle-chain", "medusa", "medusa-chain"):
+        decoder = SpeculativeDecoder(target, spec, "greedy", k=4)
+        new = calls = 0
+        for prompt, ref in zip(SHIPPED_PROMPTS, refs):
+            out = decoder.generate(prompt, max_new_tokens=48)
+            assert out.token_ids == ref, spec
+            new, calls = new + out.stats.new_tokens, calls + out.stats.target_calls
+        assert new / calls > 1.3, (spec, precision, new / calls)

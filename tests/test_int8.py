@@ -247,6 +247,23 @@ def test_corrupted_int8_cache_is_rebuilt(tiny_folders, cache, monkeypatch):
     assert len(calls) == 2  # the rebuilt cache is used
 
 
+@pytest.mark.parametrize("n_prefix", [9, 61])  # 61: the deeper nodes cross a 64-key block
+def test_int8_tree_rows_equal_one_token_at_a_time_bit_for_bit(int8_tiny, n_prefix):
+    """A tree forward at int8 gives each node exactly (bit for bit) the logits that decoding its path
+    one token at a time gives: its keys are gathered into the layout plain decoding has (fast.py)."""
+    kv = KVModel(int8_tiny)
+    tokens = torch.tensor([11, 12, 13, 14, 15, 16, 17])
+    parents = [-1, 0, 1, 0, -1, 4, 2]  # 0→1→2→6, 0→3, 4→5
+    kv.reset()
+    kv.forward(torch.tensor(random_prompt(2, n_prefix)))
+    start = kv.length
+    tree = kv.forward(tokens, tree_parents=parents)
+    for path in ([0, 1, 2, 6], [0, 3], [4, 5]):
+        kv.keep(start)
+        alone = torch.cat([kv.forward(tokens[[t]]) for t in path])
+        assert torch.equal(tree[path], alone), path
+
+
 # -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("k", [3, 8])
 def test_greedy_speculative_equals_plain_decoding_at_int8(int8_tiny, k):

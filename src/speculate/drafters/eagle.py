@@ -18,10 +18,9 @@ a tree drafter proposes chains.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ..heads.io import find_heads, target_matrices
-from ..heads.medusa import expand_rows, subset_weight
+from ..heads.io import drafting_parts, find_heads
+from ..heads.medusa import expand_rows
 from ..sampling import warp
 from .base import EMPTY, Draft, Drafter
 
@@ -31,11 +30,11 @@ class EagleDrafter(Drafter):
     wants_hidden = True
 
     def __init__(self, target, heads=None, tree: bool = False, topk: int = 3, budget: int = 12, depth: int = 6):
-        self.head, self.config, self.folder = find_heads(target, "eagle", heads)
-        self.embed, lm = target_matrices(target)
-        self.vocab_size = int(lm.shape[0])
-        self.vocab = self.head.vocab
-        self.lm_weight = subset_weight(lm, self.vocab)
+        head, self.config, self.folder = find_heads(target, "eagle", heads)
+        self.vocab = head.vocab
+        self.head, self.lm, self.feature_scale = drafting_parts(target, head, self.vocab)
+        self.embed = target.model.get_input_embeddings().weight.detach()
+        self.vocab_size = int(target.model.get_output_embeddings().out_features)
         if topk < 1 or budget < 1 or depth < 1:
             raise ValueError("EagleDrafter needs topk, budget and depth >= 1")
         self.tree, self.topk, self.budget, self.depth = bool(tree), topk, budget, depth
@@ -56,6 +55,8 @@ class EagleDrafter(Drafter):
             grown[: self.n_feats] = self.feats[: self.n_feats]
             self.feats = grown
         self.feats[self.n_feats: self.n_feats + n] = hidden.float()
+        if self.feature_scale is not None:  # an int8 target's smoothed rows → the trained-on features
+            self.feats[self.n_feats: self.n_feats + n] *= self.feature_scale
         self.n_feats += n
 
     def max_nodes(self, k):
@@ -90,7 +91,7 @@ class EagleDrafter(Drafter):
         start, feat, drafted, rows = self.fed, self.root, [], []
         greedy = self.sampling.greedy
         for j in range(k):
-            logits = F.linear(feat, self.lm_weight)[None]  # [1, S]
+            logits = self.lm(feat)[None]  # [1, S]
             if greedy:
                 token = self._token(logits.argmax(-1))
             else:
@@ -108,7 +109,7 @@ class EagleDrafter(Drafter):
         """EAGLE-2's dynamic tree (greedy): nodes as (token, parent, cumulative log-prob)."""
         start, topk = self.fed, self.topk
         toks, parents, scores = [], [], []
-        logp = F.linear(self.root, self.lm_weight).log_softmax(-1)
+        logp = self.lm(self.root).log_softmax(-1)
         top = logp.topk(min(topk, logp.shape[-1]))
         for s, i in zip(top.values.tolist(), top.indices.tolist()):
             toks.append(self._token(i)), parents.append(-1), scores.append(s)
@@ -133,7 +134,7 @@ class EagleDrafter(Drafter):
             pos = torch.full((len(frontier),), start + d - 2, dtype=torch.long)
             outs = self.head.step(self.cache, self._emb([toks[n] for n in frontier]), feats, pos,
                                   torch.tensor(slots), allowed)
-            logp = F.linear(outs, self.lm_weight).log_softmax(-1)
+            logp = self.lm(outs).log_softmax(-1)
             top = logp.topk(min(topk, logp.shape[-1]), dim=-1)
             new = []
             for row, node in enumerate(frontier):

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..heads.io import find_heads, target_matrices
-from ..heads.medusa import expand_rows, subset_weight
+from ..heads.io import drafting_parts, find_heads
+from ..heads.medusa import expand_rows
 from ..sampling import warp
 from .base import EMPTY, Draft, Drafter
 
@@ -36,11 +36,10 @@ class MedusaDrafter(Drafter):
     def __init__(self, target, heads=None, tree=None):
         """``target``: the LoadedModel; ``heads``: a folder (default: the heads shipped for it);
         ``tree``: None/False (chains), True (:data:`DEFAULT_TREE`) or a list of choices."""
-        self.heads, self.config, self.folder = find_heads(target, "medusa", heads)
-        _, lm = target_matrices(target)
-        self.vocab_size = int(lm.shape[0])
-        self.vocab = self.heads.vocab
-        self.lm_weight = subset_weight(lm, self.vocab)
+        heads, self.config, self.folder = find_heads(target, "medusa", heads)
+        self.vocab = heads.vocab
+        self.heads, self.lm, self.feature_scale = drafting_parts(target, heads, self.vocab)
+        self.vocab_size = int(target.model.get_output_embeddings().out_features)
         self.choices = None
         if tree:
             self.choices = _check_choices(DEFAULT_TREE if tree is True else tree)
@@ -54,6 +53,8 @@ class MedusaDrafter(Drafter):
     def observe(self, hidden: torch.Tensor) -> None:
         if hidden.shape[0]:
             self.last = hidden[-1].float().clone()
+            if self.feature_scale is not None:  # an int8 target's smoothed rows → the trained-on features
+                self.last *= self.feature_scale
 
     def max_nodes(self, k):
         depth = min(k, self.heads.n_heads)
@@ -67,7 +68,7 @@ class MedusaDrafter(Drafter):
         depth = min(k, self.heads.n_heads)
         if depth <= 0 or self.last is None:
             return Draft(EMPTY)
-        logits = self.heads.logits(self.last, self.lm_weight)[:depth]  # [depth, S]
+        logits = self.lm(self.heads.features(self.last))[:depth]  # [depth, S]
         greedy = self.sampling.greedy
         if self.tree:
             return self._tree(logits, depth, greedy)

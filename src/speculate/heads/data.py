@@ -2,8 +2,9 @@
 its final-normed hidden states over prompt + answer (what the heads see at drafting time).
 
 Prompts (:func:`default_prompts`): GSM8K *train* questions (the benchmark uses the test split),
-MT-Bench-style questions written here (not MT-Bench's own), and rewrite / summarize / explain tasks
-over GSM8K train solutions, interleaved. Answers are generated in batches with Hugging Face
+chat questions — 40 written here (not MT-Bench's own), then ones the target writes itself
+(:func:`self_instruct_prompts`, Magpie: Xu et al. 2024) — and rewrite / summarize / explain tasks over
+GSM8K train solutions, interleaved 1:2:1. Answers are generated in batches with Hugging Face
 ``generate`` (left padding, greedy), then one teacher-forced pass of the target (the KV model, one
 sequence at a time, no padding) gives the hidden rows. Everything lands in one safetensors file,
 written atomically, keyed by model, prompt count and answer length, so a rerun (or a resumed
@@ -78,9 +79,10 @@ TASKS = [
 ]
 
 
-def default_prompts(n: int, seed: int = 0, data_dir: Path | None = None) -> list[str]:
-    """``n`` prompts: GSM8K train questions, the questions above and rewrite/summarize tasks, mixed
-    about 2:1:1 (fewer GSM8K ones when its file is absent)."""
+def default_prompts(n: int, seed: int = 0, data_dir: Path | None = None, chat: list[str] | None = None) -> list[str]:
+    """``n`` prompts, in slots of four: a GSM8K train question, two chat questions, a rewrite/summarize
+    task (chat questions instead of GSM8K ones when its file is absent). Chat questions: the written
+    ones above, then ``chat`` (e.g. :func:`self_instruct_prompts`), then the written ones again, numbered."""
     from ..bench.datasets import default_data_dir
 
     rng = random.Random(seed)
@@ -90,13 +92,15 @@ def default_prompts(n: int, seed: int = 0, data_dir: Path | None = None) -> list
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         rng.shuffle(rows)
+    questions = QUESTIONS + list(chat or [])
     out, i, q = [], 0, 0
     while len(out) < n:
         slot = len(out) % 4
-        if slot == 2 and q < len(QUESTIONS) or not rows:  # each written question once (greedy: no repeats)
-            out.append(QUESTIONS[q % len(QUESTIONS)] + ("" if q < len(QUESTIONS) else f" ({q // len(QUESTIONS)})"))
+        if slot in (1, 2) or not rows:
+            extra = q // len(questions)  # past the end: the written ones again, numbered (greedy: no repeats)
+            out.append(questions[q % len(questions)] + (f" ({extra})" if extra else ""))
             q += 1
-        elif slot in (0, 1):
+        elif slot == 0:
             out.append(rows[i % len(rows)]["question"])
             i += 1
         else:
@@ -104,6 +108,56 @@ def default_prompts(n: int, seed: int = 0, data_dir: Path | None = None) -> list
             i += 1
             out.append(rng.choice(TASKS).format(text=re.sub(r"<<[^>]*>>", "", text)))
     return out[:n]
+
+
+def chat_slots(n: int) -> int:
+    """How many of :func:`default_prompts`'s first ``n`` prompts are chat questions."""
+    return 2 * (n // 4) + min(max(n % 4 - 1, 0), 2)
+
+
+def self_instruct_prompts(loaded, n: int, seed: int = 0, batch_size: int = 32, max_new_tokens: int = 64,
+                          progress: bool = True) -> list[str]:
+    """``n`` user questions written by the target itself (Magpie, Xu et al. 2024): the chat template up to
+    the start of a user turn, then sampled text (temperature 1, top-p 0.95) up to the end of that turn.
+    Kept: turns that ended (EOS before ``max_new_tokens``), of 4 words or more, each once. The prompts
+    follow the model's own idea of a user, so its answers to them are what it says in chat."""
+    from tqdm import tqdm
+
+    from ..text import eos_ids
+
+    tok = loaded.tokenizer
+    if not getattr(tok, "chat_template", None) or n <= 0:
+        return []
+    sentinel = "\x00SPECULATE\x00"
+    text = tok.apply_chat_template([{"role": "user", "content": sentinel}], tokenize=False)
+    prefix = tok(text[: text.index(sentinel)], add_special_tokens=False)["input_ids"]
+    eos = sorted(eos_ids(loaded))
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    out, seen = [], set()
+    bar = tqdm(total=n, desc="writing chat prompts", unit="prompt", disable=not progress)
+    try:
+        for _ in range(max(4, 4 * n // batch_size + 4)):  # a bound: a model that never ends a turn stops here
+            if len(out) >= n:
+                break
+            with torch.inference_mode():
+                gen = loaded.model.generate(torch.tensor([prefix] * batch_size),
+                                            attention_mask=torch.ones(batch_size, len(prefix), dtype=torch.long),
+                                            do_sample=True, temperature=1.0, top_p=0.95, top_k=0,
+                                            max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0])
+            for row in gen[:, len(prefix):].tolist():
+                ends = [j for j, t in enumerate(row) if t in eos]
+                if not ends:
+                    continue
+                question = tok.decode(row[: ends[0]], skip_special_tokens=True).strip()
+                if len(question.split()) >= 4 and question not in seen and len(out) < n:
+                    seen.add(question)
+                    out.append(question)
+                    bar.update(1)
+    finally:
+        torch.random.set_rng_state(generator_state)
+        bar.close()
+    return out
 
 
 @dataclass
@@ -254,7 +308,8 @@ def build_data(loaded, out_dir: Path, n_prompts: int, max_new_tokens: int, batch
     data = load_data(path)
     if data is not None and all(data.meta.get(k) == v for k, v in key.items()):
         return data
-    prompts = prompts if prompts is not None else default_prompts(n_prompts)
+    if prompts is None:
+        prompts = _cached_prompts(loaded, path.with_suffix(".prompts.json"), n_prompts, progress)
     if not prompts:
         raise SpeculateError("no prompts to build training data from")
     partial = path.with_suffix(".answers.json")
@@ -263,4 +318,23 @@ def build_data(loaded, out_dir: Path, n_prompts: int, max_new_tokens: int, batch
     data.meta = {**key, "tokens": int(data.ids.numel()), "answer_tokens": int(data.answer_tokens().numel())}
     save_data(path, data)
     partial.unlink(missing_ok=True)
+    path.with_suffix(".prompts.json").unlink(missing_ok=True)
     return data
+
+
+def _cached_prompts(loaded, file: Path, n_prompts: int, progress: bool) -> list[str]:
+    """:func:`default_prompts` with the target's own chat questions, kept in ``file`` until the data is
+    built (sampling is seeded, but a resumed run must not depend on bit-identical sampling)."""
+    from ..models.cache import atomic_write_text
+
+    try:
+        saved = json.loads(file.read_text())
+        if len(saved) == n_prompts and all(isinstance(p, str) for p in saved):
+            return saved
+    except (OSError, ValueError):
+        pass
+    chat = self_instruct_prompts(loaded, max(chat_slots(n_prompts) - len(QUESTIONS), 0), progress=progress)
+    prompts = default_prompts(n_prompts, chat=chat)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(file, json.dumps(prompts))
+    return prompts

@@ -123,14 +123,30 @@ def find_heads(loaded, kind: str, folder: str | Path | None = None):
     return heads, config, Path(folder)
 
 
-def target_matrices(loaded) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input embeddings, LM-head weight in fp32) of the target, shared with the heads, never copied
-    for an fp32 model. int8 targets are refused: their final norm and LM head are smoothed
-    (models/quantize.py), so their hidden rows are not the features the heads were trained on."""
+def target_matrices(loaded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(input embeddings, LM-head weight in fp32, feature scale) of the target, shared with the heads,
+    never copied for an fp32 model. The feature scale (None for fp32/bf16) turns an int8 target's
+    hidden rows, divided per channel by SmoothQuant's s at its final norm (models/quantize.py), back
+    into the features the heads were trained on; the LM head comes back on that scale too."""
+    from ..models.quantize import feature_scale, lm_head_weight
+
     model = loaded.model
-    head = model.get_output_embeddings()
-    weight = getattr(head, "weight", None)
-    if not isinstance(weight, torch.Tensor) or getattr(loaded, "dtype", "fp32") == "int8":
-        raise SpeculateError("draft heads need an fp32 or bf16 target: the int8 model's hidden states are "
-                             "smoothed, not the features the heads were trained on")
-    return model.get_input_embeddings().weight.detach(), weight.detach().float()
+    return model.get_input_embeddings().weight.detach(), lm_head_weight(model), feature_scale(model)
+
+
+def drafting_parts(loaded, heads: torch.nn.Module, vocab: torch.Tensor | None):
+    """What a head drafter computes with: (heads, LM head over the drafting vocabulary as a module,
+    feature scale). Beside an int8 target the heads and that LM head run in int8 too (quantized here,
+    in place), so drafting a level costs a fraction of the fp32 weights' memory traffic."""
+    from torch import nn
+
+    from ..models.quantize import quantize_linears
+    from .medusa import subset_weight
+
+    _, lm_weight, scale = target_matrices(loaded)
+    weight = subset_weight(lm_weight, vocab)
+    lm = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    lm.weight = nn.Parameter(weight, requires_grad=False)
+    if getattr(loaded, "dtype", "fp32") == "int8":
+        heads, lm = quantize_linears(heads), quantize_linears(lm)
+    return heads, lm, scale

@@ -395,7 +395,15 @@ def quantize(model: nn.Module, tokenizer, alpha: float | dict[str, float] = ALPH
 
 
 def apply(model: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
-    """Turn the fp32 ``model`` into its int8 form, in place, from :func:`quantize`'s tensors."""
+    """Turn the fp32 ``model`` into its int8 form, in place, from :func:`quantize`'s tensors.
+
+    A smoothed final norm divides the hidden rows by the LM head's s; ``model.speculate_feature_scale``
+    (that s, per channel) turns them back into features on the fp32 model's scale
+    (:func:`feature_scale`), which is what draft heads were trained on."""
+    norm = tensors.get("fp32.model.norm.weight")
+    if norm is not None:  # the smoothed final norm: remember how to undo it for the hidden rows
+        before = model.get_submodule("model.norm").weight.detach().float()
+        model.speculate_feature_scale = torch.where(norm != 0, before / norm, torch.ones_like(norm))
     for key, tensor in tensors.items():
         if key.startswith("fp32."):
             owner, _, pname = key[len("fp32."):].rpartition(".")
@@ -418,6 +426,35 @@ def apply(model: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     owner, _, child = name.rpartition(".")
     setattr(model.get_submodule(owner) if owner else model, child, module)
+
+
+def feature_scale(model: nn.Module) -> torch.Tensor | None:
+    """Per-channel factor from this model's final-normed hidden rows to the fp32 model's (None: 1)."""
+    return getattr(model, "speculate_feature_scale", None)
+
+
+def lm_head_weight(model: nn.Module) -> torch.Tensor:
+    """The LM head as an fp32 [V, H] matrix on the fp32 model's feature scale: the weight itself, or
+    for an int8 head the tied embedding (never quantized) or else its dequantized, unsmoothed weight."""
+    head = model.get_output_embeddings()
+    if not is_int8(head):
+        return head.weight.detach().float()
+    if getattr(model.config, "tie_word_embeddings", False):
+        return model.get_input_embeddings().weight.detach().float()
+    weight = head.dequantized_weight()
+    scale = feature_scale(model)
+    return weight if scale is None else weight / scale
+
+
+def quantize_linears(module: nn.Module) -> nn.Module:
+    """Every ``nn.Linear`` in ``module`` (itself included) becomes an :class:`Int8Linear`, unsmoothed, in
+    place; returns the (possibly new) module. For small draft heads beside an int8 target: their
+    fp32 weights, read once per drafted level, would cost more than their arithmetic."""
+    if isinstance(module, nn.Linear):
+        return Int8Linear.from_float(module.weight, module.bias)
+    for name, child in list(module.named_children()):
+        setattr(module, name, quantize_linears(child))
+    return module
 
 
 def is_int8(module: nn.Module) -> bool:
