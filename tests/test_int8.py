@@ -247,21 +247,31 @@ def test_corrupted_int8_cache_is_rebuilt(tiny_folders, cache, monkeypatch):
     assert len(calls) == 2  # the rebuilt cache is used
 
 
-@pytest.mark.parametrize("n_prefix", [9, 61])  # 61: the deeper nodes cross a 64-key block
+@pytest.mark.parametrize("n_prefix", [9, 61, 130])  # 61: the deeper nodes cross a 64-key block
 def test_int8_tree_rows_equal_one_token_at_a_time_bit_for_bit(int8_tiny, n_prefix):
     """A tree forward at int8 gives each node exactly (bit for bit) the logits that decoding its path
-    one token at a time gives: its keys are gathered into the layout plain decoding has (fast.py)."""
+    one token at a time gives (fast.py: the softmax runs in plain decoding's layout). A fixed tree and
+    random ones of 12 nodes."""
+    rng = random.Random(n_prefix)
+    trees = [([11, 12, 13, 14, 15, 16, 17], [-1, 0, 1, 0, -1, 4, 2])]  # 0→1→2→6, 0→3, 4→5
+    for _ in range(3):
+        parents = [-1] + [rng.randrange(-1, i) for i in range(1, 12)]
+        trees.append(([rng.randrange(3, 259) for _ in parents], parents))
     kv = KVModel(int8_tiny)
-    tokens = torch.tensor([11, 12, 13, 14, 15, 16, 17])
-    parents = [-1, 0, 1, 0, -1, 4, 2]  # 0→1→2→6, 0→3, 4→5
     kv.reset()
     kv.forward(torch.tensor(random_prompt(2, n_prefix)))
     start = kv.length
-    tree = kv.forward(tokens, tree_parents=parents)
-    for path in ([0, 1, 2, 6], [0, 3], [4, 5]):
+    for tokens, parents in trees:
+        tokens = torch.tensor(tokens)
         kv.keep(start)
-        alone = torch.cat([kv.forward(tokens[[t]]) for t in path])
-        assert torch.equal(tree[path], alone), path
+        tree = kv.forward(tokens, tree_parents=parents)
+        for leaf in set(range(len(parents))) - set(parents):
+            path = [leaf]
+            while parents[path[0]] >= 0:
+                path.insert(0, parents[path[0]])
+            kv.keep(start)
+            alone = torch.cat([kv.forward(tokens[[t]]) for t in path])
+            assert torch.equal(tree[path], alone), (parents, path)
 
 
 # -------------------------------------------------------------------------------------------------

@@ -258,38 +258,52 @@ class FastKVModel:
         return attend
 
     def _invariant_tree_attention(self, start: int, positions: torch.Tensor, ancestors: torch.Tensor):
-        """:meth:`_invariant_attention` for a tree (rows = [root] + nodes, ``ancestors`` [n, n]): row r at
-        position p attends over ceil((p+1)/64)·64 gathered key slots — 0..start-1, then the slots of its
-        root-to-node path, then padding (masked) — one (row, KV head) per matrix product."""
+        """:meth:`_invariant_attention` for a tree (rows = [root] + nodes, ``ancestors`` [n, n]).
+
+        The scores and the weighted sum of values run over the tree's own slots (each score is one dot
+        product, wherever its key sits; the sum over slots adds the path's terms in the same order as
+        plain decoding, the masked siblings' exact zeros in between). The softmax is the order-sensitive
+        step: its row sums are vectorized across slots. So each row's scores are gathered into the layout
+        plain decoding has at its position p — slots 0..start-1, its root-to-node path, then masked
+        padding, ceil((p+1)/64)·64 wide — normalized there, and the weights put back."""
         block = 64
+        n = positions.shape[0]
+        end = start + n
+        width = -(-end // block) * block
+        self._ensure(width)
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         rep = nh // nkv
-        self._ensure(start + positions.shape[0])
+        allowed = torch.zeros(n, width, dtype=torch.bool)
+        allowed[:, :start] = True
+        allowed[:, start:end] = ancestors
+        tree_mask = torch.zeros(n, width, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))
+        tree_mask = tree_mask[:, None, :].expand(n, rep, width).reshape(1, n * rep, width)
         lengths = (positions + block) // block * block
-        groups = []  # (rows, slot index [rows, L], additive mask [nkv · rows, rep, L])
+        groups = []  # (score rows, slot index [nkv, rows · rep, L], additive mask [1, rows · rep, L])
         for length in sorted(set(lengths.tolist())):
             rows = (lengths == length).nonzero().flatten()
-            index = torch.zeros(rows.numel(), length, dtype=torch.long)
+            m = rows.numel()
+            index = torch.zeros(m, length, dtype=torch.long)  # padding → slot 0, masked below
             index[:, :start] = torch.arange(start)
             for j, r in enumerate(rows.tolist()):
                 path = start + ancestors[r].nonzero().flatten()  # root first: parents precede children
                 index[j, start: start + path.numel()] = path
             ok = torch.arange(length)[None, :] <= positions[rows, None]
-            mask = torch.zeros(rows.numel(), length, dtype=self.dtype).masked_fill_(~ok, float("-inf"))
-            mask = mask[None, :, None, :].expand(nkv, -1, rep, -1).reshape(-1, rep, length)
-            groups.append((rows, index, mask))
+            mask = torch.zeros(m, length, dtype=self.dtype).masked_fill_(~ok, float("-inf"))
+            score_rows = (rows[:, None] * rep + torch.arange(rep)).flatten()
+            index = index[:, None, :].expand(m, rep, length).reshape(1, m * rep, length).expand(nkv, -1, -1)
+            groups.append((score_rows, index, mask[:, None, :].expand(m, rep, length).reshape(1, m * rep, length)))
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
-            out = q.new_empty(q.shape[0], nh * hd)
-            for rows, index, mask in groups:
-                m, length = index.shape
-                k = self.k_cache[i][:, index].view(nkv * m, length, hd)  # [nkv, m, L, hd], flattened
-                v = self.v_cache[i][:, index].view(nkv * m, length, hd)
-                qg = q[rows].view(m, nkv, rep, hd).transpose(0, 1).reshape(nkv * m, rep, hd)
-                scores = torch.baddbmm(mask, qg, k.transpose(1, 2), alpha=self.scaling)
-                o = torch.bmm(scores.softmax(dim=-1), v)  # [nkv · m, rep, hd]
-                out[rows] = o.view(nkv, m, rep, hd).transpose(0, 1).reshape(m, nh * hd)
-            return out
+            qg = q.reshape(n, nkv, rep, hd).transpose(0, 1).reshape(nkv, n * rep, hd)
+            scores = torch.baddbmm(tree_mask, qg, self.k_cache[i, :, :width].transpose(1, 2), alpha=self.scaling)
+            weights = torch.zeros_like(scores)
+            for score_rows, index, mask in groups:
+                plain = (scores[:, score_rows].gather(-1, index) + mask).softmax(dim=-1)
+                # Padding points at slot 0 with weight exactly 0: adding it changes nothing.
+                weights[:, score_rows] = torch.zeros_like(scores[:, score_rows]).scatter_add_(-1, index, plain)
+            out = torch.bmm(weights, self.v_cache[i, :, :width])  # [nkv, n · rep, hd]
+            return out.view(nkv, n, rep, hd).transpose(0, 1).reshape(n, nh * hd)
 
         return attend
 
