@@ -59,7 +59,7 @@ def test_k_auto_is_lossless_and_measures_the_curve_once(tiny, cache, monkeypatch
         out = dec.generate(prompt, max_new_tokens=40)
         assert out.token_ids == ref.token_ids, drafter.name
         assert isinstance(dec.k_policy, AutoK) and dec.k == "auto"
-        assert 1 <= max(len(out.stats.drafted_by_position), 1) <= auto.AUTO_K_MAX
+        assert 1 <= len(out.stats.drafted_by_position) <= auto.AUTO_K_MAX  # it drafted, never past k_max
     assert profile_path(target).is_file() and profile_path(target, draft).is_file()
     assert profile_for(target, draft).c is not None
 

@@ -151,22 +151,23 @@ def test_predictions_use_the_profile_and_the_fitted_alpha():
 @pytest.mark.parametrize("args, message", [
     (["--k", "zero"], "--k"),
     (["--baselines", "hf_magic"], "baseline"),
-    (["--verifiers", "greedy", "--temperature", "0.5"], None),  # no method left but plain: runs? refused below
     (["--config", "/no/such.toml"], "no such file"),
     (["--limit", "0"], "--limit"),
 ])
 def test_bench_bad_input_is_one_line(capsys, args, message, tmp_path):
-    if message is None:  # greedy at T>0 is skipped by the matrix: only the baselines remain, which is valid
-        import argparse
-
-        p = argparse.ArgumentParser()
-        add_arguments(p)
-        cfg = build_config(p.parse_args(args + ["--out", str(tmp_path)]))
-        assert [m.kind for m in cfg.methods] == ["hf_generate"]
-        return
     assert main(["bench", *args, "--out", str(tmp_path / "x")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_greedy_at_a_temperature_leaves_only_the_baselines(tmp_path):
+    """The matrix skips greedy at T > 0 (it cannot sample); the baselines remain, which is valid."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = build_config(p.parse_args(["--verifiers", "greedy", "--temperature", "0.5", "--out", str(tmp_path)]))
+    assert [m.kind for m in cfg.methods] == ["hf_generate"]
 
 
 def test_a_method_run_on_one_dataset_only_is_compared_there_only():

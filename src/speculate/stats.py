@@ -5,6 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def alpha_mle(accepted: float, rejecting_rounds: float) -> float | None:
+    """Per-draft acceptance rate α, the maximum-likelihood estimate under the lesson's model (each draft
+    kept independently with probability α until the first rejection): a round that keeps n drafts and
+    then rejects one is n successes and one failure, so α̂ = Σ accepted / (Σ accepted + rejecting rounds).
+    None without any trial."""
+    trials = accepted + rejecting_rounds
+    return accepted / trials if trials else None
+
+
 @dataclass
 class Stats:
     new_tokens: int = 0
@@ -51,10 +60,8 @@ class Stats:
 
     @property
     def alpha_estimate(self) -> float | None:
-        """Per-draft acceptance rate α, the MLE under the lesson's model (each draft kept independently
-        with probability α until the first rejection): Σ accepted / (Σ accepted + rejecting rounds)."""
-        trials = self.accepted_draft_tokens + self.rejected_rounds
-        return self.accepted_draft_tokens / trials if trials else None
+        """α̂ of this generation (:func:`alpha_mle`)."""
+        return alpha_mle(self.accepted_draft_tokens, self.rejected_rounds)
 
     @property
     def tokens_per_second(self) -> float:

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..models.cache import atomic_write_text
+from ..stats import alpha_mle
 from .metrics import bootstrap_ci, rouge_l
 
 QUALITY = {"humaneval": "pass@1", "gsm8k": "accuracy", "mt_bench": "ROUGE-L vs target greedy (proxy)",
@@ -125,7 +126,7 @@ def summarise(records: list[dict], n_resamples: int = 2000, seed: int = 0) -> li
                 "drafted_tokens": int(sum(_stat(r, "drafted_tokens") for r in recs)) if engine else None,
                 "llm_calls_ratio": round(calls / tok.sum(), 4) if engine else None,
                 "mean_accepted_length": round(tok.sum() / calls, 3) if engine else None,
-                "alpha": round(accepted / (accepted + rejected), 4) if engine and accepted + rejected else None,
+                "alpha": round(alpha, 4) if engine and (alpha := alpha_mle(accepted, rejected)) is not None else None,
                 "acceptance_by_position": [round(a, 3) for a in _positions(recs)] if engine else None,
                 "quality_metric": "mixed" if dataset == "all" else QUALITY.get(dataset, ""),
                 "quality": round(float(np.nanmean(q)), 4),

@@ -36,6 +36,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..errors import SpeculateError
+from ..stats import alpha_mle
 from .profile import Profile, load_profile, measure_profile, save_profile
 from .scaling import chinchilla_loss
 from .speedup import best_k
@@ -114,7 +115,7 @@ class AutoK:
 
     @property
     def alpha(self) -> float:
-        return self.successes / (self.successes + self.failures)
+        return alpha_mle(self.successes, self.failures)  # with the prior's pseudo-rounds: never undefined
 
     def next_k(self) -> int:
         return self.table[min(self.GRID - 1, int(self.alpha * self.GRID))]

@@ -43,19 +43,18 @@ class Draft:
     @property
     def depth(self) -> int:
         """The longest path: how many draft tokens one round can accept."""
-        return max(self.node_depths(), default=0)
+        return len(self) if self.parents is None else max(self.node_depths(), default=0)
 
     def within(self, max_depth: int) -> Draft:
         """This draft without the tokens deeper than ``max_depth`` (self when none is). Nodes are
         topologically ordered and a child is deeper than its parent, so what stays is still a tree."""
-        depth = self.node_depths()
-        keep = [i for i, d in enumerate(depth) if d <= max_depth]
-        if len(keep) == len(depth):
+        if self.depth <= max_depth:
             return self
+        if self.parents is None:  # a chain: its first max_depth tokens
+            return Draft(self.tokens[:max_depth], None if self.probs is None else self.probs[:max_depth])
+        keep = [i for i, d in enumerate(self.node_depths()) if d <= max_depth]
         index = torch.tensor(keep, dtype=torch.long)
         probs = None if self.probs is None else self.probs[index]
-        if self.parents is None:
-            return Draft(self.tokens[index], probs)
         new_index = {old: new for new, old in enumerate(keep)}
         parents = [-1 if self.parents[i] < 0 else new_index[self.parents[i]] for i in keep]
         return Draft(self.tokens[index], probs, parents, self.replacement)
