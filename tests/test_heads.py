@@ -420,3 +420,20 @@ def test_shipped_heads_decode_exactly_like_plain_greedy(default_model, default_i
             assert out.token_ids == ref, spec
             new, calls = new + out.stats.new_tokens, calls + out.stats.target_calls
         assert new / calls > 1.3, (spec, precision, new / calls)
+
+
+def test_drafters_of_one_target_share_their_heads_until_the_files_change(tiny, tmp_path):
+    """The server builds a drafter per request: the heads are loaded (and quantized) once per target
+    and folder; heads saved again into that folder are loaded anew."""
+    import os
+
+    loaded = tiny[1]
+    save_heads(tmp_path, random_heads("eagle", loaded, 100, seed=1), loaded.name, 259)
+    a, b = EagleDrafter(loaded, tmp_path), EagleDrafter(loaded, tmp_path)
+    assert a.head is b.head and a.lm is b.lm
+    save_heads(tmp_path, random_heads("eagle", loaded, 100, seed=2), loaded.name, 259)
+    weights = tmp_path / "heads.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1000))  # coarse clocks
+    c = EagleDrafter(loaded, tmp_path)
+    assert c.head is not a.head
+    assert not torch.equal(c.head.fc.weight, a.head.fc.weight)

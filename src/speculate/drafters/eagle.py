@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..heads.io import drafting_parts, find_heads
+from ..heads.io import drafting_parts
 from ..heads.medusa import expand_rows
 from ..sampling import warp
 from .base import EMPTY, Draft, Drafter
@@ -30,9 +30,9 @@ class EagleDrafter(Drafter):
     wants_hidden = True
 
     def __init__(self, target, heads=None, tree: bool = False, topk: int = 3, budget: int = 12, depth: int = 6):
-        head, self.config, self.folder = find_heads(target, "eagle", heads)
-        self.vocab = head.vocab
-        self.head, self.lm, self.feature_scale = drafting_parts(target, head, self.vocab)
+        parts = drafting_parts(target, "eagle", heads)
+        self.head, self.config, self.folder, self.lm = parts.heads, parts.config, parts.folder, parts.lm
+        self.vocab, self.feature_scale = parts.vocab, parts.feature_scale
         self.embed = target.model.get_input_embeddings().weight.detach()
         self.vocab_size = int(target.model.get_output_embeddings().out_features)
         if topk < 1 or budget < 1 or depth < 1:

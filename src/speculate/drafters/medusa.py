@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..heads.io import drafting_parts, find_heads
+from ..heads.io import drafting_parts
 from ..heads.medusa import expand_rows
 from ..sampling import warp
 from .base import EMPTY, Draft, Drafter
@@ -36,9 +36,9 @@ class MedusaDrafter(Drafter):
     def __init__(self, target, heads=None, tree=None):
         """``target``: the LoadedModel; ``heads``: a folder (default: the heads shipped for it);
         ``tree``: None/False (chains), True (:data:`DEFAULT_TREE`) or a list of choices."""
-        heads, self.config, self.folder = find_heads(target, "medusa", heads)
-        self.vocab = heads.vocab
-        self.heads, self.lm, self.feature_scale = drafting_parts(target, heads, self.vocab)
+        parts = drafting_parts(target, "medusa", heads)
+        self.heads, self.config, self.folder, self.lm = parts.heads, parts.config, parts.folder, parts.lm
+        self.vocab, self.feature_scale = parts.vocab, parts.feature_scale
         self.vocab_size = int(target.model.get_output_embeddings().out_features)
         self.choices = None
         if tree:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -134,19 +135,49 @@ def target_matrices(loaded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | 
     return model.get_input_embeddings().weight.detach(), lm_head_weight(model), feature_scale(model)
 
 
-def drafting_parts(loaded, heads: torch.nn.Module, vocab: torch.Tensor | None):
-    """What a head drafter computes with: (heads, LM head over the drafting vocabulary as a module,
-    feature scale). Beside an int8 target the heads and that LM head run in int8 too (quantized here,
-    in place), so drafting a level costs a fraction of the fp32 weights' memory traffic."""
+@dataclass
+class DraftingParts:
+    """What a head drafter computes with: the heads, the LM head over the drafting vocabulary as a
+    module, and the feature scale (:func:`target_matrices`); shared by every drafter of one target."""
+
+    heads: torch.nn.Module
+    config: dict
+    folder: Path
+    lm: torch.nn.Module
+    feature_scale: torch.Tensor | None
+
+    @property
+    def vocab(self) -> torch.Tensor | None:
+        return self.heads.vocab
+
+
+def drafting_parts(loaded, kind: str, folder: str | Path | None = None) -> DraftingParts:
+    """The heads of ``kind`` for ``loaded`` (from ``folder`` or the shipped ones), ready to draft: loaded,
+    checked, and beside an int8 target quantized to int8 with their LM head (so that drafting a level
+    costs a fraction of the fp32 weights' memory traffic). Built once per target model and folder, then
+    shared: the heads hold no per-generation state, and the server builds a drafter per request."""
     from torch import nn
 
     from ..models.quantize import quantize_linears
     from .medusa import subset_weight
 
-    _, lm_weight, scale = target_matrices(loaded)
-    weight = subset_weight(lm_weight, vocab)
-    lm = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    lm.weight = nn.Parameter(weight, requires_grad=False)
-    if getattr(loaded, "dtype", "fp32") == "int8":
-        heads, lm = quantize_linears(heads), quantize_linears(lm)
-    return heads, lm, scale
+    built = loaded.__dict__.setdefault("_speculate_heads", {})
+    where = Path(folder).resolve() if folder is not None else shipped_folder(loaded.name, kind)
+    try:  # the weights file's identity too: heads saved again into the same folder are new heads
+        stat = (where / WEIGHTS).stat()
+        key = (kind, str(where), stat.st_mtime_ns, stat.st_size)
+    except (OSError, TypeError):  # missing: find_heads says why
+        key = None
+    if key is None or key not in built:
+        heads, config, where = find_heads(loaded, kind, folder)
+        _, lm_weight, scale = target_matrices(loaded)
+        weight = subset_weight(lm_weight, heads.vocab)
+        lm = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        lm.weight = nn.Parameter(weight, requires_grad=False)
+        if getattr(loaded, "dtype", "fp32") == "int8":
+            heads, lm = quantize_linears(heads), quantize_linears(lm)
+        parts = DraftingParts(heads, config, where, lm, scale)
+        if key is None:
+            return parts
+        built[key] = parts
+    return built[key]
