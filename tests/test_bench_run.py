@@ -176,3 +176,18 @@ def test_a_method_run_on_one_dataset_only_is_compared_there_only():
                _record("hf_generate", "humaneval", 0, 10, 2.0, 0, {"passed": True})]
     rows = {(r["method"], r["dataset"]) for r in summarise(records, n_resamples=50)}
     assert rows == {("plain", "gsm8k"), ("plain", "humaneval"), ("hf_generate", "humaneval"), ("plain", "all")}
+
+
+def test_speed_bench_compares_thread_counts_interleaved(tiny):
+    """bench/speed.py with --threads 1,2: every method of ours at each count, the same tokens as HF
+    generate (greedy, fp32), and the 2-thread / 1-thread ratios reported per prompt set."""
+    from speculate.bench import speed
+
+    result = speed.run(str(tiny[0].path), max_new_tokens=8, repeats=1, k=3, dtypes=["fp32"], threads=[1, 2])
+    jobs = sum(len(p) for p in speed.PROMPT_SETS.values())
+    assert result["threads"] == [1, 2]
+    assert set(result["engine_overhead"]) == {"none@fp32/1t", "lookup@fp32/1t", "none@fp32/2t", "lookup@fp32/2t"}
+    assert all(v == f"{jobs}/{jobs}" for v in result["identical_to_reference"].values()), result
+    for stats in result["sets"].values():
+        assert stats["none@fp32/2t / none@fp32/1t"] > 0 and stats["lookup@fp32/2t / lookup@fp32/1t"] > 0
+        assert set(stats["tokens_per_second"]) == {"hf_generate", "hf_lookup", *result["engine_overhead"]}

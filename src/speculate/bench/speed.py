@@ -1,8 +1,8 @@
 """Engine speed against Hugging Face and across precisions, interleaved in one process (these machines
 are noisy: compare methods round-robin on the same prompts and quote ratios, not absolute numbers).
 
-    python -m speculate.bench.speed [--model M] [--dtypes fp32,int8] [--max-new-tokens 128] [--repeats 2]
-                                    [--k 6] [--out FILE.json]
+    python -m speculate.bench.speed [--model M] [--dtypes fp32,int8] [--threads 1,2] [--max-new-tokens 128]
+                                    [--repeats 2] [--k 6] [--out FILE.json]
 
 Prompt sets: "copy" (repeat a paragraph, fix its typos) and "paraphrase" (simplify, summarize), reported
 separately. Methods (greedy: each should produce the same tokens as HF generate at the same precision —
@@ -113,17 +113,38 @@ class _Timed:
                 "rounds": self.rounds}
 
 
-def run(model: str, max_new_tokens: int, repeats: int, k: int, dtypes: list[str] | tuple = ("fp32",)) -> dict:
+def _at_threads(fn, n: int | None):
+    """``fn`` run with ``n`` torch threads (None: as set)."""
+    if n is None:
+        return fn
+
+    def call(*a, **k):
+        torch.set_num_threads(n)
+        return fn(*a, **k)
+    return call
+
+
+def run(model: str, max_new_tokens: int, repeats: int, k: int, dtypes: list[str] | tuple = ("fp32",),
+        threads: list[int] | tuple = ()) -> dict:
+    """``threads``: thread counts to compare, interleaved in this one process (our methods get a ``/Nt``
+    suffix per count; HF's run at the largest); empty: as the process is set."""
+    original_threads = torch.get_num_threads()
     loaded = {d: load_model(model, dtype=d) for d in dtypes}
     ref = loaded[dtypes[0]]
     tok = ref.tokenizer
-    ours = {}
-    for d in dtypes:
-        ours[f"none@{d}"] = _Timed(SpeculativeDecoder(loaded[d], "none"))
-        ours[f"lookup@{d}"] = _Timed(SpeculativeDecoder(loaded[d], "lookup", "greedy", k=k))
-    methods = {"hf_generate": lambda ids: _hf(ref, ids, max_new_tokens),
-               "hf_lookup": lambda ids: _hf(ref, ids, max_new_tokens, prompt_lookup_num_tokens=10)}
-    methods.update({name: partial(timed, max_new_tokens=max_new_tokens) for name, timed in ours.items()})
+    counts = list(threads) or [None]
+    suffix = {n: f"/{n}t" if len(counts) > 1 else "" for n in counts}
+    ours, at = {}, {}
+    for n in counts:
+        for d in dtypes:
+            for kind, decoder in (("none", SpeculativeDecoder(loaded[d], "none")),
+                                  ("lookup", SpeculativeDecoder(loaded[d], "lookup", "greedy", k=k))):
+                ours[f"{kind}@{d}{suffix[n]}"], at[f"{kind}@{d}{suffix[n]}"] = _Timed(decoder), n
+    top = max(counts, key=lambda n: n or 0)
+    methods = {"hf_generate": _at_threads(lambda ids: _hf(ref, ids, max_new_tokens), top),
+               "hf_lookup": _at_threads(lambda ids: _hf(ref, ids, max_new_tokens, prompt_lookup_num_tokens=10), top)}
+    methods.update({name: _at_threads(partial(timed, max_new_tokens=max_new_tokens), at[name])
+                    for name, timed in ours.items()})
     order = list(methods)
     jobs = [(name, encode_prompt(tok, p)) for name, prompts in PROMPT_SETS.items() for p in prompts]
     for fn in methods.values():  # warm-up (first-call allocations), not timed
@@ -149,14 +170,15 @@ def run(model: str, max_new_tokens: int, repeats: int, k: int, dtypes: list[str]
                 totals[set_name, name][0] += len(out)
                 totals[set_name, name][1] += dt
             for name in methods:
-                reference = outs["hf_generate"] if name.startswith("hf") or name.endswith(dtypes[0]) else \
-                    outs[f"none@{name.split('@')[1]}"]
+                precision = name.split("@")[1] if "@" in name else dtypes[0]
+                reference = outs["hf_generate"] if precision.split("/")[0] == dtypes[0] else outs[f"none@{precision}"]
                 same[name] += outs[name] == reference
             done += 1
             print(f"  {done}/{repeats * len(jobs)} prompts", file=sys.stderr)
     result = {
         "date": date.today().isoformat(), "machine": machine(), "torch": torch.__version__,
-        "model": model, "dtypes": list(dtypes), "max_new_tokens": max_new_tokens, "repeats": repeats, "k": k,
+        "model": model, "dtypes": list(dtypes), "threads": list(threads) or torch.get_num_threads(),
+        "max_new_tokens": max_new_tokens, "repeats": repeats, "k": k,
         "identical_to_reference": {m: f"{same[m]}/{done}" for m in methods if m != "hf_generate"},
         "reference": f"hf_generate for {dtypes[0]} and HF methods; none@D for the other precisions",
         "engine_overhead": {name: timed.overhead() for name, timed in ours.items()},
@@ -164,17 +186,24 @@ def run(model: str, max_new_tokens: int, repeats: int, k: int, dtypes: list[str]
     }
     for set_name in PROMPT_SETS:
         tps = {m: totals[set_name, m][0] / totals[set_name, m][1] for m in methods}
-        d0 = dtypes[0]
-        ratios = {f"none@{d0} / hf_generate": tps[f"none@{d0}"] / tps["hf_generate"],
-                  f"lookup@{d0} / hf_lookup": tps[f"lookup@{d0}"] / tps["hf_lookup"],
+        d0, t0 = dtypes[0], suffix[top]
+        ratios = {f"none@{d0}{t0} / hf_generate": tps[f"none@{d0}{t0}"] / tps["hf_generate"],
+                  f"lookup@{d0}{t0} / hf_lookup": tps[f"lookup@{d0}{t0}"] / tps["hf_lookup"],
                   "hf_lookup / hf_generate": tps["hf_lookup"] / tps["hf_generate"]}
-        for d in dtypes:
-            ratios[f"lookup@{d} / none@{d}"] = tps[f"lookup@{d}"] / tps[f"none@{d}"]
-            if d != d0:
-                ratios[f"none@{d} / none@{d0}"] = tps[f"none@{d}"] / tps[f"none@{d0}"]
+        for n in counts:
+            t = suffix[n]
+            for d in dtypes:
+                ratios[f"lookup@{d}{t} / none@{d}{t}"] = tps[f"lookup@{d}{t}"] / tps[f"none@{d}{t}"]
+                if d != d0:
+                    ratios[f"none@{d}{t} / none@{d0}{t}"] = tps[f"none@{d}{t}"] / tps[f"none@{d0}{t}"]
+                if n != top:
+                    for kind in ("none", "lookup"):
+                        ratios[f"{kind}@{d}{suffix[top]} / {kind}@{d}{t}"] = \
+                            tps[f"{kind}@{d}{suffix[top]}"] / tps[f"{kind}@{d}{t}"]
         result["sets"][set_name] = {"prompts": len(PROMPT_SETS[set_name]),
                                     "tokens_per_second": {m: round(v, 2) for m, v in tps.items()},
                                     **{name: round(v, 3) for name, v in ratios.items()}}
+    torch.set_num_threads(original_threads)
     return result
 
 
@@ -188,12 +217,20 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--k", type=int, default=6)
+    p.add_argument("--threads", default="", help="comma-separated torch thread counts to compare, interleaved "
+                                                  "(e.g. 1,2; default: as the process is set)")
     p.add_argument("--out", help="write the result as JSON here (atomically)")
     a = p.parse_args(argv)
+    try:
+        threads = [int(t) for t in a.threads.split(",") if t.strip()]
+    except ValueError:
+        p.error("--threads: comma-separated integers")
+    if any(t < 1 for t in threads):
+        p.error("--threads: counts must be >= 1")
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
     if not dtypes or any(d not in DTYPES for d in dtypes):
         p.error(f"--dtypes: choose from {', '.join(DTYPES)}")
-    return emit(run(a.model, a.max_new_tokens, a.repeats, a.k, dtypes), a.out)
+    return emit(run(a.model, a.max_new_tokens, a.repeats, a.k, dtypes, threads), a.out)
 
 
 if __name__ == "__main__":
