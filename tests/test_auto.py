@@ -115,3 +115,41 @@ def test_calc_eps_auto_prints_the_calibrated_value(tiny_folders, tiny, capsys):
     out = capsys.readouterr().out
     assert f"{calibrate_eps(tiny[0]):.3f} nats per token" in out and "Chinchilla estimate" in out
     assert main(["calc", "--eps-auto", "--calibration", "/no/such/file", "--model", str(tiny_folders[0])]) == 2
+
+
+def test_weight_bytes_count_what_a_step_reads(tiny_folders, cache):
+    """fp32: four bytes per parameter (the tied LM head counted once, as the head; the embedding table is
+    not read whole); int8: a byte per linear weight plus its scales, and the fp32 norms."""
+    from speculate import load_model
+    from speculate.models.quantize import Int8Linear, weight_bytes
+
+    fp32 = load_model(str(tiny_folders[0]))
+    assert fp32.model.config.tie_word_embeddings
+    assert weight_bytes(fp32.model) == 4 * sum(p.numel() for p in fp32.model.parameters())
+    int8 = load_model(str(tiny_folders[0]), dtype="int8")
+    linears = [m for m in int8.model.modules() if isinstance(m, Int8Linear)]
+    norms = [p for n, p in int8.model.named_parameters() if "norm" in n]
+    assert len(linears) == 4 * int8.model.config.num_hidden_layers + 1  # fused qkv, o, gate_up, down; head
+    expected = sum(m.in_features * m.out_features + 4 * m.out_features for m in linears)
+    assert weight_bytes(int8.model) == expected + 4 * sum(p.numel() for p in norms)
+
+
+def test_k_auto_with_heads_uses_their_weight_ratio_as_the_draft_cost(tiny, cache, tmp_path):
+    """Heads have no draft model to profile: --k auto takes c from the bytes they read per drafted token
+    against the target's, and needs only the target's own cost curve."""
+    from speculate.heads import save_heads
+    from speculate.heads.train import make_heads
+    from speculate.models.quantize import weight_bytes
+
+    target = tiny[0]
+    save_heads(tmp_path, make_heads("eagle", target, None, None), target.name, 259)
+    drafter = get_drafter("eagle-chain", target=target, heads=tmp_path)
+    c = drafter.relative_cost()
+    assert c == pytest.approx((weight_bytes(drafter.head) + weight_bytes(drafter.lm)) / weight_bytes(target.model))
+    assert 0.05 < c < 1
+    decoder = SpeculativeDecoder(target, drafter, "greedy", k="auto")
+    prof = profile_for(target)
+    assert profile_path(target).is_file()
+    assert decoder.k_policy.table == [best_k(prof.curve, i / 100, c, auto.AUTO_K_MAX)[0] for i in range(100)]
+    assert get_drafter("lookup").relative_cost() == 0.0
+    assert get_drafter("model", noisy_copy(target, 0.1), target).relative_cost() is None  # measured instead

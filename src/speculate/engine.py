@@ -91,9 +91,10 @@ class SpeculativeDecoder:
             return FixedK(k)
         if isinstance(self.drafter, NoDrafter):
             return FixedK(1)  # nothing is drafted: k is moot
-        draft = getattr(self.drafter, "model", None)  # a draft model's cost enters as c; lookup costs ~0
+        cost = self.drafter.relative_cost()  # c: lookup ~0, heads by the weights they read...
+        draft = self.drafter.model if cost is None else None  # ...a draft model's measured with the target
         prof = profile_for(self.target, draft)
-        return AutoK(prof, prof.c if draft is not None else 0.0)
+        return AutoK(prof, prof.c if cost is None else cost)
 
     def _verifier(self, sampling: Sampling) -> Verifier:
         if isinstance(self.verifier_spec, Verifier):

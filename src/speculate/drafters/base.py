@@ -78,6 +78,11 @@ class Drafter:
         """The most draft tokens one proposal at ``k`` holds (k for chains); sizes the KV caches."""
         return k
 
+    def relative_cost(self) -> float | None:
+        """What drafting one more token (a chain step, a tree level) costs relative to a target step, for
+        ``--k auto``'s c; None: measure it (a draft model's cost profile). Lookup and plain: 0."""
+        return 0.0
+
     def update(self, n_accepted: int, next_token: int, path: list[int] | None = None) -> None:
         """The verdict on the last proposal: ``n_accepted`` drafts were kept, then ``next_token`` was
         appended by the target. For a chain they are its first ``n_accepted`` tokens and ``path`` is

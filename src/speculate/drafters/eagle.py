@@ -21,6 +21,7 @@ import torch
 
 from ..heads.io import drafting_parts
 from ..heads.medusa import expand_rows
+from ..models.quantize import weight_bytes
 from ..sampling import warp
 from .base import EMPTY, Draft, Drafter
 
@@ -31,6 +32,7 @@ class EagleDrafter(Drafter):
 
     def __init__(self, target, heads=None, tree: bool = False, topk: int = 3, budget: int = 12, depth: int = 6):
         parts = drafting_parts(target, "eagle", heads)
+        self.target_model = target.model
         self.head, self.config, self.folder, self.lm = parts.heads, parts.config, parts.folder, parts.lm
         self.vocab, self.feature_scale = parts.vocab, parts.feature_scale
         self.embed = target.model.get_input_embeddings().weight.detach()
@@ -58,6 +60,11 @@ class EagleDrafter(Drafter):
         if self.feature_scale is not None:  # an int8 target's smoothed rows → the trained-on features
             self.feats[self.n_feats: self.n_feats + n] *= self.feature_scale
         self.n_feats += n
+
+    def relative_cost(self):
+        """One head step and one LM-head product over the drafting vocabulary per level, against a
+        target step: bound by the weights they read (:func:`weight_bytes`)."""
+        return (weight_bytes(self.head) + weight_bytes(self.lm)) / weight_bytes(self.target_model)
 
     def max_nodes(self, k):
         return max(self.budget, k) if self.tree else k  # sampling: a tree drafter proposes chains

@@ -30,6 +30,9 @@ class ModelDrafter(Drafter):
         super().begin(prompt_ids, sampling, generator)
         self.kv.reset()
 
+    def relative_cost(self):
+        return None  # measured with the target: the draft model's forwards have their own fixed costs
+
     @torch.inference_mode()
     def propose(self, tokens, k):
         if k == 0:

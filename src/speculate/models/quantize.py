@@ -457,5 +457,19 @@ def quantize_linears(module: nn.Module) -> nn.Module:
     return module
 
 
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of weights a forward reads per step: linear layers (int8: a byte per weight plus the scales),
+    norms and other parameters; not embedding tables (one row is read). Decoding one row on a CPU is
+    bound by reading these, so their ratio between two networks is the ratio of their step costs."""
+    total = 0
+    for m in module.modules():
+        if isinstance(m, nn.Embedding) or isinstance(m, Int8Part):  # a part: its fused layer is counted
+            continue
+        if isinstance(m, Int8Linear):
+            total += m.in_features * m.out_features + 4 * m.out_features
+        total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    return total
+
+
 def is_int8(module: nn.Module) -> bool:
     return isinstance(module, (Int8Linear, Int8Part))
