@@ -437,3 +437,21 @@ def test_drafters_of_one_target_share_their_heads_until_the_files_change(tiny, t
     c = EagleDrafter(loaded, tmp_path)
     assert c.head is not a.head
     assert not torch.equal(c.head.fc.weight, a.head.fc.weight)
+
+
+@pytest.mark.skipif(not (__import__("speculate.bench.datasets", fromlist=["x"]).default_data_dir()
+                         / "gsm8k" / "test.jsonl").is_file(), reason="needs ../shared/data")
+def test_tree_shape_bench_is_lossless_and_reports_every_shape(tiny, tmp_path):
+    """python -m speculate.bench.trees: every shape and chain decodes exactly like plain greedy."""
+    from speculate.bench import trees
+
+    loaded = tiny[2]
+    for kind in ("medusa", "eagle"):
+        save_heads(tmp_path / kind, random_heads(kind, loaded, 120, seed=5), loaded.name, 259)
+    result = trees.run(str(loaded.path), "fp32", str(tmp_path), n_prompts=1, max_new_tokens=6)
+    n = len(trees.SHAPES) + len(trees.CHAINS) + 1 + 2 + 1
+    assert len(result["identical_to_plain"]) == n
+    assert all(v == "2/2" for v in result["identical_to_plain"].values()), result["identical_to_plain"]
+    for rows in result["sets"].values():
+        assert rows["plain"] == {"tau": 1.0, "speedup": 1.0}
+        assert all(r["tau"] >= 1.0 for r in rows.values())

@@ -1,6 +1,7 @@
 """Benchmarks: ``speculate bench`` (runner, report, datasets, sandbox, metrics) and two focused scripts,
 ``python -m speculate.bench.speed`` (engine against Hugging Face, precisions, per-round overhead) and
-``python -m speculate.bench.serve_load`` (server throughput). Helpers shared by the scripts live here."""
+``python -m speculate.bench.serve_load`` (server throughput), ``python -m speculate.bench.precision`` (quality
+across precisions), ``python -m speculate.bench.trees`` (draft-tree shapes for the heads). Helpers shared by the scripts live here."""
 
 from __future__ import annotations
 
@@ -25,3 +26,16 @@ def emit(result: dict, out: str | None) -> int:
     if out:
         atomic_write_text(out, text + "\n")
     return 0
+
+
+def script(main, argv=None) -> int:
+    """Run a script's ``main``: bad input (a SpeculateError) is one line on stderr and exit code 2."""
+    import sys
+
+    from ..errors import SpeculateError
+
+    try:
+        return main(argv)
+    except SpeculateError as e:
+        print(f"speculate: {e}", file=sys.stderr)
+        return 2

@@ -18,7 +18,7 @@ from datetime import date
 
 from ..calc.auto import teacher_forced
 from ..models import DEFAULT_MODEL, DTYPES, load_model
-from . import emit, machine
+from . import emit, machine, script
 from .datasets import default_data_dir
 
 
@@ -77,4 +77,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script(main))

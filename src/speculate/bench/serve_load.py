@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import date
 
 from ..models import DEFAULT_MODEL
-from . import emit, machine
+from . import emit, machine, script
 from .speed import PROMPT_SETS
 
 
@@ -80,4 +80,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script(main))

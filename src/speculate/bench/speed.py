@@ -31,7 +31,7 @@ import torch
 from ..engine import SpeculativeDecoder
 from ..models import DEFAULT_MODEL, load_model
 from ..text import encode_prompt
-from . import emit, machine
+from . import emit, machine, script
 
 PARAGRAPHS = [
     "The city council met on Tuesday evening to discuss the proposed changes to the public transport network. "
@@ -234,4 +234,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script(main))

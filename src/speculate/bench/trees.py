@@ -1,0 +1,111 @@
+"""Draft-tree shapes for the head drafters, compared interleaved on tuning prompts:
+
+    python -m speculate.bench.trees [--model M] [--dtype int8] [--heads DIR] [--prompts 4]
+                                    [--max-new-tokens 96] [--out FILE.json]
+
+Greedy decoding with the EAGLE head's dynamic tree at several (depth, top-k, node budget) shapes, its
+chain at a few lengths, and Medusa's tree and chain, against plain decoding of the same target, per
+prompt in rotated order. The prompts are MT-Bench questions 41 onwards and GSM8K *test* questions 100
+onwards: disjoint from the ones ``benchmarks/heads-default*.toml`` reports on (the first 10 of each), so
+that the shipped defaults are not tuned on the benchmark. Reported: τ (new tokens per target call) and
+the speedup over plain decoding (ratio of tokens per second), per prompt set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import date
+
+import torch
+
+from ..drafters.eagle import EagleDrafter
+from ..drafters.medusa import MedusaDrafter
+from ..engine import SpeculativeDecoder
+from ..models import DEFAULT_MODEL, load_model
+from . import emit, machine, script
+from .datasets import default_data_dir
+
+#: (depth, top-k, budget) of the EAGLE trees tried.
+SHAPES = [(6, 3, 12), (5, 3, 10), (4, 3, 8), (5, 2, 8), (4, 2, 6), (3, 2, 4), (6, 4, 16)]
+CHAINS = [2, 3, 4]
+
+
+def tuning_prompts(n: int) -> dict[str, list[str]]:
+    root = default_data_dir()
+    with open(root / "mt_bench" / "question.jsonl") as f:
+        mt = [json.loads(line)["turns"][0] for line in f if line.strip()][40: 40 + n]
+    with open(root / "gsm8k" / "test.jsonl") as f:
+        gsm = [json.loads(line)["question"] for line in f if line.strip()][100: 100 + n]
+    return {"mt_bench": mt, "gsm8k": gsm}
+
+
+def decoders(target, heads: str | None) -> dict[str, SpeculativeDecoder]:
+    eagle = heads and f"{heads}/eagle"
+    medusa = heads and f"{heads}/medusa"
+    out = {"plain": SpeculativeDecoder(target, "none")}
+    for depth, topk, budget in SHAPES:
+        drafter = EagleDrafter(target, eagle, tree=True, topk=topk, budget=budget, depth=depth)
+        out[f"eagle depth={depth} topk={topk} budget={budget}"] = SpeculativeDecoder(target, drafter, "greedy", k=depth)
+    for k in CHAINS:
+        out[f"eagle-chain k={k}"] = SpeculativeDecoder(target, EagleDrafter(target, eagle), "greedy", k=k)
+    out["medusa (tree)"] = SpeculativeDecoder(target, MedusaDrafter(target, medusa, tree=True), "greedy", k=4)
+    for k in CHAINS[:2]:
+        out[f"medusa-chain k={k}"] = SpeculativeDecoder(target, MedusaDrafter(target, medusa), "greedy", k=k)
+    return out
+
+
+def run(model: str, dtype: str, heads: str | None, n_prompts: int, max_new_tokens: int) -> dict:
+    target = load_model(model, dtype=dtype)
+    methods = decoders(target, heads)
+    names = list(methods)
+    sets = tuning_prompts(n_prompts)
+    totals = {(s, m): [0.0, 0, 0] for s in sets for m in names}  # seconds, tokens, target calls
+    same = {m: 0 for m in names}
+    methods["plain"].generate(sets["gsm8k"][0], max_new_tokens=4)  # warm-up
+    done = 0
+    for set_name, prompts in sets.items():
+        for i, prompt in enumerate(prompts):
+            rot = (done * 3) % len(names)  # rotate: no method always first or after the same one
+            outs = {}
+            for name in names[rot:] + names[:rot]:
+                g = methods[name].generate(prompt, max_new_tokens=max_new_tokens)
+                outs[name] = g.token_ids
+                t = totals[set_name, name]
+                t[0] += g.stats.wall_seconds
+                t[1] += g.stats.new_tokens
+                t[2] += g.stats.target_calls
+            for name in names:
+                same[name] += outs[name] == outs["plain"]
+            done += 1
+            print(f"  {done}/{sum(map(len, sets.values()))} prompts", file=sys.stderr)
+    result = {"date": date.today().isoformat(), "machine": machine(), "torch": torch.__version__, "model": model,
+              "dtype": dtype, "heads": heads or "shipped", "max_new_tokens": max_new_tokens,
+              "identical_to_plain": {m: f"{same[m]}/{done}" for m in names}, "sets": {}}
+    for set_name in sets:
+        plain_s, plain_t, _ = totals[set_name, "plain"]
+        result["sets"][set_name] = {
+            name: {"tau": round(t / c, 3) if c else None, "speedup": round((t / s) / (plain_t / plain_s), 3)}
+            for name, (s, t, c) in ((m, totals[set_name, m]) for m in names)}
+    return result
+
+
+def main(argv=None) -> int:
+    from ..models import DTYPES
+
+    p = argparse.ArgumentParser(prog="python -m speculate.bench.trees", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    p.add_argument("--heads", help="a folder with medusa/ and eagle/ heads (default: the shipped ones)")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per set (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--out", help="write the result as JSON here (atomically)")
+    a = p.parse_args(argv)
+    if a.prompts < 1 or a.max_new_tokens < 1:
+        p.error("--prompts and --max-new-tokens must be >= 1")
+    return emit(run(a.model, a.dtype, a.heads, a.prompts, a.max_new_tokens), a.out)
+
+
+if __name__ == "__main__":
+    sys.exit(script(main))
