@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from speculate.bench import runner as bench_runner
 from speculate.bench.command import add_arguments, build_config
@@ -191,3 +192,32 @@ def test_speed_bench_compares_thread_counts_interleaved(tiny):
     for stats in result["sets"].values():
         assert stats["none@fp32/2t / none@fp32/1t"] > 0 and stats["lookup@fp32/2t / lookup@fp32/1t"] > 0
         assert set(stats["tokens_per_second"]) == {"hf_generate", "hf_lookup", *result["engine_overhead"]}
+
+
+def test_answer_nll_is_the_answers_mean_cross_entropy(tiny):
+    from speculate.bench.runner import answer_nll
+
+    loaded = tiny[1]
+    prompt, answer = [5, 6, 7, 8, 9], [10, 11, 12]
+    with torch.no_grad():
+        logp = loaded.model(torch.tensor([prompt + answer])).logits[0].log_softmax(-1)
+    direct = -sum(float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(answer)) / len(answer)
+    assert answer_nll(loaded, prompt, answer) == pytest.approx(direct, abs=1e-5)
+    assert answer_nll(loaded, prompt, []) is None
+
+
+def test_hf_baselines_stop_on_text_incrementally(tiny):
+    """The stopping criterion of the HF baselines: false until the new text contains a stop string,
+    true from the token that completes it; fed several tokens per call (assisted generation) too."""
+    from speculate.bench.runner import _StopOnText
+
+    tok = tiny[0].tokenizer
+    prompt = tok("a prompt:")["input_ids"]
+    new = tok(" some answer text STOP and more")["input_ids"]
+    first = next(n for n in range(1, len(new) + 1) if "STOP" in tok.decode(new[:n], skip_special_tokens=True))
+    for step in (1, 3):
+        crit = _StopOnText(tok, len(prompt), ["STOP"])
+        verdicts = {}
+        for n in range(step, len(new) + 1, step):
+            verdicts[n] = bool(crit(torch.tensor([prompt + new[:n]]), None)[0])
+        assert all(v == (n >= first) for n, v in verdicts.items()), (first, verdicts)

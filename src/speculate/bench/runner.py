@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from ..calc.auto import calibrate_eps, chinchilla_eps, profile_for
+from ..calc.auto import calibrate_eps, chinchilla_eps, profile_for, teacher_forced
 from ..engine import SpeculativeDecoder
 from ..errors import SpeculateError
 from ..models import load_model
 from ..models.cache import atomic_write_text
-from ..text import encode_prompt, eos_ids
+from ..text import Detokenizer, encode_prompt, eos_ids
 from . import machine
 from .datasets import Sample, load_dataset
 from .methods import Method, baseline
@@ -130,27 +130,30 @@ class Runner:
 
 
 class _StopOnText(StoppingCriteria):
-    """Stop once the decoded new text contains a stop string (a transformers StoppingCriteria)."""
+    """Stop once the new text contains a stop string (a transformers StoppingCriteria), detokenizing
+    incrementally as the engine does (text.Detokenizer), not the whole output at every step."""
 
     def __init__(self, tokenizer, prompt_len: int, stops):
-        self.tokenizer, self.prompt_len, self.stops = tokenizer, prompt_len, tuple(stops)
+        self.detok, self.seen = Detokenizer(tokenizer, list(stops)), prompt_len
 
     def __call__(self, input_ids, scores, **kwargs):
-        text = self.tokenizer.decode(input_ids[0, self.prompt_len:], skip_special_tokens=True)
-        return torch.full((input_ids.shape[0],), any(s in text for s in self.stops), dtype=torch.bool)
+        for token in input_ids[0, self.seen:].tolist():
+            self.detok.add(token)
+        self.seen = input_ids.shape[1]
+        return torch.full((input_ids.shape[0],), self.detok.stopped, dtype=torch.bool)
 
 
 # --- scoring ---------------------------------------------------------------------------------------------
 
 def answer_nll(target, prompt_ids: list[int], answer_ids: list[int]) -> float | None:
-    """The target's mean NLL per token of ``answer_ids`` after ``prompt_ids``, teacher-forced (an MT-Bench
-    quality proxy: how likely the target finds the answer)."""
+    """The target's mean NLL per token of ``answer_ids`` after ``prompt_ids``, teacher-forced in one pass
+    where it fits the context window (:func:`teacher_forced`; an MT-Bench quality proxy: how likely the
+    target finds the answer)."""
     if not answer_ids:
         return None
-    ids = torch.tensor([prompt_ids + answer_ids])
-    with torch.inference_mode():
-        logits = target.model(ids).logits[0, len(prompt_ids) - 1: -1].float()
-    return float(torch.nn.functional.cross_entropy(logits, torch.tensor(answer_ids)))
+    ids = list(prompt_ids) + list(answer_ids)
+    nll = teacher_forced(target, ids, window=len(ids))[1]  # nll[i]: token i + 1
+    return float(nll[len(prompt_ids) - 1:].double().mean())
 
 
 def score(sample: Sample, answers: list[str], timeout: float) -> dict:
