@@ -30,14 +30,20 @@ class EagleDrafter(Drafter):
     name = "eagle"
     wants_hidden = True
 
-    def __init__(self, target, heads=None, tree: bool = False, topk: int = 3, budget: int = 12, depth: int = 6):
+    def __init__(self, target, heads=None, tree: bool = False, topk: int = 2, budget: int | None = None,
+                 depth: int | None = None):
+        """``depth``: the tree's depth cap (None: each round's k); ``budget``: nodes kept (None: 2·depth − 2,
+        at least depth: the best path and about one alternative per level); ``topk``: nodes expanded per
+        level and children per node. The defaults are the fastest shapes of ``python -m
+        speculate.bench.trees`` on this CPU (docs/benchmarks.md, section 6): small trees, as a 13-node
+        verification costs ~2 plain steps here."""
         parts = drafting_parts(target, "eagle", heads)
         self.target_model = target.model
         self.head, self.config, self.folder, self.lm = parts.heads, parts.config, parts.folder, parts.lm
         self.vocab, self.feature_scale = parts.vocab, parts.feature_scale
         self.embed = target.model.get_input_embeddings().weight.detach()
         self.vocab_size = int(target.model.get_output_embeddings().out_features)
-        if topk < 1 or budget < 1 or depth < 1:
+        if topk < 1 or (budget is not None and budget < 1) or (depth is not None and depth < 1):
             raise ValueError("EagleDrafter needs topk, budget and depth >= 1")
         self.tree, self.topk, self.budget, self.depth = bool(tree), topk, budget, depth
         self.hidden_size = self.head.hidden_size
@@ -67,7 +73,10 @@ class EagleDrafter(Drafter):
         return (weight_bytes(self.head) + weight_bytes(self.lm)) / weight_bytes(self.target_model)
 
     def max_nodes(self, k):
-        return max(self.budget, k) if self.tree else k  # sampling: a tree drafter proposes chains
+        return max(self._budget(k), k) if self.tree else k  # sampling: a tree drafter proposes chains
+
+    def _budget(self, depth: int) -> int:
+        return self.budget if self.budget is not None else max(2 * depth - 2, depth)
 
     def _emb(self, ids) -> torch.Tensor:
         return self.embed[torch.as_tensor(ids, dtype=torch.long)].float()
@@ -91,7 +100,7 @@ class EagleDrafter(Drafter):
         if k <= 0 or not self._feed(tokens):
             return Draft(EMPTY)
         if self.tree and self.sampling.greedy:
-            return self._tree(min(k, self.depth))
+            return self._tree(k if self.depth is None else min(k, self.depth))
         return self._chain(k)
 
     def _chain(self, k):
@@ -152,7 +161,7 @@ class EagleDrafter(Drafter):
             frontier = sorted(new, key=lambda n: (-scores[n], n))[:topk]
         # Rerank: the budget best nodes by cumulative log-prob (ties: earlier node first, so a parent
         # always precedes its equally scored child), then back into node (topological) order.
-        keep = sorted(sorted(range(len(toks)), key=lambda n: (-scores[n], n))[: self.budget])
+        keep = sorted(sorted(range(len(toks)), key=lambda n: (-scores[n], n))[: self._budget(depth)])
         new_index = {old: i for i, old in enumerate(keep)}
         return Draft(torch.tensor([toks[n] for n in keep], dtype=torch.long), None,
                      [-1 if parents[n] < 0 else new_index[parents[n]] for n in keep])
