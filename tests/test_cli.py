@@ -84,3 +84,25 @@ def test_mismatched_draft_tokenizer_is_refused(tmp_path, tiny_folders):
     tok.save_pretrained(other)
     r = run("generate", "hello", "--model", str(tiny_folders[0]), "--drafter", "model", "--draft-model", str(other))
     assert r.returncode == 2 and "tokenizer" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_train_heads_end_to_end(tiny_folders, tmp_path, capsys):
+    """`speculate train-heads` on a tiny model: data (prompts, answers, hidden rows), training, saved heads
+    whose config records the data and the time; the heads then draft through `generate`. Bad input: one line."""
+    out = tmp_path / "medusa"
+    args = ["train-heads", "--kind", "medusa", "--model", str(tiny_folders[0]), "--out", str(out), "--prompts", "4",
+            "--max-new-tokens", "6", "--steps", "3", "--vocab-subset", "0", "--quiet"]
+    assert main(args) == 0
+    config = json.loads((out / "config.json").read_text())
+    training = config["training"]
+    assert config["kind"] == "medusa" and training["steps"] == 3 and training["data"]["prompts"] == 4
+    assert training["train_seconds_total"] >= training["train_seconds"] >= 0
+    assert not (out / "data-4x6.prompts.json").exists()  # the prompt list is kept only until the data exists
+    capsys.readouterr()
+    assert main(["generate", "hello", "--model", str(tiny_folders[0]), "--drafter", "medusa", "--heads", str(out),
+                 "--max-new-tokens", "5"]) == 0
+    capsys.readouterr()
+    bad = [a if a != "3" else "0" for a in args]  # --steps 0
+    assert main(bad) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--steps" in err[0]

@@ -84,6 +84,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     target = load_model(args.model, progress=progress)
     data = build_data(target, data_dir, args.prompts, args.max_new_tokens, args.gen_batch, progress=progress)
+    data_seconds = time.perf_counter() - t0
     log(f"data: {data.starts.numel()} sequences, {data.meta['tokens']} tokens ({data.meta['answer_tokens']} in "
         f"answers), hidden rows {data.hidden.numel() * 2 / 1e6:.0f} MB, ready after {time.perf_counter() - t0:.0f} s")
     steps = args.steps
@@ -96,7 +97,8 @@ def run(args) -> int:
             steps = DEFAULTS[f"{args.kind}_steps"]
     heads, meta = train_heads(args.kind, target, data, out, steps, args.batch_size, args.lr, args.heads,
                               args.vocab_subset or None, args.checkpoint_every, args.seed, progress=progress, log=log)
-    meta["train_seconds_total"] = round(time.perf_counter() - t0, 1)
+    # This run's data time plus the training loop's, summed over resumed runs (train_seconds).
+    meta["train_seconds_total"] = round(data_seconds + meta["train_seconds"], 1)
     vocab_size = int(target.model.get_output_embeddings().out_features)
     import torch
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -145,8 +146,12 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
     gen = torch.Generator().manual_seed(seed)
     settings = {"kind": kind, "model": loaded.name, "n_heads": n_heads, "vocab_subset": vocab_subset,
                 "batch_size": batch_size, "lr": lr, "seed": seed, "data": data.meta}
-    start = 0
+    start, earlier, began = 0, 0.0, time.perf_counter()
     ckpt = out_dir / CHECKPOINT
+
+    def spent() -> float:  # training-loop seconds, summed over resumed runs
+        return earlier + time.perf_counter() - began
+
     if ckpt.is_file():
         state = torch.load(ckpt, weights_only=False)
         if state.get("settings") != settings:
@@ -156,6 +161,7 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
         optim.load_state_dict(state["optim"])
         gen.set_state(state["rng"])
         start = int(state["step"])
+        earlier = float(state.get("seconds", 0.0))
         if log:
             log(f"resuming from {ckpt} at step {start}/{steps}")
     noise = 0.1 * float(data.hidden[:4096].float().std()) if kind == "eagle" else 0.0
@@ -185,13 +191,13 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
             bar.update(1)
             bar.set_postfix(loss=f"{running:.3f}")
             if stop_at is not None and step + 1 >= stop_at and step + 1 < steps:
-                save_checkpoint(ckpt, heads, optim, step + 1, gen, settings)
+                save_checkpoint(ckpt, heads, optim, step + 1, gen, settings, spent())
                 bar.close()
                 return None, {"stopped_at": step + 1}
             if (step + 1) % checkpoint_every == 0 and step + 1 < steps:
-                save_checkpoint(ckpt, heads, optim, step + 1, gen, settings)
+                save_checkpoint(ckpt, heads, optim, step + 1, gen, settings, spent())
     except KeyboardInterrupt:  # keep what was done: rerunning the command resumes here
-        save_checkpoint(ckpt, heads, optim, step, gen, settings)
+        save_checkpoint(ckpt, heads, optim, step, gen, settings, spent())
         bar.close()
         raise
     bar.close()
@@ -199,9 +205,9 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
     metrics = evaluate(kind, heads, lm_weight, batches, embed, max_len)
     meta = {"steps": steps, "batch_size": batch_size, "lr": lr, "final_loss": running, **metrics,
             "data": data.meta, "vocab_subset": None if vocab is None else int(vocab.numel()),
-            "vocab_coverage": _coverage(data, vocab)}
+            "vocab_coverage": _coverage(data, vocab), "train_seconds": round(spent(), 1)}
     if steps > start:
-        save_checkpoint(ckpt, heads, optim, steps, gen, settings)
+        save_checkpoint(ckpt, heads, optim, steps, gen, settings, spent())
     heads.requires_grad_(False)
     return heads, meta
 
@@ -252,12 +258,13 @@ def _coverage(data: DistillData, vocab) -> float:
     return round(float(torch.isin(answers, vocab).float().mean()), 4) if answers.numel() else 1.0
 
 
-def save_checkpoint(path: Path, heads, optim, step: int, gen, settings) -> None:
+def save_checkpoint(path: Path, heads, optim, step: int, gen, settings, seconds: float = 0.0) -> None:
+    """``seconds``: time spent in the training loop so far, over every run that led here."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
     try:
         torch.save({"heads": heads.state_dict(), "optim": optim.state_dict(), "step": step, "rng": gen.get_state(),
-                    "settings": settings}, tmp)
+                    "settings": settings, "seconds": seconds}, tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
