@@ -265,7 +265,9 @@ class FastKVModel:
         plain decoding, the masked siblings' exact zeros in between). The softmax is the order-sensitive
         step: its row sums are vectorized across slots. So each row's scores are gathered into the layout
         plain decoding has at its position p — slots 0..start-1, its root-to-node path, then masked
-        padding, ceil((p+1)/64)·64 wide — normalized there, and the weights put back."""
+        padding, ceil((p+1)/64)·64 wide — normalized there, and the weights put back. That the products do
+        not depend on where a key sits is a property of the CPU matmul kernels, not a PyTorch guarantee:
+        tests/test_int8.py checks random trees bit for bit."""
         block = 64
         n = positions.shape[0]
         end = start + n
