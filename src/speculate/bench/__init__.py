@@ -1,7 +1,8 @@
-"""Benchmarks: ``speculate bench`` (runner, report, datasets, sandbox, metrics) and two focused scripts,
-``python -m speculate.bench.speed`` (engine against Hugging Face, precisions, per-round overhead) and
-``python -m speculate.bench.serve_load`` (server throughput), ``python -m speculate.bench.precision`` (quality
-across precisions), ``python -m speculate.bench.trees`` (draft-tree shapes for the heads). Helpers shared by the scripts live here."""
+"""Benchmarks: ``speculate bench`` (runner, report, datasets, sandbox, metrics) and focused scripts:
+``python -m speculate.bench.speed`` (engine against Hugging Face, precisions, threads, per-round overhead),
+``python -m speculate.bench.serve_load`` (server throughput), ``python -m speculate.bench.precision``
+(quality across precisions), ``python -m speculate.bench.trees`` (draft-tree shapes for the heads).
+Helpers shared by the scripts live here."""
 
 from __future__ import annotations
 

@@ -21,7 +21,6 @@ import torch
 
 from ..heads.io import drafting_parts
 from ..heads.medusa import expand_rows
-from ..models.quantize import weight_bytes
 from ..sampling import warp
 from .base import EMPTY, Draft, Drafter
 
@@ -37,10 +36,9 @@ class EagleDrafter(Drafter):
         level and children per node. The defaults are the fastest shapes of ``python -m
         speculate.bench.trees`` on this CPU (docs/benchmarks.md, section 6): small trees, as a 13-node
         verification costs ~2 plain steps here."""
-        parts = drafting_parts(target, "eagle", heads)
-        self.target_model = target.model
-        self.head, self.config, self.folder, self.lm = parts.heads, parts.config, parts.folder, parts.lm
-        self.vocab, self.feature_scale = parts.vocab, parts.feature_scale
+        self.parts = parts = drafting_parts(target, "eagle", heads)
+        self.head, self.config, self.folder, self.lm, self.vocab = parts.heads, parts.config, parts.folder, \
+            parts.lm, parts.vocab
         self.embed = target.model.get_input_embeddings().weight.detach()
         self.vocab_size = int(target.model.get_output_embeddings().out_features)
         if topk < 1 or (budget is not None and budget < 1) or (depth is not None and depth < 1):
@@ -62,15 +60,13 @@ class EagleDrafter(Drafter):
             grown = torch.empty(max(2 * self.feats.shape[0], self.n_feats + n), self.hidden_size)
             grown[: self.n_feats] = self.feats[: self.n_feats]
             self.feats = grown
-        self.feats[self.n_feats: self.n_feats + n] = hidden.float()
-        if self.feature_scale is not None:  # an int8 target's smoothed rows → the trained-on features
-            self.feats[self.n_feats: self.n_feats + n] *= self.feature_scale
+        self.feats[self.n_feats: self.n_feats + n] = self.parts.features(hidden)  # int8: unsmoothed
         self.n_feats += n
 
     def relative_cost(self):
         """One head step and one LM-head product over the drafting vocabulary per level, against a
         target step: bound by the weights they read (:func:`weight_bytes`)."""
-        return (weight_bytes(self.head) + weight_bytes(self.lm)) / weight_bytes(self.target_model)
+        return self.parts.cost(self.head, self.lm)
 
     def max_nodes(self, k):
         return max(self._budget(k), k) if self.tree else k  # sampling: a tree drafter proposes chains

@@ -19,7 +19,6 @@ import torch
 
 from ..heads.io import drafting_parts
 from ..heads.medusa import expand_rows
-from ..models.quantize import weight_bytes
 from ..sampling import warp
 from .base import EMPTY, Draft, Drafter
 
@@ -37,10 +36,9 @@ class MedusaDrafter(Drafter):
     def __init__(self, target, heads=None, tree=None):
         """``target``: the LoadedModel; ``heads``: a folder (default: the heads shipped for it);
         ``tree``: None/False (chains), True (:data:`DEFAULT_TREE`) or a list of choices."""
-        parts = drafting_parts(target, "medusa", heads)
-        self.target_model = target.model
-        self.heads, self.config, self.folder, self.lm = parts.heads, parts.config, parts.folder, parts.lm
-        self.vocab, self.feature_scale = parts.vocab, parts.feature_scale
+        self.parts = parts = drafting_parts(target, "medusa", heads)
+        self.heads, self.config, self.folder, self.lm, self.vocab = parts.heads, parts.config, parts.folder, \
+            parts.lm, parts.vocab
         self.vocab_size = int(target.model.get_output_embeddings().out_features)
         self.choices = None
         if tree:
@@ -54,15 +52,12 @@ class MedusaDrafter(Drafter):
 
     def observe(self, hidden: torch.Tensor) -> None:
         if hidden.shape[0]:
-            self.last = hidden[-1].float().clone()
-            if self.feature_scale is not None:  # an int8 target's smoothed rows → the trained-on features
-                self.last *= self.feature_scale
+            self.last = self.parts.features(hidden[-1:])[0].clone()  # int8: unsmoothed
 
     def relative_cost(self):
         """All heads run in one product per round, whatever k is: per drafted token, that cost split over
         the heads (bound by the weights read, :func:`weight_bytes`)."""
-        heads = weight_bytes(self.heads) + weight_bytes(self.lm) * self.heads.n_heads
-        return heads / self.heads.n_heads / weight_bytes(self.target_model)
+        return self.parts.cost(self.heads, *[self.lm] * self.heads.n_heads) / self.heads.n_heads
 
     def max_nodes(self, k):
         depth = min(k, self.heads.n_heads)

@@ -86,7 +86,7 @@ def run(args) -> int:
     data = build_data(target, data_dir, args.prompts, args.max_new_tokens, args.gen_batch, progress=progress)
     data_seconds = time.perf_counter() - t0
     log(f"data: {data.starts.numel()} sequences, {data.meta['tokens']} tokens ({data.meta['answer_tokens']} in "
-        f"answers), hidden rows {data.hidden.numel() * 2 / 1e6:.0f} MB, ready after {time.perf_counter() - t0:.0f} s")
+        f"answers), hidden rows {data.hidden.numel() * 2 / 1e6:.0f} MB, ready after {data_seconds:.0f} s")
     steps = args.steps
     if steps is None:
         if args.epochs is not None:

@@ -79,6 +79,9 @@ TASKS = [
 ]
 
 
+CHAT_SLOTS = (1, 2)  # of every four prompts: a GSM8K question (0), two chat questions, a task (3)
+
+
 def default_prompts(n: int, seed: int = 0, data_dir: Path | None = None, chat: list[str] | None = None) -> list[str]:
     """``n`` prompts, in slots of four: a GSM8K train question, two chat questions, a rewrite/summarize
     task (chat questions instead of GSM8K ones when its file is absent). Chat questions: the written
@@ -96,7 +99,7 @@ def default_prompts(n: int, seed: int = 0, data_dir: Path | None = None, chat: l
     out, i, q = [], 0, 0
     while len(out) < n:
         slot = len(out) % 4
-        if slot in (1, 2) or not rows:
+        if slot in CHAT_SLOTS or not rows:
             extra = q // len(questions)  # past the end: the written ones again, numbered (greedy: no repeats)
             out.append(questions[q % len(questions)] + (f" ({extra})" if extra else ""))
             q += 1
@@ -112,7 +115,7 @@ def default_prompts(n: int, seed: int = 0, data_dir: Path | None = None, chat: l
 
 def chat_slots(n: int) -> int:
     """How many of :func:`default_prompts`'s first ``n`` prompts are chat questions."""
-    return 2 * (n // 4) + min(max(n % 4 - 1, 0), 2)
+    return sum(i % 4 in CHAT_SLOTS for i in range(n))
 
 
 def self_instruct_prompts(loaded, n: int, seed: int = 0, batch_size: int = 32, max_new_tokens: int = 64,
@@ -146,10 +149,10 @@ def self_instruct_prompts(loaded, n: int, seed: int = 0, batch_size: int = 32, m
                                             do_sample=True, temperature=1.0, top_p=0.95, top_k=0,
                                             max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0])
             for row in gen[:, len(prefix):].tolist():
-                ends = [j for j, t in enumerate(row) if t in eos]
-                if not ends:
+                end = next((j for j, t in enumerate(row) if t in eos), None)
+                if end is None:  # the turn did not end
                     continue
-                question = tok.decode(row[: ends[0]], skip_special_tokens=True).strip()
+                question = tok.decode(row[:end], skip_special_tokens=True).strip()
                 if len(question.split()) >= 4 and question not in seen and len(out) < n:
                     seen.add(question)
                     out.append(question)

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import SpeculateError
 from ..models.cache import atomic_write_text
+from ..models.quantize import weight_bytes
 from .eagle import EagleHead
 from .medusa import MedusaHeads
 
@@ -124,31 +125,32 @@ def find_heads(loaded, kind: str, folder: str | Path | None = None):
     return heads, config, Path(folder)
 
 
-def target_matrices(loaded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(input embeddings, LM-head weight in fp32, feature scale) of the target, shared with the heads,
-    never copied for an fp32 model. The feature scale (None for fp32/bf16) turns an int8 target's
-    hidden rows, divided per channel by SmoothQuant's s at its final norm (models/quantize.py), back
-    into the features the heads were trained on; the LM head comes back on that scale too."""
-    from ..models.quantize import feature_scale, lm_head_weight
-
-    model = loaded.model
-    return model.get_input_embeddings().weight.detach(), lm_head_weight(model), feature_scale(model)
-
-
 @dataclass
 class DraftingParts:
-    """What a head drafter computes with: the heads, the LM head over the drafting vocabulary as a
-    module, and the feature scale (:func:`target_matrices`); shared by every drafter of one target."""
+    """What a head drafter computes with, shared by every drafter of one target: the heads, the LM head
+    over the drafting vocabulary as a module (on the fp32 model's feature scale), the feature scale
+    (None for fp32/bf16: an int8 target's hidden rows are divided per channel by SmoothQuant's s at its
+    final norm, models/quantize.py) and the bytes a target step reads (for the drafters' relative cost)."""
 
     heads: torch.nn.Module
     config: dict
     folder: Path
     lm: torch.nn.Module
     feature_scale: torch.Tensor | None
+    target_bytes: int
 
     @property
     def vocab(self) -> torch.Tensor | None:
         return self.heads.vocab
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's final-normed hidden rows as the features the heads were trained on (fp32)."""
+        hidden = hidden.float()
+        return hidden if self.feature_scale is None else hidden * self.feature_scale
+
+    def cost(self, *modules: torch.nn.Module) -> float:
+        """What running ``modules`` once costs relative to a target step: the weights each reads."""
+        return sum(weight_bytes(m) for m in modules) / self.target_bytes
 
 
 def drafting_parts(loaded, kind: str, folder: str | Path | None = None) -> DraftingParts:
@@ -158,7 +160,7 @@ def drafting_parts(loaded, kind: str, folder: str | Path | None = None) -> Draft
     shared: the heads hold no per-generation state, and the server builds a drafter per request."""
     from torch import nn
 
-    from ..models.quantize import quantize_linears
+    from ..models.quantize import feature_scale, lm_head_weight, quantize_linears
     from .medusa import subset_weight
 
     built = loaded.__dict__.setdefault("_speculate_heads", {})
@@ -170,13 +172,12 @@ def drafting_parts(loaded, kind: str, folder: str | Path | None = None) -> Draft
         key = None
     if key is None or key not in built:
         heads, config, where = find_heads(loaded, kind, folder)
-        _, lm_weight, scale = target_matrices(loaded)
-        weight = subset_weight(lm_weight, heads.vocab)
+        weight = subset_weight(lm_head_weight(loaded.model), heads.vocab)
         lm = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         lm.weight = nn.Parameter(weight, requires_grad=False)
         if getattr(loaded, "dtype", "fp32") == "int8":
             heads, lm = quantize_linears(heads), quantize_linears(lm)
-        parts = DraftingParts(heads, config, where, lm, scale)
+        parts = DraftingParts(heads, config, where, lm, feature_scale(loaded.model), weight_bytes(loaded.model))
         if key is None:
             return parts
         built[key] = parts

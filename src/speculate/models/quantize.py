@@ -463,7 +463,7 @@ def weight_bytes(module: nn.Module) -> int:
     bound by reading these, so their ratio between two networks is the ratio of their step costs."""
     total = 0
     for m in module.modules():
-        if isinstance(m, nn.Embedding) or isinstance(m, Int8Part):  # a part: its fused layer is counted
+        if isinstance(m, (nn.Embedding, Int8Part)):  # a part: its fused layer is counted
             continue
         if isinstance(m, Int8Linear):
             total += m.in_features * m.out_features + 4 * m.out_features
