@@ -265,6 +265,36 @@ def test_eagle_training_lowers_the_loss_and_resumes(tiny, tiny_data, tmp_path):
         train_heads("eagle", loaded, tiny_data, tmp_path / "b", 40, **{**kw, "lr": 1e-3})
 
 
+def test_training_keeps_the_best_heldout_heads(tiny, tiny_data, tmp_path, monkeypatch):
+    """Held-out top-1 is measured at every checkpoint and at the end; the returned heads are those of the
+    best measurement (here step 20 of 30), across an interruption, and the curve is recorded."""
+    import speculate.heads.train as train
+
+    loaded = tiny[0]
+    kw = dict(batch_size=4, lr=3e-3, vocab_subset=150, progress=False, checkpoint_every=10)
+    scores, seen = [], []  # what the scripted evaluation returns next; the fc weights it was shown
+
+    def scripted(kind, heads, *args):
+        seen.append(heads.fc.weight.detach().clone())
+        return {"heldout_top1": scores.pop(0)}
+
+    monkeypatch.setattr(train, "evaluate", scripted)
+    scores[:] = [0.1, 0.2]  # steps 10 and 20 of the same 30-step schedule, stopped there
+    train.train_heads("eagle", loaded, tiny_data, tmp_path / "a", 30, stop_at=20, **kw)
+    at20 = torch.load(tmp_path / "a" / train.CHECKPOINT, weights_only=False)["heads"]
+    scores[:] = [0.5]  # step 10, then interrupted at 15
+    none, _ = train.train_heads("eagle", loaded, tiny_data, tmp_path / "b", 30, stop_at=15, **kw)
+    assert none is None and scores == []
+    seen.clear()
+    scores[:] = [0.9, 0.3, 0.9]  # steps 20 and 30 after resuming, then the final report
+    heads, meta = train.train_heads("eagle", loaded, tiny_data, tmp_path / "b", 30, **kw)
+    assert meta["best_step"] == 20 and meta["heldout_curve"] == [[10, 0.5], [20, 0.9], [30, 0.3]]
+    assert meta["heldout_top1"] == 0.9
+    for key, value in at20.items():  # step 20's weights, not step 30's
+        assert torch.allclose(value, heads.state_dict()[key], atol=1e-6), key
+    assert not torch.allclose(seen[1], heads.fc.weight, atol=1e-4)  # step 30's weights differ
+
+
 def test_prompt_mix_and_self_instruct_filtering(tiny, monkeypatch):
     """default_prompts: slots of GSM8K question / chat / chat / task, the written chat questions first,
     then the target's own; self_instruct_prompts keeps user turns that ended, of >= 4 words, once each,

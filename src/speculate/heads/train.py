@@ -11,6 +11,10 @@ it are skipped), which is most of the cost. AdamW, warm-up then cosine decay, gr
 a tqdm bar with the running loss and ETA; a checkpoint (weights, optimizer, step, RNG) every
 ``checkpoint_every`` steps in ``out_dir/checkpoint.pt``, written atomically, from which a rerun with
 the same settings resumes at the saved step.
+
+Held-out top-1 (5 % of the sequences, never trained on) is measured at every checkpoint and at the end,
+and the heads of the best measurement are the ones returned: on 1,024 prompts the shipped EAGLE head
+reached top-1 0.95 on its training sequences and 0.46 on held-out ones, so later steps can be worse.
 """
 
 from __future__ import annotations
@@ -148,6 +152,8 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
                 "batch_size": batch_size, "lr": lr, "seed": seed, "data": data.meta}
     start, earlier, began = 0, 0.0, time.perf_counter()
     ckpt = out_dir / CHECKPOINT
+    # The best held-out measurement so far: {"step", "score", "heads"} (kept in the checkpoint), and all of them.
+    best, curve = None, []
 
     def spent() -> float:  # training-loop seconds, summed over resumed runs
         return earlier + time.perf_counter() - began
@@ -162,6 +168,7 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
         gen.set_state(state["rng"])
         start = int(state["step"])
         earlier = float(state.get("seconds", 0.0))
+        best, curve = state.get("best"), list(state.get("curve", []))
         if log:
             log(f"resuming from {ckpt} at step {start}/{steps}")
     noise = 0.1 * float(data.hidden[:4096].float().std()) if kind == "eagle" else 0.0
@@ -190,26 +197,46 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
             running = value if running is None else 0.95 * running + 0.05 * value
             bar.update(1)
             bar.set_postfix(loss=f"{running:.3f}")
+            if (step + 1) % checkpoint_every == 0 or step + 1 == steps:
+                best = _measure(kind, heads, lm_weight, batches, embed, max_len, step + 1, best, curve)
+                bar.set_postfix(loss=f"{running:.3f}", heldout=f"{curve[-1][1]:.3f}")
             if stop_at is not None and step + 1 >= stop_at and step + 1 < steps:
-                save_checkpoint(ckpt, heads, optim, step + 1, gen, settings, spent())
+                save_checkpoint(ckpt, heads, optim, step + 1, gen, settings, spent(), best, curve)
                 bar.close()
                 return None, {"stopped_at": step + 1}
             if (step + 1) % checkpoint_every == 0 and step + 1 < steps:
-                save_checkpoint(ckpt, heads, optim, step + 1, gen, settings, spent())
+                save_checkpoint(ckpt, heads, optim, step + 1, gen, settings, spent(), best, curve)
     except KeyboardInterrupt:  # keep what was done: rerunning the command resumes here
-        save_checkpoint(ckpt, heads, optim, step, gen, settings, spent())
+        save_checkpoint(ckpt, heads, optim, step, gen, settings, spent(), best, curve)
         bar.close()
         raise
     bar.close()
+    if steps > start:
+        save_checkpoint(ckpt, heads, optim, steps, gen, settings, spent(), best, curve)
+    if best is not None:  # the best held-out measurement's weights (the last step's unless a later one was worse)
+        heads.load_state_dict(best["heads"])
     heads.eval()
     metrics = evaluate(kind, heads, lm_weight, batches, embed, max_len)
     meta = {"steps": steps, "batch_size": batch_size, "lr": lr, "final_loss": running, **metrics,
+            "best_step": None if best is None else best["step"], "heldout_curve": curve,
             "data": data.meta, "vocab_subset": None if vocab is None else int(vocab.numel()),
             "vocab_coverage": _coverage(data, vocab), "train_seconds": round(spent(), 1)}
-    if steps > start:
-        save_checkpoint(ckpt, heads, optim, steps, gen, settings, spent())
     heads.requires_grad_(False)
     return heads, meta
+
+
+def _measure(kind, heads, lm_weight, batches, embed, max_len, step, best, curve):
+    """Held-out top-1 now (Medusa: the mean over heads), appended to ``curve``; returns the new best."""
+    heads.eval()
+    top1 = evaluate(kind, heads, lm_weight, batches, embed, max_len).get("heldout_top1")
+    heads.train()
+    if top1 is None:  # no held-out sequences (tiny data): nothing to choose by
+        return best
+    score = sum(top1) / len(top1) if isinstance(top1, list) else top1
+    curve.append([step, round(score, 4)])
+    if best is None or score >= best["score"]:  # ties: the later (longer-trained) weights
+        best = {"step": step, "score": score, "heads": {k: v.detach().clone() for k, v in heads.state_dict().items()}}
+    return best
 
 
 def _medusa_loss(heads, lm_weight, hidden, labels):
@@ -258,13 +285,15 @@ def _coverage(data: DistillData, vocab) -> float:
     return round(float(torch.isin(answers, vocab).float().mean()), 4) if answers.numel() else 1.0
 
 
-def save_checkpoint(path: Path, heads, optim, step: int, gen, settings, seconds: float = 0.0) -> None:
-    """``seconds``: time spent in the training loop so far, over every run that led here."""
+def save_checkpoint(path: Path, heads, optim, step: int, gen, settings, seconds: float = 0.0, best=None,
+                    curve=()) -> None:
+    """``seconds``: time spent in the training loop so far, over every run that led here; ``best`` and
+    ``curve``: the held-out measurements so far (see :func:`_measure`)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
     try:
         torch.save({"heads": heads.state_dict(), "optim": optim.state_dict(), "step": step, "rng": gen.get_state(),
-                    "settings": settings, "seconds": seconds}, tmp)
+                    "settings": settings, "seconds": seconds, "best": best, "curve": list(curve)}, tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

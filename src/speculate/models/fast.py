@@ -297,12 +297,17 @@ class FastKVModel:
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             qg = q.reshape(n, nkv, rep, hd).transpose(0, 1).reshape(nkv, n * rep, hd)
             scores = torch.baddbmm(tree_mask, qg, self.k_cache[i, :, :width].transpose(1, 2), alpha=self.scaling)
-            weights = torch.zeros_like(scores)
-            for score_rows, index, mask in groups:
-                rows = scores[:, score_rows]
-                plain = (rows.gather(-1, index) + mask).softmax(dim=-1)
-                # Padding points at slot 0 with weight exactly 0: adding it changes nothing.
-                weights[:, score_rows] = torch.zeros_like(rows).scatter_add_(-1, index, plain)
+            if len(groups) == 1:  # the usual case (no row crosses a 64-slot block): no row selection
+                _, index, mask = groups[0]
+                plain = (scores.gather(-1, index) + mask).softmax(dim=-1)
+                weights = torch.zeros_like(scores).scatter_add_(-1, index, plain)
+            else:
+                weights = torch.zeros_like(scores)
+                for score_rows, index, mask in groups:
+                    rows = scores[:, score_rows]
+                    plain = (rows.gather(-1, index) + mask).softmax(dim=-1)
+                    # Padding points at slot 0 with weight exactly 0: adding it changes nothing.
+                    weights[:, score_rows] = torch.zeros_like(rows).scatter_add_(-1, index, plain)
             out = torch.bmm(weights, self.v_cache[i, :, :width])  # [nkv, n · rep, hd]
             return out.view(nkv, n, rep, hd).transpose(0, 1).reshape(n, nh * hd)
 
