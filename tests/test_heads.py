@@ -112,6 +112,29 @@ def test_eagle_cache_matches_training_forward(tiny):
     assert torch.allclose(torch.cat(out), full, atol=1e-5)
 
 
+
+def test_eagle_unroll_is_drafting(tiny):
+    """Training-time test: pass m of ``unroll`` at row r is what drafting computes at depth m after the
+    real pairs 0..r — each drafted pair fed on the head's own previous output, at the next slot."""
+    loaded = tiny[0]
+    head = random_heads("eagle", loaded, seed=3)
+    h, t = loaded.model.config.hidden_size, 7
+    emb, feat = torch.randn(1, t, h), torch.randn(1, t, h)
+    passes = head.unroll(emb, feat, 3)
+    assert torch.equal(passes[0], head(emb, feat))
+    for r in range(t - 2):
+        cache = head.new_cache(16)
+        pos = torch.arange(r + 1)
+        out = head.step(cache, emb[0, : r + 1], feat[0, : r + 1], pos, pos, None)[-1]
+        assert torch.allclose(out, passes[0][0, r], atol=1e-5)
+        for m in (2, 3):  # the pair [embedding of token r+m, the previous prediction] at position r+m-1
+            at = torch.tensor([r + m - 1])
+            out = head.step(cache, emb[0, r + m - 1: r + m], out[None], at, at, None)[0]
+            assert torch.allclose(out, passes[m - 1][0, r], atol=1e-5), (r, m)
+    # A different pass-1 output changes pass 2 (it is really fed back), not pass 1's other rows.
+    other = head.unroll(emb, feat + 0.5 * torch.eye(t, h)[None] * (torch.arange(t) == 2)[None, :, None], 2)
+    assert torch.equal(other[0][0, :2], passes[0][0, :2]) and not torch.allclose(other[1][0, 2], passes[1][0, 2])
+
 # ----------------------------------------------------------------------------- decoding loops
 
 def plain_greedy(loaded, prompt, n):
@@ -263,6 +286,28 @@ def test_eagle_training_lowers_the_loss_and_resumes(tiny, tiny_data, tmp_path):
     # Settings that differ from the checkpoint's are refused, not silently mixed.
     with pytest.raises(SpeculateError, match="other settings"):
         train_heads("eagle", loaded, tiny_data, tmp_path / "b", 40, **{**kw, "lr": 1e-3})
+    with pytest.raises(SpeculateError, match="unroll"):
+        train_heads("eagle", loaded, tiny_data, tmp_path / "b", 30, unroll=2, **kw)
+
+
+def test_eagle_training_time_test_lowers_the_depth_two_loss(tiny, tiny_data, tmp_path):
+    """Trained with unroll=2 the head predicts better from its own first prediction (the second pass's
+    loss on training batches) than one trained for as many steps on real features only."""
+    from speculate.heads.train import _eagle_loss
+
+    loaded = tiny[0]
+    kw = dict(batch_size=4, lr=3e-3, vocab_subset=None, progress=False, checkpoint_every=1000)
+    one, _ = train_heads("eagle", loaded, tiny_data, tmp_path / "one", 40, **kw)
+    two, meta = train_heads("eagle", loaded, tiny_data, tmp_path / "two", 40, unroll=2, **kw)
+    assert meta["unroll"] == 2 and len(meta["heldout_top1_by_depth"]) == 2
+    lm = lm_head(loaded).weight.detach()
+    batches = _Batches(tiny_data, 1, torch.arange(259), holdout=0.0)
+    embed = loaded.model.get_input_embeddings().weight.detach()
+    batch = batches.eagle(batches.train_seqs[:16], embed, 384, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        depth2 = {name: float(1.8 * _eagle_loss(h, lm, *batch, unroll=2) - _eagle_loss(h, lm, *batch))
+                  for name, h in (("one", one), ("two", two))}  # (L1 + 0.8 L2) / 1.8 · 1.8 − L1 = 0.8 L2
+    assert depth2["two"] < depth2["one"] - 0.05, depth2
 
 
 def test_training_keeps_the_best_heldout_heads(tiny, tiny_data, tmp_path, monkeypatch):

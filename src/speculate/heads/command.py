@@ -20,7 +20,7 @@ from ..errors import SpeculateError
 
 # The recipe of the shipped heads (docs/benchmarks.md, section 6): 1,024 prompts, 2,000 steps each.
 DEFAULTS = {"prompts": 1024, "max_new_tokens": 160, "batch": 16, "medusa_steps": 2000, "eagle_steps": 2000,
-            "heads": 4, "vocab_subset": 8192}
+            "heads": 4, "vocab_subset": 8192, "unroll": 2}
 
 
 def add_arguments(parser) -> None:
@@ -50,6 +50,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--vocab-subset", type=int, default=DEFAULTS["vocab_subset"],
                         help="FR-Spec: draft over the N most frequent answer tokens only (0 = whole vocabulary; "
                              f"default {DEFAULTS['vocab_subset']})")
+    parser.add_argument("--unroll", type=int, default=DEFAULTS["unroll"],
+                        help="EAGLE: train on this many drafting steps, each on the head's own previous "
+                             f"prediction (EAGLE-3's training-time test; 1 = EAGLE-1; default {DEFAULTS['unroll']})")
     parser.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints (default 200)")
     parser.add_argument("--fp32", action="store_true", help="store the heads in fp32 (default fp16: half the size)")
     parser.add_argument("--seed", type=int, default=0)
@@ -65,7 +68,7 @@ def run(args) -> int:
     for flag, value, low in (("--prompts", args.prompts, 1), ("--max-new-tokens", args.max_new_tokens, 1),
                              ("--gen-batch", args.gen_batch, 1), ("--heads", args.heads, 1),
                              ("--checkpoint-every", args.checkpoint_every, 1),
-                             ("--vocab-subset", args.vocab_subset, 0)):
+                             ("--vocab-subset", args.vocab_subset, 0), ("--unroll", args.unroll, 1)):
         if value < low:
             raise SpeculateError(f"{flag} must be >= {low}, got {value}")
     if args.steps is not None and args.epochs is not None:
@@ -96,7 +99,8 @@ def run(args) -> int:
         else:
             steps = DEFAULTS[f"{args.kind}_steps"]
     heads, meta = train_heads(args.kind, target, data, out, steps, args.batch_size, args.lr, args.heads,
-                              args.vocab_subset or None, args.checkpoint_every, args.seed, progress=progress, log=log)
+                              args.vocab_subset or None, args.checkpoint_every, args.seed, progress=progress, log=log,
+                              unroll=args.unroll)
     # This run's data time plus the training loop's, summed over resumed runs (train_seconds).
     meta["train_seconds_total"] = round(data_seconds + meta["train_seconds"], 1)
     vocab_size = int(target.model.get_output_embeddings().out_features)

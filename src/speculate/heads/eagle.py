@@ -93,12 +93,36 @@ class EagleHead(nn.Module):
 
     def forward(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
         """Training: emb, feat [B, T, H] (pairs at positions 0..T-1, right-padded) → f̂ [B, T, H], causal."""
-        b, t, _ = emb.shape
+        return self.unroll(emb, feat, 1)[0]
+
+    def unroll(self, emb: torch.Tensor, feat: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training as drafting runs: ``steps`` passes, pass m drafting on pass m−1's predicted features
+        (EAGLE-3's "training-time test", Li et al. 2025).
+
+        Pass 1 is :meth:`forward`: row r takes [embedding of token r+1, f_r] at position r → f̂_{r+1}.
+        Pass m ≥ 2, row r: [embedding of token r+m, pass m−1's f̂_{r+m−1}] at position r+m−1 → f̂_{r+m},
+        the feature a depth-m draft starts from. Its query attends to what a drafting step sees: the real
+        pairs at positions 0..r (pass 1's keys) and the drafted ones after them (passes 2..m, row r's own
+        keys). Without it the head only ever sees real features and does worse at each later depth.
+        Returns the m outputs [B, T, H], row r of pass m predicting f_{r+m} (rows past the sequence's end:
+        padding; the loss masks them)."""
+        b, t, h = emb.shape
         positions = torch.arange(t).expand(b, t)
-        x, q, k, v = self._qkv(emb, feat, positions)
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads)
-        return self._finish(x, attn.transpose(1, 2).reshape(b, t, -1))
+        keys, values, outs = [], [], []
+        causal, diagonal = torch.ones(t, t, dtype=torch.bool).tril_(), torch.eye(t, dtype=torch.bool)
+        for m in range(1, steps + 1):
+            if m > 1:  # the next token's embedding beside the previous pass's prediction
+                emb = torch.cat([emb[:, 1:], emb.new_zeros(b, 1, h)], dim=1)
+                feat = outs[-1]
+            x, q, k, v = self._qkv(emb, feat, positions + (m - 1))
+            keys.append(k), values.append(v)
+            # [T, m·T]: the real pairs up to this row (causal), then this row's own drafted pairs (diagonal).
+            mask = None if m == 1 else torch.cat([causal] + [diagonal] * (m - 1), dim=1)
+            attn = F.scaled_dot_product_attention(
+                q.transpose(1, 2), torch.cat(keys, dim=1).transpose(1, 2), torch.cat(values, dim=1).transpose(1, 2),
+                attn_mask=mask, is_causal=m == 1, enable_gqa=self.n_heads != self.n_kv_heads)
+            outs.append(self._finish(x, attn.transpose(1, 2).reshape(b, t, -1)))
+        return outs
 
     # --------------------------------------------------------------------------------- drafting
     def new_cache(self, capacity: int, dtype=torch.float32) -> "EagleCache":

@@ -4,7 +4,10 @@ Medusa: batches of random positions t; head i's label is the token at t+2+i (ans
 cross-entropy per head weighted 0.8^i (Medusa-1), through the target's frozen LM head.
 EAGLE: batches of whole sequences (right-padded, causal); the pair at t is [embedding of token t+1,
 f_t] (f_t with a little uniform noise, as EAGLE does), the head predicts f̂_{t+1}; loss = smooth-L1
-(f̂_{t+1}, f_{t+1}) + 0.1 · cross-entropy(LM head(f̂_{t+1}), token t+2) on answer tokens.
+(f̂_{t+1}, f_{t+1}) + 0.1 · cross-entropy(LM head(f̂_{t+1}), token t+2) on answer tokens. With
+``unroll`` = n > 1 (EAGLE-3's training-time test, :meth:`EagleHead.unroll`) the head also drafts n − 1
+more steps on its own predictions, and pass m's loss (against f_{t+m} and token t+m+1) is added with
+weight 0.8^(m−1), as drafting at depth m runs.
 
 With an FR-Spec vocabulary subset the LM head is cut to those rows in training too (labels outside
 it are skipped), which is most of the cost. AdamW, warm-up then cosine decay, gradient clipping;
@@ -108,7 +111,7 @@ class _Batches:
 def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int, batch_size: int | None = None,
                 lr: float | None = None, n_heads: int = 4, vocab_subset: int | None = 8192,
                 checkpoint_every: int = 200, seed: int = 0, max_len: int = 384, progress: bool = True,
-                log=None, stop_at: int | None = None):
+                log=None, stop_at: int | None = None, unroll: int = 1):
     """Train (or resume) heads of ``kind``; returns (heads in eval mode, metadata dict).
 
     ``stop_at``: stop after that step with a checkpoint (a time-boxed run; rerun to resume) and
@@ -148,8 +151,12 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
         return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup))))
 
     gen = torch.Generator().manual_seed(seed)
+    if unroll < 1:
+        raise SpeculateError(f"unroll must be >= 1, got {unroll}")
     settings = {"kind": kind, "model": loaded.name, "n_heads": n_heads, "vocab_subset": vocab_subset,
                 "batch_size": batch_size, "lr": lr, "seed": seed, "data": data.meta}
+    if kind == "eagle" and unroll > 1:  # (absent when 1: checkpoints from before the option still resume)
+        settings["unroll"] = unroll
     start, earlier, began = 0, 0.0, time.perf_counter()
     ckpt = out_dir / CHECKPOINT
     # The best held-out measurement so far: {"step", "score", "heads"} (kept in the checkpoint), and all of them.
@@ -188,7 +195,7 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
                 emb, feat, target, reg, labels = batches.eagle(seqs, embed, max_len, gen)
                 if noise:
                     feat = feat + (torch.rand(feat.shape, generator=gen) * 2 - 1) * noise
-                loss, _ = _eagle_loss(heads, lm_weight, emb, feat, target, reg, labels)
+                loss = _eagle_loss(heads, lm_weight, emb, feat, target, reg, labels, unroll)
             optim.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -218,6 +225,7 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
     heads.eval()
     metrics = evaluate(kind, heads, lm_weight, batches, embed, max_len)
     meta = {"steps": steps, "batch_size": batch_size, "lr": lr, "final_loss": running, **metrics,
+            **({"unroll": unroll} if kind == "eagle" else {}),
             "best_step": None if best is None else best["step"], "heldout_curve": curve,
             "data": data.meta, "vocab_subset": None if vocab is None else int(vocab.numel()),
             "vocab_coverage": _coverage(data, vocab), "train_seconds": round(spent(), 1)}
@@ -226,13 +234,16 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
 
 
 def _measure(kind, heads, lm_weight, batches, embed, max_len, step, best, curve):
-    """Held-out top-1 now (Medusa: the mean over heads), appended to ``curve``; returns the new best."""
+    """Held-out top-1 now (the mean over Medusa's heads, over EAGLE's depths 1 and 2), appended to
+    ``curve``; returns the new best."""
     heads.eval()
-    top1 = evaluate(kind, heads, lm_weight, batches, embed, max_len).get("heldout_top1")
+    metrics = evaluate(kind, heads, lm_weight, batches, embed, max_len)
     heads.train()
-    if top1 is None:  # no held-out sequences (tiny data): nothing to choose by
+    score = metrics.get("heldout_top1_by_depth", metrics.get("heldout_top1"))  # EAGLE: depths 1, 2; Medusa: heads
+    if isinstance(score, list):
+        score = None if None in score else sum(score) / len(score)
+    if score is None:  # no held-out sequences (tiny data): nothing to choose by
         return best
-    score = sum(top1) / len(top1) if isinstance(top1, list) else top1
     curve.append([step, round(score, 4)])
     if best is None or score >= best["score"]:  # ties: the later (longer-trained) weights
         best = {"step": step, "score": score, "heads": {k: v.detach().clone() for k, v in heads.state_dict().items()}}
@@ -249,12 +260,19 @@ def _medusa_loss(heads, lm_weight, hidden, labels):
     return (torch.stack(losses) * weights).sum() / weights.sum(), logits
 
 
-def _eagle_loss(head, lm_weight, emb, feat, target, reg, labels):
-    out = head(emb, feat)
-    reg_loss = F.smooth_l1_loss(out[reg], target[reg])
-    ok = labels >= 0
-    cls = F.cross_entropy(F.linear(out[ok], lm_weight), labels[ok]) if ok.any() else out.sum() * 0
-    return reg_loss + 0.1 * cls, out
+def _eagle_loss(head, lm_weight, emb, feat, target, reg, labels, unroll: int = 1):
+    """Pass m (0-based) row r predicts f_{r+m+1} and token r+m+2: compared with row r+m of the
+    pass-1 targets; rows whose target lies past the sequence drop out with the shift."""
+    t = emb.shape[1]
+    total, weights = 0.0, 0.0
+    for m, out in enumerate(head.unroll(emb, feat, unroll)):
+        out, ok_reg, lab = out[:, : t - m], reg[:, m:], labels[:, m:]
+        loss = F.smooth_l1_loss(out[ok_reg], target[:, m:][ok_reg]) if ok_reg.any() else out.sum() * 0
+        ok = lab >= 0
+        if ok.any():
+            loss = loss + 0.1 * F.cross_entropy(F.linear(out[ok], lm_weight), lab[ok])
+        total, weights = total + 0.8 ** m * loss, weights + 0.8 ** m
+    return total / weights
 
 
 @torch.no_grad()
@@ -272,9 +290,12 @@ def evaluate(kind, heads, lm_weight, batches, embed, max_len) -> dict:
     if seqs.numel() == 0:
         return {}
     emb, feat, target, reg, labels = batches.eagle(seqs, embed, max_len, torch.Generator().manual_seed(0))
-    pred = F.linear(heads(emb, feat), lm_weight).argmax(-1)
-    ok = labels >= 0
-    return {"heldout_top1": round(float((pred[ok] == labels[ok]).float().mean()), 4) if ok.any() else None}
+    by_depth = []  # depth 1 on the real features; depth 2 on the head's own first prediction
+    for m, out in enumerate(heads.unroll(emb, feat, 2)):
+        pred, lab = F.linear(out[:, : out.shape[1] - m], lm_weight).argmax(-1), labels[:, m:]
+        ok = lab >= 0
+        by_depth.append(round(float((pred[ok] == lab[ok]).float().mean()), 4) if ok.any() else None)
+    return {"heldout_top1": by_depth[0], "heldout_top1_by_depth": by_depth}
 
 
 def _coverage(data: DistillData, vocab) -> float:
