@@ -340,7 +340,7 @@ def test_training_keeps_the_best_heldout_heads(tiny, tiny_data, tmp_path, monkey
     assert not torch.allclose(seen[1], heads.fc.weight, atol=1e-4)  # step 30's weights differ
 
 
-def test_prompt_mix_and_self_instruct_filtering(tiny, monkeypatch):
+def test_prompt_mix_and_self_instruct_filtering(tiny, monkeypatch, tmp_path):
     """default_prompts: slots of GSM8K question / chat / chat / task, the written chat questions first,
     then the target's own; self_instruct_prompts keeps user turns that ended, of >= 4 words, once each,
     sampled after the template's user-turn prefix, and leaves the global RNG as it was."""
@@ -351,6 +351,10 @@ def test_prompt_mix_and_self_instruct_filtering(tiny, monkeypatch):
     chat = [p for i, p in enumerate(prompts) if i % 4 in (1, 2)]
     assert len(chat) == chat_slots(100) == 50 and chat[:40] == QUESTIONS
     assert chat[40:42] == ["own question one?", "own question two?"] and chat[42] == QUESTIONS[0] + " (1)"
+    # Without the GSM8K file every slot is a chat question, and chat_slots says so (so that many are written).
+    own = [f"own question {i}?" for i in range(60)]
+    alone = default_prompts(100, data_dir=tmp_path, chat=own)
+    assert chat_slots(100, tmp_path) == 100 and alone == QUESTIONS + own
 
     loaded = tiny[0]
     tok = loaded.tokenizer

@@ -86,10 +86,8 @@ def default_prompts(n: int, seed: int = 0, data_dir: Path | None = None, chat: l
     """``n`` prompts, in slots of four: a GSM8K train question, two chat questions, a rewrite/summarize
     task (chat questions instead of GSM8K ones when its file is absent). Chat questions: the written
     ones above, then ``chat`` (e.g. :func:`self_instruct_prompts`), then the written ones again, numbered."""
-    from ..bench.datasets import default_data_dir
-
     rng = random.Random(seed)
-    path = (data_dir or default_data_dir()) / "gsm8k" / "train.jsonl"
+    path = _gsm8k_train(data_dir)
     rows = []
     if path.is_file():
         with open(path) as f:
@@ -113,8 +111,17 @@ def default_prompts(n: int, seed: int = 0, data_dir: Path | None = None, chat: l
     return out[:n]
 
 
-def chat_slots(n: int) -> int:
-    """How many of :func:`default_prompts`'s first ``n`` prompts are chat questions."""
+def _gsm8k_train(data_dir: Path | None = None) -> Path:
+    from ..bench.datasets import default_data_dir
+
+    return (data_dir or default_data_dir()) / "gsm8k" / "train.jsonl"
+
+
+def chat_slots(n: int, data_dir: Path | None = None) -> int:
+    """How many of :func:`default_prompts`'s first ``n`` prompts are chat questions (all of them when
+    the GSM8K file is absent)."""
+    if not _gsm8k_train(data_dir).is_file():
+        return n
     return sum(i % 4 in CHAT_SLOTS for i in range(n))
 
 
