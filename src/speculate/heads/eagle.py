@@ -10,7 +10,8 @@ continues on its own predicted features: [embedding of the drafted token, f̂_{t
 
 The layer is written out (not transformers' module) so that training (a batch of padded sequences,
 causal) and drafting (a static KV cache addressed by slot, with a tree mask) share one code path.
-Trained with smooth-L1 on the features plus cross-entropy on the tokens (heads/train.py).
+Trained with smooth-L1 on the features plus cross-entropy on the tokens (heads/train.py), optionally
+also on its own predictions a few steps deep (:meth:`EagleHead.unroll`, EAGLE-3's training-time test).
 """
 
 from __future__ import annotations
