@@ -8,7 +8,7 @@ import torch
 from speculate import SpeculativeDecoder
 from speculate.calc import auto
 from speculate.calc.auto import AutoK, calibrate_eps, mean_nll, profile_for, profile_path
-from speculate.calc.speedup import best_k
+from speculate.calc.speedup import best_k, expected_tokens
 from speculate.drafters import get_drafter
 from speculate.errors import SpeculateError
 from speculate.stats import Stats
@@ -153,3 +153,23 @@ def test_k_auto_with_heads_uses_their_weight_ratio_as_the_draft_cost(tiny, cache
     assert decoder.k_policy.table == [best_k(prof.curve, i / 100, c, auto.AUTO_K_MAX)[0] for i in range(100)]
     assert get_drafter("lookup").relative_cost() == 0.0
     assert get_drafter("model", noisy_copy(target, 0.1), target).relative_cost() is None  # measured instead
+    # A tree verifies all its nodes: depth k costs T(max_nodes(k) + 1), and k stops where the profile
+    # (n <= 9) no longer covers the tree (EAGLE's default 2k - 2 nodes: k <= 5).
+    tree = get_drafter("eagle", target=target, heads=tmp_path)
+    policy = SpeculativeDecoder(target, tree, "greedy", k="auto").k_policy
+    rows = [tree.max_nodes(k) + 1 for k in range(1, 7)]
+    assert rows == [2, 3, 5, 7, 9, 11]
+    assert policy.table == [best_k(prof.curve, i / 100, c, auto.AUTO_K_MAX, lambda k: tree.max_nodes(k) + 1)[0]
+                            for i in range(100)]
+    assert max(policy.table) <= 5
+
+
+def test_best_k_prices_a_tree_by_its_nodes():
+    """On the step curve a chain of 2 (3 rows) is the best at high α; a tree of depth 2 with 5 nodes
+    verifies 6 rows, past the step, so depth 1 (2 nodes, 3 rows) wins; k is capped where the curve
+    ends."""
+    assert best_k(STEP, 0.9, 0.1)[0] == 2
+    nodes = {1: 2, 2: 5, 3: 8, 4: 11}
+    k, s = best_k(STEP, 0.9, 0.1, rows=lambda k: nodes.get(k, 99) + 1)
+    assert k == 1 and s == pytest.approx(expected_tokens(0.9, 1) / (STEP[3] + 0.1))
+    assert best_k(STEP, 0.99, 0.0, rows=lambda k: 2 * k + 1)[0] <= 4  # rows 2k + 1 <= 9

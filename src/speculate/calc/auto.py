@@ -95,15 +95,17 @@ class AutoK:
     """Draft length per round from a cost curve and a running α estimate (module docstring).
 
     ``curve``: n → T(n)/T(1) (or a :class:`Profile`); ``c``: draft cost per drafted token relative to a
-    target forward (0 for prompt lookup)."""
+    target forward (0 for prompt lookup); ``rows``: k → rows verified per round (tree drafters: their
+    node count at depth k, + 1; None: k + 1)."""
 
     GRID = 100  # α resolution of the precomputed best-k table
 
-    def __init__(self, curve, c: float, k_max: int = AUTO_K_MAX, alpha0: float = 0.6, prior_weight: float = 4.0):
+    def __init__(self, curve, c: float, k_max: int = AUTO_K_MAX, alpha0: float = 0.6, prior_weight: float = 4.0,
+                 rows=None):
         if not 0.0 <= alpha0 < 1.0:
             raise SpeculateError(f"alpha0 must be in [0, 1), got {alpha0}")
         # best k for α = 0, 0.01, ..., 0.99: a table lookup per round instead of a search.
-        self.table = [best_k(curve, i / self.GRID, c, k_max)[0] for i in range(self.GRID)]
+        self.table = [best_k(curve, i / self.GRID, c, k_max, rows)[0] for i in range(self.GRID)]
         self.k_max = max(self.table)
         self.alpha0, self.prior_weight = alpha0, prior_weight
         self.reset()

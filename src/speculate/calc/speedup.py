@@ -121,7 +121,8 @@ def verify_cost(curve: Mapping[int, float] | None, n: int) -> float:
     return float(curve[n])
 
 
-def speedup(alpha: float, k: int, c: float = 0.0, curve: Mapping[int, float] | None = None) -> float:
+def speedup(alpha: float, k: int, c: float = 0.0, curve: Mapping[int, float] | None = None,
+            rows: int | None = None) -> float:
     """Exact expected speedup over plain decoding: E(α, k) / (T(k+1)/T(1) + k·c).
 
     Lesson, "Expected speedup", with the costs made explicit: a round is one target forward over the
@@ -129,10 +130,12 @@ def speedup(alpha: float, k: int, c: float = 0.0, curve: Mapping[int, float] | N
     forwards at c·T(1) each, and yields E(α, k) tokens; plain decoding yields one token per T(1).
     ``curve`` maps n to T(n)/T(1) (None: flat, T(n) = T(1)); ``c`` is the draft's cost per drafted
     token relative to one target forward (0 for prompt lookup; 1/s for a draft s times faster).
+    ``rows``: the rows one verification scores, when not k + 1 — a draft tree of depth k and m nodes
+    scores m + 1 (its α is then the per-level acceptance of its best path).
     With a flat curve and c = 0 this is E(α, k)."""
     c = _check_c(c)
     k = _check_k(k)
-    return expected_tokens(alpha, k) / (verify_cost(curve, k + 1) + k * c)
+    return expected_tokens(alpha, k) / (verify_cost(curve, k + 1 if rows is None else rows) + k * c)
 
 
 def lesson_speedup(alpha: float, k: int, speed_ratio: float) -> float:
@@ -157,14 +160,17 @@ def _curve_of(profile) -> Mapping[int, float]:
     return curve
 
 
-def best_k(profile, alpha: float, c: float, k_max: int | None = None) -> tuple[int, float]:
+def best_k(profile, alpha: float, c: float, k_max: int | None = None, rows=None) -> tuple[int, float]:
     """(k, speedup) maximising :func:`speedup` over k = 1..k_max on ``profile``'s cost curve.
 
     ``profile`` is a :class:`~speculate.calc.profile.Profile` or a mapping n → T(n)/T(1) (None: flat,
     then ``k_max`` is required). k_max defaults to the largest k the curve covers (its largest n − 1).
-    Ties go to the smaller k. The speedup may be below 1: then no k pays and plain decoding is faster."""
+    ``rows``: k → the rows a draft of depth k verifies (a tree drafter's nodes + 1; None: k + 1); k
+    stops where the curve no longer covers them. Ties go to the smaller k. The speedup may be below 1:
+    then no k pays and plain decoding is faster."""
     alpha = _check_alpha(alpha)
     c = _check_c(c)
+    rows = rows or (lambda k: k + 1)
     if profile is None:
         curve = None
         if k_max is None:
@@ -175,10 +181,12 @@ def best_k(profile, alpha: float, c: float, k_max: int | None = None) -> tuple[i
         while covered + 1 in curve:
             covered += 1
         k_max = covered - 1 if k_max is None else min(k_max, covered - 1)
+        while k_max > 1 and rows(k_max) > covered:
+            k_max -= 1
     k_max = _check_k(k_max, minimum=1)
-    best = (1, speedup(alpha, 1, c, curve))
+    best = (1, speedup(alpha, 1, c, curve, rows(1)))
     for k in range(2, k_max + 1):
-        s = speedup(alpha, k, c, curve)
+        s = speedup(alpha, k, c, curve, rows(k))
         if s > best[1]:
             best = (k, s)
     return best
