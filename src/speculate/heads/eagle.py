@@ -109,19 +109,19 @@ class EagleHead(nn.Module):
         padding; the loss masks them)."""
         b, t, h = emb.shape
         positions = torch.arange(t).expand(b, t)
-        keys, values, outs = [], [], []
-        causal, diagonal = torch.ones(t, t, dtype=torch.bool).tril_(), torch.eye(t, dtype=torch.bool)
+        keys, values, outs, mask = [], [], [], None
         for m in range(1, steps + 1):
             if m > 1:  # the next token's embedding beside the previous pass's prediction
                 emb = torch.cat([emb[:, 1:], emb.new_zeros(b, 1, h)], dim=1)
                 feat = outs[-1]
+                # [T, m·T]: the real pairs up to this row (causal), then this row's own drafted pairs (diagonal).
+                mask = torch.cat([torch.ones(t, t, dtype=torch.bool).tril_()] + [torch.eye(t, dtype=torch.bool)] *
+                                 (m - 1), dim=1)
             x, q, k, v = self._qkv(emb, feat, positions + (m - 1))
             keys.append(k), values.append(v)
-            # [T, m·T]: the real pairs up to this row (causal), then this row's own drafted pairs (diagonal).
-            mask = None if m == 1 else torch.cat([causal] + [diagonal] * (m - 1), dim=1)
             attn = F.scaled_dot_product_attention(
                 q.transpose(1, 2), torch.cat(keys, dim=1).transpose(1, 2), torch.cat(values, dim=1).transpose(1, 2),
-                attn_mask=mask, is_causal=m == 1, enable_gqa=self.n_heads != self.n_kv_heads)
+                attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_heads != self.n_kv_heads)
             outs.append(self._finish(x, attn.transpose(1, 2).reshape(b, t, -1)))
         return outs
 

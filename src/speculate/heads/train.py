@@ -263,16 +263,21 @@ def _medusa_loss(heads, lm_weight, hidden, labels):
 def _eagle_loss(head, lm_weight, emb, feat, target, reg, labels, unroll: int = 1):
     """Pass m (0-based) row r predicts f_{r+m+1} and token r+m+2: compared with row r+m of the
     pass-1 targets; rows whose target lies past the sequence drop out with the shift."""
-    t = emb.shape[1]
     total, weights = 0.0, 0.0
-    for m, out in enumerate(head.unroll(emb, feat, unroll)):
-        out, ok_reg, lab = out[:, : t - m], reg[:, m:], labels[:, m:]
-        loss = F.smooth_l1_loss(out[ok_reg], target[:, m:][ok_reg]) if ok_reg.any() else out.sum() * 0
+    for m, out, tgt, ok_reg, lab in _aligned(head.unroll(emb, feat, unroll), target, reg, labels):
+        loss = F.smooth_l1_loss(out[ok_reg], tgt[ok_reg]) if ok_reg.any() else out.sum() * 0
         ok = lab >= 0
         if ok.any():
             loss = loss + 0.1 * F.cross_entropy(F.linear(out[ok], lm_weight), lab[ok])
         total, weights = total + 0.8 ** m * loss, weights + 0.8 ** m
     return total / weights
+
+
+def _aligned(passes, *per_row):
+    """(m, pass m's rows, each of ``per_row`` [B, T, ...] shifted to match) for m = 0, 1, ...: row r of pass
+    m (0-based) predicts what row r + m of pass 1 does; the last m rows have nothing to predict."""
+    for m, out in enumerate(passes):
+        yield (m, out[:, : out.shape[1] - m], *(x[:, m:] for x in per_row))
 
 
 @torch.no_grad()
@@ -291,9 +296,8 @@ def evaluate(kind, heads, lm_weight, batches, embed, max_len) -> dict:
         return {}
     emb, feat, target, reg, labels = batches.eagle(seqs, embed, max_len, torch.Generator().manual_seed(0))
     by_depth = []  # depth 1 on the real features; depth 2 on the head's own first prediction
-    for m, out in enumerate(heads.unroll(emb, feat, 2)):
-        pred, lab = F.linear(out[:, : out.shape[1] - m], lm_weight).argmax(-1), labels[:, m:]
-        ok = lab >= 0
+    for _, out, lab in _aligned(heads.unroll(emb, feat, 2), labels):
+        pred, ok = F.linear(out, lm_weight).argmax(-1), lab >= 0
         by_depth.append(round(float((pred[ok] == lab[ok]).float().mean()), 4) if ok.any() else None)
     return {"heldout_top1": by_depth[0], "heldout_top1_by_depth": by_depth}
 

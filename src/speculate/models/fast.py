@@ -279,7 +279,7 @@ class FastKVModel:
         tree_mask = torch.zeros(n, width, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))
         tree_mask = tree_mask[:, None, :].expand(n, rep, width).reshape(1, n * rep, width)
         lengths = (positions + block) // block * block
-        groups = []  # (score rows, slot index [nkv, rows · rep, L], additive mask [1, rows · rep, L])
+        groups = []  # (score rows or None: all, slot index [nkv, rows · rep, L], additive mask [1, rows · rep, L])
         for length in sorted(set(lengths.tolist())):
             rows = (lengths == length).nonzero().flatten()
             m = rows.numel()
@@ -290,24 +290,24 @@ class FastKVModel:
                 index[j, start: start + path.numel()] = path
             ok = torch.arange(length)[None, :] <= positions[rows, None]
             mask = torch.zeros(m, length, dtype=self.dtype).masked_fill_(~ok, float("-inf"))
-            score_rows = (rows[:, None] * rep + torch.arange(rep)).flatten()
+            # Usually one group holds every row (no row crosses a 64-slot block): no row selection then.
+            score_rows = None if m == n else (rows[:, None] * rep + torch.arange(rep)).flatten()
             index = index[:, None, :].expand(m, rep, length).reshape(1, m * rep, length).expand(nkv, -1, -1)
             groups.append((score_rows, index, mask[:, None, :].expand(m, rep, length).reshape(1, m * rep, length)))
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             qg = q.reshape(n, nkv, rep, hd).transpose(0, 1).reshape(nkv, n * rep, hd)
             scores = torch.baddbmm(tree_mask, qg, self.k_cache[i, :, :width].transpose(1, 2), alpha=self.scaling)
-            if len(groups) == 1:  # the usual case (no row crosses a 64-slot block): no row selection
-                _, index, mask = groups[0]
-                plain = (scores.gather(-1, index) + mask).softmax(dim=-1)
-                weights = torch.zeros_like(scores).scatter_add_(-1, index, plain)
-            else:
-                weights = torch.zeros_like(scores)
-                for score_rows, index, mask in groups:
-                    rows = scores[:, score_rows]
-                    plain = (rows.gather(-1, index) + mask).softmax(dim=-1)
-                    # Padding points at slot 0 with weight exactly 0: adding it changes nothing.
-                    weights[:, score_rows] = torch.zeros_like(rows).scatter_add_(-1, index, plain)
+            weights = None if groups[0][0] is None else torch.zeros_like(scores)
+            for score_rows, index, mask in groups:
+                rows = scores if score_rows is None else scores[:, score_rows]
+                plain = (rows.gather(-1, index) + mask).softmax(dim=-1)
+                # Padding points at slot 0 with weight exactly 0: adding it changes nothing.
+                back = torch.zeros_like(rows).scatter_add_(-1, index, plain)
+                if score_rows is None:
+                    weights = back
+                else:
+                    weights[:, score_rows] = back
             out = torch.bmm(weights, self.v_cache[i, :, :width])  # [nkv, n · rep, hd]
             return out.view(nkv, n, rep, hd).transpose(0, 1).reshape(n, nh * hd)
 
