@@ -261,11 +261,14 @@ class FastKVModel:
         The scores and the weighted sum of values run over the tree's own slots (each score is one dot
         product, wherever its key sits; the sum over slots adds the path's terms in the same order as
         plain decoding, the masked siblings' exact zeros in between). The softmax is the order-sensitive
-        step: its row sums are vectorized across slots. So each row's scores are gathered into the layout
-        plain decoding has at its position p — slots 0..start-1, its root-to-node path, then masked
-        padding, ceil((p+1)/64)·64 wide — normalized there, and the weights put back. That the products do
-        not depend on where a key sits is a property of the CPU matmul kernels, not a PyTorch guarantee:
-        tests/test_int8.py checks random trees bit for bit."""
+        step: its row sums are vectorized across slots. So before it each row's tree slots are permuted
+        into the layout plain decoding has at its position p — slots 0..start-1 (shared, left in place),
+        its root-to-node path, then masked slots — and the weights are permuted back after it: a gather
+        and a scatter over the n tree columns only. Rows run at the tree's width, which can be a 64-slot
+        block wider than plain decoding's ceil((p+1)/64)·64 for a shallow node when a deeper one crosses
+        a block: the extra masked slots add exact zeros to the same vector lanes. That neither the
+        products nor these sums depend on more than the layout is a property of the CPU kernels, not a
+        PyTorch guarantee: tests/test_int8.py checks random trees bit for bit, crossing a block too."""
         block = 64
         n = positions.shape[0]
         end = start + n
@@ -273,41 +276,27 @@ class FastKVModel:
         self._ensure(width)
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         rep = nh // nkv
+
+        def per_score_row(t: torch.Tensor) -> torch.Tensor:  # [n, ...] → [1, n · rep, ...]: a row per query head
+            return t[:, None].expand(n, rep, *t.shape[1:]).reshape(1, n * rep, *t.shape[1:])
+
         allowed = torch.zeros(n, width, dtype=torch.bool)
         allowed[:, :start] = True
         allowed[:, start:end] = ancestors
-        tree_mask = torch.zeros(n, width, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))
-        tree_mask = tree_mask[:, None, :].expand(n, rep, width).reshape(1, n * rep, width)
-        lengths = (positions + block) // block * block
-        groups = []  # (score rows or None: all, slot index [nkv, rows · rep, L], additive mask [1, rows · rep, L])
-        for length in sorted(set(lengths.tolist())):
-            rows = (lengths == length).nonzero().flatten()
-            m = rows.numel()
-            index = torch.zeros(m, length, dtype=torch.long)  # padding → slot 0, masked below
-            index[:, :start] = torch.arange(start)
-            for j, r in enumerate(rows.tolist()):
-                path = start + ancestors[r].nonzero().flatten()  # root first: parents precede children
-                index[j, start: start + path.numel()] = path
-            ok = torch.arange(length)[None, :] <= positions[rows, None]
-            mask = torch.zeros(m, length, dtype=self.dtype).masked_fill_(~ok, float("-inf"))
-            # Usually one group holds every row (no row crosses a 64-slot block): no row selection then.
-            score_rows = None if m == n else (rows[:, None] * rep + torch.arange(rep)).flatten()
-            index = index[:, None, :].expand(m, rep, length).reshape(1, m * rep, length).expand(nkv, -1, -1)
-            groups.append((score_rows, index, mask[:, None, :].expand(m, rep, length).reshape(1, m * rep, length)))
+        tree_mask = per_score_row(torch.zeros(n, width, dtype=self.dtype).masked_fill_(~allowed, float("-inf")))
+        # Row r's tree columns in plain decoding's order: its ancestors (itself included) in slot order —
+        # parents precede children, so that is the root-to-node path — then the rest (masked).
+        order = per_score_row(torch.sort((~ancestors).to(torch.uint8), dim=-1, stable=True).indices)
+        order = order.expand(nkv, -1, -1)
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             qg = q.reshape(n, nkv, rep, hd).transpose(0, 1).reshape(nkv, n * rep, hd)
             scores = torch.baddbmm(tree_mask, qg, self.k_cache[i, :, :width].transpose(1, 2), alpha=self.scaling)
-            weights = None if groups[0][0] is None else torch.zeros_like(scores)
-            for score_rows, index, mask in groups:
-                rows = scores if score_rows is None else scores[:, score_rows]
-                plain = (rows.gather(-1, index) + mask).softmax(dim=-1)
-                # Padding points at slot 0 with weight exactly 0: adding it changes nothing.
-                back = torch.zeros_like(rows).scatter_add_(-1, index, plain)
-                if score_rows is None:
-                    weights = back
-                else:
-                    weights[:, score_rows] = back
+            scores[..., start:end] = scores[..., start:end].gather(-1, order)  # into plain decoding's layout
+            weights = scores.softmax(dim=-1)
+            # Back to the tree's slots (the masked columns' weights are exact zeros wherever they go).
+            weights[..., start:end] = torch.empty_like(weights[..., start:end]).scatter_(
+                -1, order, weights[..., start:end])
             out = torch.bmm(weights, self.v_cache[i, :, :width])  # [nkv, n · rep, hd]
             return out.view(nkv, n, rep, hd).transpose(0, 1).reshape(n, nh * hd)
 
