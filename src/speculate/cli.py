@@ -127,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _generate(args) -> int:
-    from .drafters import SELF_DRAFTERS, get_drafter
+    from .drafters import HEAD_DRAFTERS, get_drafter
     from .engine import SpeculativeDecoder
     from .models import load_model
 
@@ -141,8 +141,8 @@ def _generate(args) -> int:
     draft = load_model(args.draft_model, dtype=args.draft_dtype or args.dtype) if args.draft_model else None
     drafter = args.drafter
     if args.heads:
-        if args.drafter not in SELF_DRAFTERS:
-            raise SpeculateError("--heads is for --drafter medusa / eagle (and their -chain variants)")
+        if args.drafter not in HEAD_DRAFTERS:
+            raise SpeculateError(f"--heads is for the drafters with trained heads: {', '.join(HEAD_DRAFTERS)}")
         drafter = get_drafter(args.drafter, None, target, heads=args.heads)
     decoder = SpeculativeDecoder(target, drafter, args.verifier, k=args.k, draft_model=draft,
                                  eps=args.eps, beta=args.beta)

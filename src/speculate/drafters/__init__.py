@@ -21,12 +21,26 @@ def _self_drafters():
     from .layerskip import LayerSkipDrafter
     from .medusa import MedusaDrafter
 
-    return {"medusa": partial(MedusaDrafter, tree=True), "medusa-chain": partial(MedusaDrafter, tree=False),
-            "eagle": partial(EagleDrafter, tree=True), "eagle-chain": partial(EagleDrafter, tree=False),
-            "layerskip": LayerSkipDrafter}
+    heads = {"medusa": partial(MedusaDrafter, tree=True), "medusa-chain": partial(MedusaDrafter, tree=False),
+             "eagle": partial(EagleDrafter, tree=True), "eagle-chain": partial(EagleDrafter, tree=False)}
+    # With lookup merged in (drafters/with_lookup.py), the heads draft no deeper than their fastest
+    # settings here (docs/benchmarks.md, section 6: EAGLE tree depth 3, chains of 2; Medusa's tree is
+    # at most its 4 heads deep) and lookup's copies reach k.
+    base_k = {"eagle": 3, "eagle-chain": 2, "medusa": None, "medusa-chain": 2}
+    merged = {f"{name}+lookup": partial(_with_lookup, f"{name}+lookup", make, base_k[name])
+              for name, make in heads.items()}
+    return {**heads, **merged, "layerskip": LayerSkipDrafter}
 
 
-SELF_DRAFTERS = ("medusa", "medusa-chain", "eagle", "eagle-chain", "layerskip")
+def _with_lookup(name, make_base, default_base_k, target, base_k="default", **params):
+    from .with_lookup import WithLookup
+
+    return WithLookup(make_base(target, **params), default_base_k if base_k == "default" else base_k, name=name)
+
+
+SELF_DRAFTERS = ("medusa", "medusa-chain", "eagle", "eagle-chain", "layerskip",
+                 "eagle+lookup", "eagle-chain+lookup", "medusa+lookup", "medusa-chain+lookup")
+HEAD_DRAFTERS = tuple(name for name in SELF_DRAFTERS if name != "layerskip")  # the ones that take ``heads``
 ALL_DRAFTERS = (*DRAFTERS, *SELF_DRAFTERS)  # every name get_drafter takes
 
 
@@ -51,4 +65,4 @@ def get_drafter(name: str, draft_model=None, target=None, **params) -> Drafter:
     return DRAFTERS[name](**params)
 
 
-__all__ = ["ALL_DRAFTERS", "DRAFTERS", "MODEL_DRAFTERS", "SELF_DRAFTERS", "Draft", "Drafter", "get_drafter"]
+__all__ = ["ALL_DRAFTERS", "DRAFTERS", "HEAD_DRAFTERS", "MODEL_DRAFTERS", "SELF_DRAFTERS", "Draft", "Drafter", "get_drafter"]

@@ -1,0 +1,90 @@
+"""A self-drafting drafter with prompt lookup merged into its draft tree (``eagle+lookup``, ...).
+
+The two drafters are right about different tokens: heads predict fluent continuations, lookup copies
+spans of the context (numbers and names from a GSM8K question, the lines of a text being rewritten),
+which the heads, trained on a 135M model's answers, often get wrong. So each round the base drafter's
+proposal (a chain or a tree) and lookup's chain are merged into one token tree, as SpecInfer merges
+the trees of several draft models (Miao et al. 2024, "merge-based token tree construction"): lookup's
+tokens follow the base's nodes while they agree, and branch off as new nodes where they do not. One
+target forward verifies the union; a lookup chain the base already proposed adds no node at all.
+
+Greedy only: the tree verifiers' lossless sampling rules need every sibling drawn from one known
+p_draft, and lookup's one-hot guesses are not drawn from the base's distribution. When sampling, the
+base's proposal goes out alone (still lossless). The other tree rules (greedy, consultant, typical)
+judge each node by the target's distribution alone, so they accept the merged tree as is.
+
+The base must keep no per-proposal state that :meth:`Drafter.update` rolls back (the heads' drafters
+read everything they need from the committed tokens and :meth:`Drafter.observe`): an accepted path may
+leave the base's nodes for lookup's, and the base would not know how to follow.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import SpeculateError
+from .base import Draft, Drafter
+from .lookup import LookupDrafter
+
+
+class WithLookup(Drafter):
+    tree = True  # the merged proposal is a tree whenever lookup adds a branch
+
+    def __init__(self, base: Drafter, base_k: int | None = None, lookup: LookupDrafter | None = None,
+                 name: str | None = None):
+        """``base_k``: the base drafts at most this deep (None: each round's k), while lookup's chain
+        may reach k: a long copy costs lookup nothing to draft, a deep head draft costs a head step per
+        level and is rarely right that far."""
+        if type(base).update is not Drafter.update:
+            raise SpeculateError(f"drafter '{base.name}' rolls back its own state after each round; it cannot "
+                                 "be merged with lookup")
+        if base_k is not None and base_k < 1:
+            raise SpeculateError("base_k must be >= 1")
+        self.base, self.base_k, self.lookup = base, base_k, lookup or LookupDrafter()
+        self.name = name or f"{base.name}+lookup"
+        self.wants_hidden = base.wants_hidden
+
+    def begin(self, prompt_ids, sampling, generator):
+        super().begin(prompt_ids, sampling, generator)
+        self.base.begin(prompt_ids, sampling, generator)
+        self.lookup.begin(prompt_ids, sampling, generator)
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        self.base.observe(hidden)
+
+    def relative_cost(self):
+        return self.base.relative_cost()  # lookup drafts for free
+
+    def _base_k(self, k: int) -> int:
+        return k if self.base_k is None else min(k, self.base_k)
+
+    def max_nodes(self, k):
+        return self.base.max_nodes(self._base_k(k)) + k
+
+    def propose(self, tokens, k):
+        draft = self.base.propose(tokens, self._base_k(k))
+        if not self.sampling.greedy:
+            return draft
+        copied = self.lookup.propose(tokens, k).tokens.tolist()
+        if not copied:
+            return draft
+        return merge(draft, copied)
+
+
+def merge(draft: Draft, chain: list[int]) -> Draft:
+    """``draft`` (a chain or a tree, greedy: no p_draft rows) with ``chain`` merged in from the root:
+    the chain follows existing nodes while their tokens agree and continues as new nodes (appended, so
+    the draft's own nodes keep their indices and the order stays topological)."""
+    tokens = draft.tokens.tolist()
+    parents = list(range(-1, len(tokens) - 1)) if draft.parents is None else list(draft.parents)
+    child = {(parent, token): node for node, (token, parent) in enumerate(zip(tokens, parents))}
+    at = -1  # the node the chain has reached (-1: the root, the last committed token)
+    for token in chain:
+        if (at, token) not in child:
+            child[at, token] = len(tokens)
+            tokens.append(token)
+            parents.append(at)
+        at = child[at, token]
+    if len(tokens) == len(draft):
+        return draft  # the base had proposed the whole chain already
+    return Draft(torch.tensor(tokens, dtype=torch.long), None, parents)

@@ -1,0 +1,137 @@
+"""Heads with prompt lookup merged into their draft tree (drafters/with_lookup.py): the merge itself,
+greedy decoding equal to plain decoding with lookup's branches actually verified, sampling left to
+the base alone, and the shipped heads on the default model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculate import SpeculativeDecoder
+from speculate.drafters import get_drafter
+from speculate.drafters.base import Draft
+from speculate.drafters.lookup import LookupDrafter
+from speculate.drafters.with_lookup import WithLookup, merge
+from speculate.errors import SpeculateError
+from speculate.heads import save_heads
+
+from test_heads import PROMPT, plain_greedy, random_heads
+
+
+def test_merge_follows_agreeing_nodes_then_branches():
+    chain = Draft(torch.tensor([7, 8, 9]))
+    merged = merge(chain, [7, 5, 6])  # agrees on 7, then leaves the chain at its second token
+    assert merged.tokens.tolist() == [7, 8, 9, 5, 6]
+    assert merged.parents == [-1, 0, 1, 0, 3]
+    assert merged.probs is None
+
+    tree = Draft(torch.tensor([1, 2, 3, 4]), None, [-1, -1, 0, 1])  # 1→3, 2→4
+    merged = merge(tree, [2, 4, 9, 9])  # follows 2→4, then grows two new nodes below node 3
+    assert merged.tokens.tolist() == [1, 2, 3, 4, 9, 9]
+    assert merged.parents == [-1, -1, 0, 1, 3, 4]
+    assert merge(tree, [1, 3]) is tree  # nothing new: the base's proposal as it was
+    empty = merge(Draft(torch.empty(0, dtype=torch.long)), [4, 4])
+    assert empty.tokens.tolist() == [4, 4] and empty.parents == [-1, 0]
+    assert empty.depth == 2
+
+
+class Oracle(LookupDrafter):
+    """A "lookup" that proposes the given continuation (right, or garbage): the tiny random models copy
+    nothing from their prompts, so real lookup would rarely add an accepted branch there."""
+
+    def __init__(self, prompt, continuation):
+        super().__init__()
+        self.prompt, self.continuation = list(prompt), continuation
+
+    def propose(self, tokens, k):
+        done = len(tokens) - len(self.prompt)
+        return Draft(torch.tensor(self.continuation[done: done + k], dtype=torch.long))
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle-chain", "medusa", "medusa-chain"])
+def test_greedy_with_lookup_merged_equals_plain(tiny, tmp_path, name):
+    """Merged trees verify to exactly plain decoding's tokens, whether lookup's branch is right (then
+    it is what gets accepted: a round per k + 1 tokens) or garbage (then the heads' nodes are judged as
+    without it), and lookup's branch is really added to the heads' proposal."""
+    loaded = tiny[2]
+    kind = name.split("-")[0]
+    save_heads(tmp_path, random_heads(kind, loaded, seed=3), loaded.name, 259)
+    n, k = 40, 5
+    expected = plain_greedy(loaded, PROMPT, n)
+    alone = SpeculativeDecoder(loaded, get_drafter(name, None, loaded, heads=tmp_path), "greedy", k=2)
+    a = alone.generate(list(PROMPT), max_new_tokens=n)
+    garbage = [(t + 1) % 259 for t in expected]
+    for continuation in (expected, garbage):
+        base = get_drafter(name, None, loaded, heads=tmp_path)
+        drafter = WithLookup(base, base_k=2, lookup=Oracle(PROMPT, continuation))
+        sizes = []
+        propose = drafter.propose
+        drafter.propose = lambda tokens, k: sizes.append(len(d := propose(tokens, k))) or d
+        g = SpeculativeDecoder(loaded, drafter, "greedy", k=k).generate(list(PROMPT), max_new_tokens=n)
+        assert g.token_ids == expected
+        assert max(sizes) > base.max_nodes(2)  # lookup's nodes were in the verified trees
+        if continuation is expected:
+            assert g.stats.target_calls == -(-n // (k + 1))
+        else:
+            assert g.stats.target_calls == a.stats.target_calls  # the heads' own drafts, judged alike
+
+
+def test_sampling_proposes_the_base_alone(tiny, tmp_path):
+    """Lookup's one-hot guesses are not drawn from p_draft: when sampling, the base's draft goes out
+    unchanged (the lossless rules stay exact), though lookup would have matched."""
+    loaded = tiny[2]
+    save_heads(tmp_path, random_heads("eagle", loaded, seed=3), loaded.name, 259)
+    drafter = get_drafter("eagle-chain+lookup", None, loaded, heads=tmp_path)
+    decoder = SpeculativeDecoder(loaded, drafter, "sample", k=3)
+    seen, matched = [], []
+    propose = drafter.propose
+
+    def spy(tokens, k):
+        draft = propose(tokens, k)
+        seen.append(draft)
+        matched.append(len(drafter.lookup.propose(tokens, k)) > 0)  # what lookup would have added
+        return draft
+    drafter.propose = spy
+    decoder.generate(list(PROMPT * 3), max_new_tokens=20, temperature=0.8, seed=1)
+    assert any(matched)
+    assert all(d.parents is None and d.probs is not None and len(d) <= 2 for d in seen if len(d))  # the base's chains
+
+
+def test_merged_drafter_names_and_refusals(tiny, tmp_path):
+    loaded = tiny[2]
+    save_heads(tmp_path, random_heads("eagle", loaded, seed=3), loaded.name, 259)
+    save_heads(tmp_path / "medusa", random_heads("medusa", loaded, seed=3), loaded.name, 259)
+    drafter = get_drafter("eagle+lookup", None, loaded, heads=tmp_path)
+    assert drafter.name == "eagle+lookup" and drafter.base_k == 3 and drafter.tree
+    assert drafter.max_nodes(6) == drafter.base.max_nodes(3) + 6  # sizes the caches; prices --k auto
+    medusa = get_drafter("medusa-chain+lookup", None, loaded, heads=tmp_path / "medusa", base_k=1)
+    assert medusa.name == "medusa-chain+lookup" and medusa.base_k == 1 and not medusa.base.tree
+    model = get_drafter("model", loaded, loaded)
+    with pytest.raises(SpeculateError, match="rolls back its own state"):
+        WithLookup(model)
+
+
+COPY_PROMPTS = [
+    "Repeat the following sentence exactly: The old lighthouse keeper climbed the spiral stairs every evening "
+    "to light the lamp for passing ships.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
+    "clips did Natalia sell altogether in April and May?",
+]
+
+
+@pytest.mark.slow
+def test_shipped_heads_with_lookup_on_the_default_model(default_model):
+    """With the shipped heads at fp32: exactly plain greedy decoding, and fewer target calls than the
+    heads alone on a prompt to copy and a question whose answer reuses its numbers."""
+    plain = SpeculativeDecoder(default_model, "none")
+    for name, alone_name, k in (("eagle+lookup", "eagle", 3), ("eagle-chain+lookup", "eagle-chain", 2)):
+        merged = SpeculativeDecoder(default_model, name, "greedy", k=6)
+        alone = SpeculativeDecoder(default_model, alone_name, "greedy", k=k)
+        calls = {"merged": 0, "alone": 0}
+        for prompt in COPY_PROMPTS:
+            ref = plain.generate(prompt, max_new_tokens=48).token_ids
+            for key, decoder in (("merged", merged), ("alone", alone)):
+                g = decoder.generate(prompt, max_new_tokens=48)
+                assert g.token_ids == ref, name
+                calls[key] += g.stats.target_calls
+        assert calls["merged"] < calls["alone"], (name, calls)
