@@ -532,7 +532,7 @@ def test_tree_shape_bench_is_lossless_and_reports_every_shape(tiny, tmp_path):
     for kind in ("medusa", "eagle"):
         save_heads(tmp_path / kind, random_heads(kind, loaded, 120, seed=5), loaded.name, 259)
     result = trees.run(str(loaded.path), "fp32", str(tmp_path), n_prompts=1, max_new_tokens=6)
-    n = len(trees.SHAPES) + len(trees.CHAINS) + 1 + 2 + 1
+    n = len(trees.SHAPES) + len(trees.CHAINS) + 1 + 2 + 1 + sum(map(len, trees.WITH_LOOKUP.values()))
     assert len(result["identical_to_plain"]) == n
     assert all(v == "2/2" for v in result["identical_to_plain"].values()), result["identical_to_plain"]
     for rows in result["sets"].values():

@@ -102,8 +102,8 @@ def test_merged_drafter_names_and_refusals(tiny, tmp_path):
     save_heads(tmp_path, random_heads("eagle", loaded, seed=3), loaded.name, 259)
     save_heads(tmp_path / "medusa", random_heads("medusa", loaded, seed=3), loaded.name, 259)
     drafter = get_drafter("eagle+lookup", None, loaded, heads=tmp_path)
-    assert drafter.name == "eagle+lookup" and drafter.base_k == 3 and drafter.tree
-    assert drafter.max_nodes(6) == drafter.base.max_nodes(3) + 6  # sizes the caches; prices --k auto
+    assert drafter.name == "eagle+lookup" and drafter.base_k == 2 and drafter.tree
+    assert drafter.max_nodes(6) == drafter.base.max_nodes(2) + 6  # sizes the caches; prices --k auto
     medusa = get_drafter("medusa-chain+lookup", None, loaded, heads=tmp_path / "medusa", base_k=1)
     assert medusa.name == "medusa-chain+lookup" and medusa.base_k == 1 and not medusa.base.tree
     model = get_drafter("model", loaded, loaded)
@@ -124,7 +124,7 @@ def test_shipped_heads_with_lookup_on_the_default_model(default_model):
     """With the shipped heads at fp32: exactly plain greedy decoding, and fewer target calls than the
     heads alone on a prompt to copy and a question whose answer reuses its numbers."""
     plain = SpeculativeDecoder(default_model, "none")
-    for name, alone_name, k in (("eagle+lookup", "eagle", 3), ("eagle-chain+lookup", "eagle-chain", 2)):
+    for name, alone_name, k in (("eagle+lookup", "eagle", 2), ("eagle-chain+lookup", "eagle-chain", 2)):
         merged = SpeculativeDecoder(default_model, name, "greedy", k=6)
         alone = SpeculativeDecoder(default_model, alone_name, "greedy", k=k)
         calls = {"merged": 0, "alone": 0}

@@ -4,7 +4,8 @@
                                     [--max-new-tokens 96] [--out FILE.json]
 
 Greedy decoding with the EAGLE head's dynamic tree at several (depth, top-k, node budget) shapes, its
-chain at a few lengths, and Medusa's tree and chain, against plain decoding of the same target, per
+chain at a few lengths, Medusa's tree and chain, and the EAGLE tree and chain with prompt lookup merged
+in at a few head depths (lookup's copies up to k = 6), against plain decoding of the same target, per
 prompt in rotated order. The prompts are MT-Bench questions 41 onwards and GSM8K *test* questions 100
 onwards: disjoint from the ones ``benchmarks/heads-default*.toml`` reports on (the first 10 of each), so
 that the shipped defaults are not tuned on the benchmark. Reported: τ (new tokens per target call) and
@@ -22,6 +23,7 @@ import torch
 
 from ..drafters.eagle import EagleDrafter
 from ..drafters.medusa import MedusaDrafter
+from ..drafters.with_lookup import WithLookup
 from ..engine import SpeculativeDecoder
 from ..models import DEFAULT_MODEL, load_model
 from . import emit, machine, script
@@ -30,6 +32,8 @@ from .datasets import default_data_dir
 #: (depth, top-k, budget) of the EAGLE trees tried.
 SHAPES = [(6, 3, 12), (5, 3, 10), (4, 3, 8), (5, 2, 8), (4, 2, 6), (3, 2, 4), (6, 4, 16)]
 CHAINS = [2, 3, 4]
+#: The heads' depths tried with lookup merged in (``eagle+lookup`` / ``eagle-chain+lookup`` at k = 6).
+WITH_LOOKUP = {"eagle": [2, 3], "eagle-chain": [1, 2, 3]}
 
 
 def tuning_prompts(n: int) -> dict[str, list[str]]:
@@ -53,6 +57,10 @@ def decoders(target, heads: str | None) -> dict[str, SpeculativeDecoder]:
     out["medusa (tree)"] = SpeculativeDecoder(target, MedusaDrafter(target, medusa, tree=True), "greedy", k=4)
     for k in CHAINS[:2]:
         out[f"medusa-chain k={k}"] = SpeculativeDecoder(target, MedusaDrafter(target, medusa), "greedy", k=k)
+    for name, depths in WITH_LOOKUP.items():
+        for depth in depths:
+            drafter = WithLookup(EagleDrafter(target, eagle, tree=name == "eagle"), depth, name=f"{name}+lookup")
+            out[f"{name}+lookup depth={depth} k=6"] = SpeculativeDecoder(target, drafter, "greedy", k=6)
     return out
 
 

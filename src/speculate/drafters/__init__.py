@@ -24,9 +24,9 @@ def _self_drafters():
     heads = {"medusa": partial(MedusaDrafter, tree=True), "medusa-chain": partial(MedusaDrafter, tree=False),
              "eagle": partial(EagleDrafter, tree=True), "eagle-chain": partial(EagleDrafter, tree=False)}
     # With lookup merged in (drafters/with_lookup.py), the heads draft no deeper than their fastest
-    # settings here (docs/benchmarks.md, section 6: EAGLE tree depth 3, chains of 2; Medusa's tree is
-    # at most its 4 heads deep) and lookup's copies reach k.
-    base_k = {"eagle": 3, "eagle-chain": 2, "medusa": None, "medusa-chain": 2}
+    # depth beside lookup (docs/benchmarks.md, section 6, `python -m speculate.bench.trees`: 2 for the
+    # EAGLE tree and chain; Medusa's tree is at most its 4 heads deep) and lookup's copies reach k.
+    base_k = {"eagle": 2, "eagle-chain": 2, "medusa": None, "medusa-chain": 2}
     merged = {f"{name}+lookup": partial(_with_lookup, f"{name}+lookup", make, base_k[name])
               for name, make in heads.items()}
     return {**heads, **merged, "layerskip": LayerSkipDrafter}
