@@ -172,30 +172,25 @@ def test_stop_inside_an_accepted_tree_path(tiny):
 # --------------------------------------------------------------------------------------- sampling
 
 
-def test_tree_sampling_end_to_end_matches_the_target(tiny):
-    """Distribution of the first three sampled tokens: model-tree + `sample` (multi-candidate, without
-    replacement) against the exact warped target distribution. Chi-square at significance 1e-3."""
-    target = tiny[0]
-    draft = noisy_copy(target, 0.3)
-    prompt = random_prompt(3, 8)
-    s = Sampling(temperature=1.0, top_k=3)
+def sampled_prefix_pvalue(target, prompt, sampling: Sampling, decoder, n: int, after=None) -> float:
+    """Chi-square p-value of the first three tokens ``decoder`` samples (n seeded runs) against the exact
+    warped target distribution of three-token prefixes (bins expected below 5 pooled). ``after(i)``
+    runs after generation i (the caller's bookkeeping)."""
     exact = {(): 1.0}
     with torch.no_grad():
         for _ in range(3):
             prefixes = sorted(exact)
-            rows = warp(target.model(torch.tensor([prompt + list(pre) for pre in prefixes])).logits[:, -1], s)
+            rows = warp(target.model(torch.tensor([prompt + list(pre) for pre in prefixes])).logits[:, -1], sampling)
             exact = {pre + (int(t),): exact[pre] * float(rows[i, t])
                      for i, pre in enumerate(prefixes) for t in rows[i].nonzero()[:, 0]}
-    drafter = Recording(draft, target, branch=2)
-    decoder = SpeculativeDecoder(target, drafter, "sample", k=3)
-    n, siblings = 1000, 0
     counts = Counter()
     for i in range(n):
-        counts[tuple(decoder.generate(prompt, max_new_tokens=3, temperature=1.0, top_k=3, seed=i).token_ids)] += 1
-        siblings += drafter.sibling_accepts()
+        counts[tuple(decoder.generate(prompt, max_new_tokens=3, temperature=sampling.temperature,
+                                      top_k=sampling.top_k, seed=i).token_ids)] += 1
+        if after is not None:
+            after(i)
     assert set(counts) <= set(exact)
     total = sum(exact.values())
-    # Bins with an expected count below 5 are pooled into one.
     observed, expected, pooled_obs, pooled_exp = [], [], 0, 0.0
     for key in sorted(exact):
         e = exact[key] / total * n
@@ -208,8 +203,22 @@ def test_tree_sampling_end_to_end_matches_the_target(tiny):
         observed.append(pooled_obs)
         expected.append(pooled_exp)
     assert len(observed) >= 10
-    assert sstats.chisquare(observed, expected).pvalue > 1e-3
-    assert siblings > 0  # second siblings were tried and accepted: the without-replacement rule was used
+    return sstats.chisquare(observed, expected).pvalue
+
+
+def test_tree_sampling_end_to_end_matches_the_target(tiny):
+    """Distribution of the first three sampled tokens: model-tree + `sample` (multi-candidate, without
+    replacement) against the exact warped target distribution. Chi-square at significance 1e-3."""
+    target = tiny[0]
+    draft = noisy_copy(target, 0.3)
+    prompt = random_prompt(3, 8)
+    s = Sampling(temperature=1.0, top_k=3)
+    drafter = Recording(draft, target, branch=2)
+    decoder = SpeculativeDecoder(target, drafter, "sample", k=3)
+    siblings = []
+    assert sampled_prefix_pvalue(target, prompt, s, decoder, 1000,
+                                 lambda i: siblings.append(drafter.sibling_accepts())) > 1e-3
+    assert sum(siblings) > 0  # second siblings were tried and accepted: the without-replacement rule was used
     st = decoder.generate(prompt, max_new_tokens=40, temperature=1.0, top_k=3, seed=0).stats
     assert 0 < st.accepted_draft_tokens < st.drafted_tokens
 

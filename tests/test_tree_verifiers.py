@@ -107,7 +107,8 @@ def test_sample_validation_errors():
         tree_sample(tokens, parents, torch.full((2, 5), 0.2), target, None)
     draft = torch.tensor([[0.25] * 4, [0.1, 0.2, 0.3, 0.4]])
     with pytest.raises(ValueError, match="siblings 0 and 1 have different draft_probs"):
-        tree_sample(tokens, parents, draft, target, None)
+        tree_sample(tokens, parents, draft, target, None)  # without replacement: one shared row
+    tree_sample(tokens, parents, draft, target, None, replacement=True)  # independent draws: a row each
     with pytest.raises(ValueError, match="eps"):
         tree_consultant(tokens, parents, target, eps=0.0)
     with pytest.raises(ValueError, match="delta"):
@@ -458,3 +459,59 @@ def test_negative_control_scheme_mismatch_is_detected(draft_replacement):
     models = ToyModels(seed=3)
     counts = first_token_counts(models, draft_replacement, not draft_replacement, N_TRIALS, seed=30)
     assert chisq_pvalue(counts, models.target0.numpy()) < CONTROL_ALPHA
+
+
+# ------------------------------------------- siblings from different drafters (heads + prompt lookup)
+
+# A drawn chain (n0 ~ p_draft, n2 ~ p_draft given n0) merged with a lookup guess from the root
+# (n1 = LOOKUP[0], then n3 = LOOKUP[1]), one-hot rows: drafters/with_lookup.py when sampling.
+MERGED_PARENTS = [-1, -1, 0, 1]
+LOOKUP = (1, 3)
+
+
+def merged_first_two(models: ToyModels, n: int, seed: int, lookup_row=None):
+    """Counts [V, V] of the first two output tokens over n rounds of the merged tree, verified with
+    ``replacement=True`` (each sibling against its own row). ``lookup_row``: the row the lookup guess
+    claims (None: its true one-hot row). A round that emits one token is followed by a fresh round of
+    the same kind one position later (a drawn token and the lookup guess LOOKUP[1] as siblings)."""
+    gen_draft = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    one_hot = torch.eye(V)
+    first_row = one_hot[LOOKUP[0]] if lookup_row is None else lookup_row
+    counts = np.zeros((V, V), dtype=np.int64)
+    for _ in range(n):
+        x0 = int(torch.multinomial(models.draft0, 1, generator=gen_draft))
+        x2 = int(torch.multinomial(models.draft_cond[x0], 1, generator=gen_draft))
+        tokens = torch.tensor([x0, LOOKUP[0], x2, LOOKUP[1]])
+        draft = torch.stack([models.draft0, first_row, models.draft_cond[x0], one_hot[LOOKUP[1]]])
+        target = torch.stack([models.target0, models.target_cond[x0], models.target_cond[LOOKUP[0]],
+                              models.target_third, models.target_third])
+        verdict = tree_sample(tokens, MERGED_PARENTS, draft, target, gen, replacement=True)
+        out = [int(tokens[c]) for c in verdict.path] + [verdict.next_token]
+        if len(out) < 2:
+            a = out[0]
+            y = int(torch.multinomial(models.draft_cond[a], 1, generator=gen_draft))
+            v2 = tree_sample(torch.tensor([y, LOOKUP[1]]), [-1, -1],
+                             torch.stack([models.draft_cond[a], one_hot[LOOKUP[1]]]),
+                             torch.stack([models.target_cond[a], models.target_third, models.target_third]),
+                             gen, replacement=True)
+            out.append(int([y, LOOKUP[1]][v2.path[0]]) if v2.path else v2.next_token)
+        counts[out[0], out[1]] += 1
+    return counts
+
+
+def test_tree_sample_siblings_from_different_drafters_is_lossless():
+    """SpecInfer's MSS with each sibling judged against the row it was drawn from: a drawn sibling and
+    a one-hot lookup guess side by side give exactly p_target, first token and first two jointly."""
+    models = ToyModels(seed=3)
+    counts = merged_first_two(models, N_TRIALS, seed=40)
+    assert chisq_pvalue(counts.sum(axis=1), models.target0.numpy()) > ALPHA
+    assert chisq_pvalue(counts, models.joint()) > ALPHA
+
+
+def test_negative_control_lookup_judged_with_the_drawn_siblings_row():
+    """Judging the lookup guess against the drawn sibling's p_draft row (the single shared row of the
+    i.i.d. rule) instead of its own one-hot row over-accepts it: detected."""
+    models = ToyModels(seed=3)
+    counts = merged_first_two(models, N_TRIALS, seed=50, lookup_row=models.draft0)
+    assert chisq_pvalue(counts.sum(axis=1), models.target0.numpy()) < CONTROL_ALPHA

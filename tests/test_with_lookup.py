@@ -11,9 +11,10 @@ from speculate import SpeculativeDecoder
 from speculate.drafters import get_drafter
 from speculate.drafters.base import Draft
 from speculate.drafters.lookup import LookupDrafter
-from speculate.drafters.with_lookup import WithLookup, merge
+from speculate.drafters.with_lookup import WithLookup, beside, merge
 from speculate.errors import SpeculateError
 from speculate.heads import save_heads
+from speculate.sampling import Sampling
 
 from test_heads import PROMPT, plain_greedy, random_heads
 
@@ -76,25 +77,43 @@ def test_greedy_with_lookup_merged_equals_plain(tiny, tmp_path, name):
             assert g.stats.target_calls == a.stats.target_calls  # the heads' own drafts, judged alike
 
 
-def test_sampling_proposes_the_base_alone(tiny, tmp_path):
-    """Lookup's one-hot guesses are not drawn from p_draft: when sampling, the base's draft goes out
-    unchanged (the lossless rules stay exact), though lookup would have matched."""
-    loaded = tiny[2]
-    save_heads(tmp_path, random_heads("eagle", loaded, seed=3), loaded.name, 259)
-    drafter = get_drafter("eagle-chain+lookup", None, loaded, heads=tmp_path)
-    decoder = SpeculativeDecoder(loaded, drafter, "sample", k=3)
-    seen, matched = [], []
-    propose = drafter.propose
+def test_sampling_puts_lookup_beside_the_drawn_chain():
+    rows = torch.softmax(torch.randn(2, 6), -1)
+    chain = Draft(torch.tensor([4, 2]), rows)
+    both = beside(chain, [4, 5])  # never merged into the equal drawn node 4: its own branch
+    assert both.tokens.tolist() == [4, 2, 4, 5] and both.parents == [-1, 0, -1, 2] and both.replacement
+    assert torch.equal(both.probs[:2], rows) and torch.equal(both.probs[2:], torch.eye(6)[[4, 5]])
+    no_replacement = Draft(torch.tensor([1, 2]), rows, [-1, -1], replacement=False)
+    assert beside(no_replacement, [3]) is no_replacement  # its siblings have their own rule: alone
+    alone = beside(Draft(torch.empty(0, dtype=torch.long)), [3, 3])
+    assert alone.tokens.tolist() == [3, 3] and alone.parents is None and alone.probs is None
 
-    def spy(tokens, k):
-        draft = propose(tokens, k)
-        seen.append(draft)
-        matched.append(len(drafter.lookup.propose(tokens, k)) > 0)  # what lookup would have added
-        return draft
-    drafter.propose = spy
-    decoder.generate(list(PROMPT * 3), max_new_tokens=20, temperature=0.8, seed=1)
-    assert any(matched)
-    assert all(d.parents is None and d.probs is not None and len(d) <= 2 for d in seen if len(d))  # the base's chains
+
+def test_sampling_with_lookup_is_lossless_end_to_end(tiny, tmp_path):
+    """eagle-chain + lookup at temperature 1, top-k 3: the first three sampled tokens follow the exact
+    warped target distribution (chi-square, 1e-3), while lookup's branch (here: guesses of the greedy
+    continuation, each with a one-hot row) is verified beside the heads' drawn chain and accepted."""
+    from test_tree_engine import sampled_prefix_pvalue
+
+    loaded = tiny[0]
+    save_heads(tmp_path, random_heads("eagle", loaded, seed=3), loaded.name, 259)
+    greedy = plain_greedy(loaded, PROMPT, 3)
+    drafter = WithLookup(get_drafter("eagle-chain", None, loaded, heads=tmp_path), 2, Oracle(PROMPT, greedy))
+    through_lookup = []
+    propose, update = drafter.propose, drafter.update
+
+    def spy_propose(tokens, k):
+        drafter.last = propose(tokens, k)
+        return drafter.last
+
+    def spy_update(n_accepted, next_token, path=None):
+        roots = [] if drafter.last.parents is None else [i for i, q in enumerate(drafter.last.parents) if q == -1]
+        through_lookup.append(len(roots) == 2 and bool(path) and path[0] == roots[1])  # lookup's branch
+        update(n_accepted, next_token, path)
+    drafter.propose, drafter.update = spy_propose, spy_update
+    decoder = SpeculativeDecoder(loaded, drafter, "sample", k=3)
+    assert sampled_prefix_pvalue(loaded, PROMPT, Sampling(temperature=1.0, top_k=3), decoder, 1000) > 1e-3
+    assert any(through_lookup)
 
 
 def test_merged_drafter_names_and_refusals(tiny, tmp_path):

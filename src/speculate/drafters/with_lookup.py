@@ -8,10 +8,13 @@ the trees of several draft models (Miao et al. 2024, "merge-based token tree con
 tokens follow the base's nodes while they agree, and branch off as new nodes where they do not. One
 target forward verifies the union; a lookup chain the base already proposed adds no node at all.
 
-Greedy only: the tree verifiers' lossless sampling rules need every sibling drawn from one known
-p_draft, and lookup's one-hot guesses are not drawn from the base's distribution. When sampling, the
-base's proposal goes out alone (still lossless). The other tree rules (greedy, consultant, typical)
-judge each node by the target's distribution alone, so they accept the merged tree as is.
+Sampling stays lossless: lookup's chain then goes in as a branch of its own beside the base's drawn
+chain, never merged into an equal drawn node (that would drop a candidate because of its token), each
+lookup node with a one-hot p_draft row, and the tree is verified with ``replacement=True``: every sibling
+against the row it was drawn from (``verifiers/tree.py``, ``tree_sample``: SpecInfer's multi-step
+speculative sampling over several drafters' proposals). A base tree drawn without replacement keeps its
+own rule, so its proposal then goes out alone. The other tree rules (greedy, consultant, typical) judge
+each node by the target's distribution alone.
 
 The base must keep no per-proposal state that :meth:`Drafter.update` rolls back (the heads' drafters
 read everything they need from the committed tokens and :meth:`Drafter.observe`): an accepted path may
@@ -63,12 +66,10 @@ class WithLookup(Drafter):
 
     def propose(self, tokens, k):
         draft = self.base.propose(tokens, self._base_k(k))
-        if not self.sampling.greedy:
-            return draft
         copied = self.lookup.propose(tokens, k).tokens.tolist()
         if not copied:
             return draft
-        return merge(draft, copied)
+        return merge(draft, copied) if self.sampling.greedy else beside(draft, copied)
 
 
 def merge(draft: Draft, chain: list[int]) -> Draft:
@@ -88,3 +89,21 @@ def merge(draft: Draft, chain: list[int]) -> Draft:
     if len(tokens) == len(draft):
         return draft  # the base had proposed the whole chain already
     return Draft(torch.tensor(tokens, dtype=torch.long), None, parents)
+
+
+def beside(draft: Draft, chain: list[int]) -> Draft:
+    """Sampling: ``chain`` as a branch of its own from the root, after ``draft``'s nodes (drawn, with
+    their p_draft rows), with one-hot rows, to be verified with ``replacement=True`` (each sibling
+    against its own row). A tree drawn without replacement has its own rule: returned alone."""
+    if not len(draft):
+        return Draft(torch.tensor(chain, dtype=torch.long))  # lookup alone: a chain, one-hot
+    if draft.parents is not None and not draft.replacement:
+        return draft
+    tokens = draft.tokens.tolist()
+    parents = list(range(-1, len(tokens) - 1)) if draft.parents is None else list(draft.parents)
+    first = len(tokens)
+    parents += [-1] + list(range(first, first + len(chain) - 1))
+    rows = torch.zeros(len(chain), draft.probs.shape[1], dtype=draft.probs.dtype)
+    rows[torch.arange(len(chain)), torch.tensor(chain)] = 1.0
+    return Draft(torch.tensor(tokens + chain, dtype=torch.long), torch.cat([draft.probs, rows]), parents,
+                 replacement=True)

@@ -237,8 +237,10 @@ def tree_sample(
 
     Which rule matches which drafter (the one thing the drafter must get right):
 
-    - ``replacement=True``: the siblings are i.i.d. draws from their parent's draft row (multinomial
-      with replacement; duplicates allowed). D stays fixed. This is SpecInfer's MSS as published.
+    - ``replacement=True``: the siblings are independent draws, each from its own draft row: i.i.d.
+      from their parent's row (multinomial with replacement; duplicates allowed; D stays fixed — SpecInfer's
+      MSS as published), or from different drafters (SpecInfer's merged trees of several draft models:
+      D_j := sibling j's own row, e.g. a one-hot row for a prompt-lookup guess, drafters/with_lookup.py).
     - ``replacement=False`` (default): the siblings are drawn WITHOUT replacement, c_{j+1} from D with
       x_1..x_j zeroed and renormalised (``torch.multinomial(..., replacement=False)``; no duplicates).
       The verifier then zeroes each rejected x in D, so D_j is exactly the row c_j was drawn from.
@@ -264,22 +266,24 @@ def tree_sample(
     (after any temperature / top-p), and a drawn node is never dropped or reordered because of its
     token (whether a further child is drawn may depend on what was drawn before it; post-hoc pruning
     or reranking of drawn nodes, e.g. by cumulative draft score, or deterministic top-k children,
-    breaks the proof).
+    breaks the proof — and so would merging a lookup guess into an equal drawn sibling). With
+    ``replacement=True`` the siblings' rows may differ: x_j ~ D_j independently of x_1..x_{j-1} is all the
+    induction uses.
 
     Randomness: one ``uniform(N)`` draw up front (u_c for node c; each node is tested at most once),
     then one :func:`~speculate.verifiers.base.sample_from` draw, all from ``generator``; on a chain
     this is exactly ``SampleVerifier``'s consumption, so the verdicts coincide for the same seed.
     ``target_probs`` must already be the distribution to sample from (warped); ``sample_probs`` is
     accepted for interface symmetry and ignored, as in ``SampleVerifier``. ``state`` is passed
-    through. Siblings must carry identical draft rows (ValueError otherwise).
+    through. Without replacement, siblings must carry identical draft rows (ValueError otherwise).
     """
     token_list, parents, _ = _validate(tokens, parents, target_probs, draft_probs, need_draft=True, who="tree_sample")
     children = children_of(parents)
-    for kids in children:
+    for kids in children if not replacement else ():
         for c in kids[1:]:
             if not torch.equal(draft_probs[c], draft_probs[kids[0]]):
                 raise ValueError(f"tree_sample: siblings {kids[0]} and {c} have different draft_probs rows; siblings "
-                                 "are drawn from their parent's single draft distribution")
+                                 "drawn without replacement come from their parent's single draft distribution")
     u = uniform(len(token_list), generator, dtype=torch.float64).tolist() if token_list else []
     path: list[int] = []
     row = 0  # target row of the current node (node + 1)
@@ -292,6 +296,8 @@ def tree_sample(
         accepted = -1
         for c in kids:
             x = token_list[c]
+            if replacement:  # independent draws: each sibling against the row it was drawn from
+                draft_row = draft_probs[c]
             t_x = float(target_probs[row, x]) if target_row is None else float(target_row[x])
             d_x = float(draft_row[x])
             if u[c] * d_x < t_x:
