@@ -85,6 +85,8 @@ def test_sampling_puts_lookup_beside_the_drawn_chain():
     assert torch.equal(both.probs[:2], rows) and torch.equal(both.probs[2:], torch.eye(6)[[4, 5]])
     no_replacement = Draft(torch.tensor([1, 2]), rows, [-1, -1], replacement=False)
     assert beside(no_replacement, [3]) is no_replacement  # its siblings have their own rule: alone
+    certain = beside(Draft(torch.tensor([4])), [5])  # a draft without rows is one-hot: so is the merge
+    assert certain.parents == [-1, -1] and certain.probs is None and certain.replacement
     alone = beside(Draft(torch.empty(0, dtype=torch.long)), [3, 3])
     assert alone.tokens.tolist() == [3, 3] and alone.parents is None and alone.probs is None
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling import Sampling
+from ..verifiers.tree import chain_as_tree
 
 
 @dataclass
@@ -39,6 +40,10 @@ class Draft:
         for parent in self.parents:
             out.append(1 if parent < 0 else out[parent] + 1)
         return out
+
+    def tree_parents(self) -> list[int]:
+        """``parents`` as a tree's (a chain x_1..x_m is the tree -1 → 0 → ... → m-2); a copy."""
+        return chain_as_tree(len(self)) if self.parents is None else list(self.parents)
 
     @property
     def depth(self) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpeculateError
+from ..sampling import one_hot
 from .base import Draft, Drafter
 from .lookup import LookupDrafter
 
@@ -76,8 +77,7 @@ def merge(draft: Draft, chain: list[int]) -> Draft:
     """``draft`` (a chain or a tree, greedy: no p_draft rows) with ``chain`` merged in from the root:
     the chain follows existing nodes while their tokens agree and continues as new nodes (appended, so
     the draft's own nodes keep their indices and the order stays topological)."""
-    tokens = draft.tokens.tolist()
-    parents = list(range(-1, len(tokens) - 1)) if draft.parents is None else list(draft.parents)
+    tokens, parents = draft.tokens.tolist(), draft.tree_parents()
     child = {(parent, token): node for node, (token, parent) in enumerate(zip(tokens, parents))}
     at = -1  # the node the chain has reached (-1: the root, the last committed token)
     for token in chain:
@@ -94,16 +94,15 @@ def merge(draft: Draft, chain: list[int]) -> Draft:
 def beside(draft: Draft, chain: list[int]) -> Draft:
     """Sampling: ``chain`` as a branch of its own from the root, after ``draft``'s nodes (drawn, with
     their p_draft rows), with one-hot rows, to be verified with ``replacement=True`` (each sibling
-    against its own row). A tree drawn without replacement has its own rule: returned alone."""
+    against its own row; a draft without rows stays without: the engine reads that as one-hot). A tree
+    drawn without replacement has its own rule: returned alone."""
     if not len(draft):
         return Draft(torch.tensor(chain, dtype=torch.long))  # lookup alone: a chain, one-hot
     if draft.parents is not None and not draft.replacement:
         return draft
-    tokens = draft.tokens.tolist()
-    parents = list(range(-1, len(tokens) - 1)) if draft.parents is None else list(draft.parents)
-    first = len(tokens)
-    parents += [-1] + list(range(first, first + len(chain) - 1))
-    rows = torch.zeros(len(chain), draft.probs.shape[1], dtype=draft.probs.dtype)
-    rows[torch.arange(len(chain)), torch.tensor(chain)] = 1.0
-    return Draft(torch.tensor(tokens + chain, dtype=torch.long), torch.cat([draft.probs, rows]), parents,
-                 replacement=True)
+    first = len(draft)
+    parents = draft.tree_parents() + [-1] + list(range(first, first + len(chain) - 1))
+    tokens = torch.cat([draft.tokens, torch.tensor(chain, dtype=torch.long)])
+    probs = None if draft.probs is None else \
+        torch.cat([draft.probs, one_hot(tokens[first:], draft.probs.shape[1]).to(draft.probs.dtype)])
+    return Draft(tokens, probs, parents, replacement=True)
