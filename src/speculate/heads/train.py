@@ -205,8 +205,10 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
             bar.update(1)
             bar.set_postfix(loss=f"{running:.3f}")
             if (step + 1) % checkpoint_every == 0 or step + 1 == steps:
-                best = _measure(kind, heads, lm_weight, batches, embed, max_len, step + 1, best, curve)
-                bar.set_postfix(loss=f"{running:.3f}", heldout=f"{curve[-1][1]:.3f}")
+                best, point = _measure(kind, heads, lm_weight, batches, embed, max_len, step + 1, best)
+                if point is not None:
+                    curve.append(point)
+                    bar.set_postfix(loss=f"{running:.3f}", heldout=f"{point[1]:.3f}")
             if stop_at is not None and step + 1 >= stop_at and step + 1 < steps:
                 save_checkpoint(ckpt, heads, optim, step + 1, gen, settings, spent(), best, curve)
                 bar.close()
@@ -233,9 +235,9 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
     return heads, meta
 
 
-def _measure(kind, heads, lm_weight, batches, embed, max_len, step, best, curve):
-    """Held-out top-1 now (the mean over Medusa's heads, over EAGLE's depths 1 and 2), appended to
-    ``curve``; returns the new best."""
+def _measure(kind, heads, lm_weight, batches, embed, max_len, step, best):
+    """Held-out top-1 now (the mean over Medusa's heads, over EAGLE's depths 1 and 2): returns the new
+    best and the point [step, score] for the curve (None without held-out sequences)."""
     heads.eval()
     metrics = evaluate(kind, heads, lm_weight, batches, embed, max_len)
     heads.train()
@@ -243,11 +245,10 @@ def _measure(kind, heads, lm_weight, batches, embed, max_len, step, best, curve)
     if isinstance(score, list):
         score = None if None in score else sum(score) / len(score)
     if score is None:  # no held-out sequences (tiny data): nothing to choose by
-        return best
-    curve.append([step, round(score, 4)])
+        return best, None
     if best is None or score >= best["score"]:  # ties: the later (longer-trained) weights
         best = {"step": step, "score": score, "heads": {k: v.detach().clone() for k, v in heads.state_dict().items()}}
-    return best
+    return best, [step, round(score, 4)]
 
 
 def _medusa_loss(heads, lm_weight, hidden, labels):
