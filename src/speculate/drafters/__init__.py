@@ -32,10 +32,13 @@ def _self_drafters():
     return {**heads, **merged, "layerskip": LayerSkipDrafter}
 
 
-def _with_lookup(name, make_base, default_base_k, target, base_k="default", **params):
+_DEFAULT = object()  # base_k not given: the registry's depth (None is a value: no cap)
+
+
+def _with_lookup(name, make_base, default_base_k, target, base_k=_DEFAULT, **params):
     from .with_lookup import WithLookup
 
-    return WithLookup(make_base(target, **params), default_base_k if base_k == "default" else base_k, name=name)
+    return WithLookup(make_base(target, **params), default_base_k if base_k is _DEFAULT else base_k, name=name)
 
 
 SELF_DRAFTERS = ("medusa", "medusa-chain", "eagle", "eagle-chain", "layerskip",
