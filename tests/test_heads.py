@@ -532,9 +532,37 @@ def test_tree_shape_bench_is_lossless_and_reports_every_shape(tiny, tmp_path):
     for kind in ("medusa", "eagle"):
         save_heads(tmp_path / kind, random_heads(kind, loaded, 120, seed=5), loaded.name, 259)
     result = trees.run(str(loaded.path), "fp32", str(tmp_path), n_prompts=1, max_new_tokens=6)
-    n = len(trees.SHAPES) + len(trees.CHAINS) + 1 + 2 + 1 + sum(map(len, trees.WITH_LOOKUP.values()))
+    n = len(trees.SHAPES) + len(trees.CHAINS) + 1 + 2 + 1 + sum(map(len, trees.WITH_LOOKUP.values())) + 2 * len(trees.GATES)
     assert len(result["identical_to_plain"]) == n
     assert all(v == "2/2" for v in result["identical_to_plain"].values()), result["identical_to_plain"]
     for rows in result["sets"].values():
         assert rows["plain"] == {"tau": 1.0, "speedup": 1.0}
         assert all(r["tau"] >= 1.0 for r in rows.values())
+
+
+def test_eagle_chain_confidence_gate(tiny, tmp_path):
+    """``min_confidence`` stops a chain where the head is unsure: fewer drafts, the same greedy tokens;
+    1.0 drafts nothing (plain decoding); when sampling, the gate reads the row before the draw, so the
+    first sampled tokens still follow the exact warped target distribution (chi-square, 1e-3)."""
+    from test_tree_engine import sampled_prefix_pvalue
+
+    loaded = tiny[2]
+    save_heads(tmp_path, random_heads("eagle", loaded, seed=3), loaded.name, 259)
+    expected = plain_greedy(loaded, PROMPT, 30)
+    drafted = {}
+    for threshold in (0.0, 0.02, 1.0):  # random heads over 259 tokens: top probabilities of ~0.004-0.05
+        g = SpeculativeDecoder(loaded, EagleDrafter(loaded, tmp_path, min_confidence=threshold), "greedy",
+                               k=4).generate(list(PROMPT), max_new_tokens=30)
+        assert g.token_ids == expected
+        drafted[threshold] = g.stats.drafted_tokens
+    assert drafted[0.0] > drafted[0.02] > drafted[1.0] == 0
+    with pytest.raises(ValueError, match="min_confidence"):
+        EagleDrafter(loaded, tmp_path, min_confidence=1.5)
+
+    drafter = EagleDrafter(loaded, tmp_path, min_confidence=0.4)  # top-k 3 warping: the rows' tops are 0.34-1
+    lengths = []
+    propose = drafter.propose
+    drafter.propose = lambda tokens, k: lengths.append((len(d := propose(tokens, k)), k)) or d
+    decoder = SpeculativeDecoder(loaded, drafter, "sample", k=2)
+    assert sampled_prefix_pvalue(loaded, PROMPT, Sampling(temperature=1.0, top_k=3), decoder, 1000) > 1e-3
+    assert any(n < k for n, k in lengths) and any(n == k > 0 for n, k in lengths)  # the gate cut some, not all

@@ -5,7 +5,8 @@
 
 Greedy decoding with the EAGLE head's dynamic tree at several (depth, top-k, node budget) shapes, its
 chain at a few lengths, Medusa's tree and chain, and the EAGLE tree and chain with prompt lookup merged
-in at a few head depths (lookup's copies up to k = 6), against plain decoding of the same target, per
+in at a few head depths (lookup's copies up to k = 6), and EAGLE chains gated by the head's confidence,
+against plain decoding of the same target, per
 prompt in rotated order. The prompts are MT-Bench questions 41 onwards and GSM8K *test* questions 100
 onwards: disjoint from the ones ``benchmarks/heads-default*.toml`` reports on (the first 10 of each), so
 that the shipped defaults are not tuned on the benchmark. Reported: τ (new tokens per target call) and
@@ -34,6 +35,9 @@ SHAPES = [(6, 3, 12), (5, 3, 10), (4, 3, 8), (5, 2, 8), (4, 2, 6), (3, 2, 4), (6
 CHAINS = [2, 3, 4]
 #: The heads' depths tried with lookup merged in (``eagle+lookup`` / ``eagle-chain+lookup`` at k = 6).
 WITH_LOOKUP = {"eagle": [2, 3], "eagle-chain": [1, 2, 3]}
+#: EAGLE chains (k = 3) that stop below these top probabilities (``EagleDrafter(min_confidence=...)``),
+#: alone and with lookup merged in.
+GATES = [0.2, 0.35, 0.5]
 
 
 def tuning_prompts(n: int) -> dict[str, list[str]]:
@@ -61,6 +65,11 @@ def decoders(target, heads: str | None) -> dict[str, SpeculativeDecoder]:
         for depth in depths:
             drafter = WithLookup(EagleDrafter(target, eagle, tree=name == "eagle"), depth, name=f"{name}+lookup")
             out[f"{name}+lookup depth={depth} k=6"] = SpeculativeDecoder(target, drafter, "greedy", k=6)
+    for gate in GATES:
+        gated = EagleDrafter(target, eagle, min_confidence=gate)
+        out[f"eagle-chain min_confidence={gate} k=3"] = SpeculativeDecoder(target, gated, "greedy", k=3)
+        merged = WithLookup(EagleDrafter(target, eagle, min_confidence=gate), 3, name="eagle-chain+lookup")
+        out[f"eagle-chain+lookup min_confidence={gate} depth=3 k=6"] = SpeculativeDecoder(target, merged, "greedy", k=6)
     return out
 
 

@@ -30,12 +30,13 @@ class EagleDrafter(Drafter):
     wants_hidden = True
 
     def __init__(self, target, heads=None, tree: bool = False, topk: int = 2, budget: int | None = None,
-                 depth: int | None = None):
+                 depth: int | None = None, min_confidence: float = 0.0):
         """``depth``: the tree's depth cap (None: each round's k); ``budget``: nodes kept (None: 2·depth − 2,
         at least depth: the best path and about one alternative per level); ``topk``: nodes expanded per
         level and children per node. The defaults are the fastest shapes of ``python -m
         speculate.bench.trees`` on this CPU (docs/benchmarks.md, section 6): small trees, as a 13-node
-        verification costs ~2 plain steps here."""
+        verification costs ~2 plain steps here. ``min_confidence`` (chains): stop a chain where the head's
+        top probability falls below it (0: never)."""
         self.parts = parts = drafting_parts(target, "eagle", heads)
         self.head, self.config, self.folder, self.lm, self.vocab = parts.heads, parts.config, parts.folder, \
             parts.lm, parts.vocab
@@ -43,7 +44,10 @@ class EagleDrafter(Drafter):
         self.vocab_size = int(target.model.get_output_embeddings().out_features)
         if topk < 1 or (budget is not None and budget < 1) or (depth is not None and depth < 1):
             raise ValueError("EagleDrafter needs topk, budget and depth >= 1")
+        if not 0.0 <= min_confidence <= 1.0:
+            raise ValueError("EagleDrafter needs 0 <= min_confidence <= 1")
         self.tree, self.topk, self.budget, self.depth = bool(tree), topk, budget, depth
+        self.min_confidence = float(min_confidence)
         self.hidden_size = self.head.hidden_size
 
     def begin(self, prompt_ids, sampling, generator):
@@ -100,20 +104,29 @@ class EagleDrafter(Drafter):
         return self._chain(k)
 
     def _chain(self, k):
+        """Up to k tokens, each from the head's row after the one before. With ``min_confidence`` the chain
+        stops where the row's top probability is below it: EAGLE-2 observed that a draft's confidence
+        tracks its acceptance rate, so an unsure token mostly buys a verification row and a head step
+        for nothing. The decision reads the row before any draw, so sampling stays lossless (a node's
+        existence does not depend on its own token)."""
         start, feat, drafted, rows = self.fed, self.root, [], []
         greedy = self.sampling.greedy
         for j in range(k):
             logits = self.lm(feat)[None]  # [1, S]
+            row = None if greedy else warp(logits, self.sampling)
+            if self.min_confidence and float((logits.softmax(-1) if greedy else row).max()) < self.min_confidence:
+                break
             if greedy:
                 token = self._token(logits.argmax(-1))
             else:
-                row = warp(logits, self.sampling)
                 token = self._token(torch.multinomial(row[0], 1, generator=self.generator))
                 rows.append(row)
             drafted.append(token)
             if j + 1 < k:  # the last drafted token is never fed
                 pos = torch.tensor([start + j])
                 feat = self.head.step(self.cache, self._emb([token]), feat[None], pos, pos, None)[0]
+        if not drafted:
+            return Draft(EMPTY)
         probs = None if greedy else expand_rows(torch.cat(rows), self.vocab, self.vocab_size)
         return Draft(torch.tensor(drafted, dtype=torch.long), probs)
 
