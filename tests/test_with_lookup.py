@@ -1,6 +1,6 @@
 """Heads with prompt lookup merged into their draft tree (drafters/with_lookup.py): the merge itself,
-greedy decoding equal to plain decoding with lookup's branches actually verified, sampling left to
-the base alone, and the shipped heads on the default model."""
+greedy decoding equal to plain decoding with lookup's branches actually verified, lookup's branch
+beside the drawn chain when sampling (lossless end to end), and the shipped heads on the default model."""
 
 from __future__ import annotations
 

@@ -22,9 +22,9 @@ from datetime import date
 
 import torch
 
+from ..drafters import get_drafter
 from ..drafters.eagle import EagleDrafter
 from ..drafters.medusa import MedusaDrafter
-from ..drafters.with_lookup import WithLookup
 from ..engine import SpeculativeDecoder
 from ..models import DEFAULT_MODEL, load_model
 from . import emit, machine, script
@@ -61,14 +61,14 @@ def decoders(target, heads: str | None) -> dict[str, SpeculativeDecoder]:
     out["medusa (tree)"] = SpeculativeDecoder(target, MedusaDrafter(target, medusa, tree=True), "greedy", k=4)
     for k in CHAINS[:2]:
         out[f"medusa-chain k={k}"] = SpeculativeDecoder(target, MedusaDrafter(target, medusa), "greedy", k=k)
-    for name, depths in WITH_LOOKUP.items():
+    for name, depths in WITH_LOOKUP.items():  # the registry's merged drafters, at each head depth
         for depth in depths:
-            drafter = WithLookup(EagleDrafter(target, eagle, tree=name == "eagle"), depth, name=f"{name}+lookup")
+            drafter = get_drafter(f"{name}+lookup", None, target, heads=eagle, base_k=depth)
             out[f"{name}+lookup depth={depth} k=6"] = SpeculativeDecoder(target, drafter, "greedy", k=6)
     for gate in GATES:
         gated = EagleDrafter(target, eagle, min_confidence=gate)
         out[f"eagle-chain min_confidence={gate} k=3"] = SpeculativeDecoder(target, gated, "greedy", k=3)
-        merged = WithLookup(EagleDrafter(target, eagle, min_confidence=gate), 3, name="eagle-chain+lookup")
+        merged = get_drafter("eagle-chain+lookup", None, target, heads=eagle, base_k=3, min_confidence=gate)
         out[f"eagle-chain+lookup min_confidence={gate} depth=3 k=6"] = SpeculativeDecoder(target, merged, "greedy", k=6)
     return out
 

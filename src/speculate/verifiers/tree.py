@@ -279,11 +279,13 @@ def tree_sample(
     """
     token_list, parents, _ = _validate(tokens, parents, target_probs, draft_probs, need_draft=True, who="tree_sample")
     children = children_of(parents)
-    for kids in children if not replacement else ():
-        for c in kids[1:]:
-            if not torch.equal(draft_probs[c], draft_probs[kids[0]]):
-                raise ValueError(f"tree_sample: siblings {kids[0]} and {c} have different draft_probs rows; siblings "
-                                 "drawn without replacement come from their parent's single draft distribution")
+    if not replacement:  # (with replacement each sibling has its own row)
+        for kids in children:
+            for c in kids[1:]:
+                if not torch.equal(draft_probs[c], draft_probs[kids[0]]):
+                    raise ValueError(f"tree_sample: siblings {kids[0]} and {c} have different draft_probs rows; "
+                                     "siblings drawn without replacement come from their parent's single draft "
+                                     "distribution")
     u = uniform(len(token_list), generator, dtype=torch.float64).tolist() if token_list else []
     path: list[int] = []
     row = 0  # target row of the current node (node + 1)
