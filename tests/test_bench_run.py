@@ -90,6 +90,22 @@ def test_run_writes_every_file_and_resumes(tmp_path, tiny_folders, monkeypatch):
     assert again[-1]["turns"][0]["token_ids"] == lost["turns"][0]["token_ids"]
 
 
+def test_a_methods_drafter_options_reach_the_drafter(tiny):
+    """Keys a method does not know are its drafter's options: named in the method, kept through the
+    records' JSON, passed to the drafter; a key the drafter does not take is refused with what it takes."""
+    m = parse_method("drafter=lookup,k=3,min_ngram=2,max_ngram=5")
+    assert m.name == "SD/lookup k=3 max_ngram=5 min_ngram=2" and m != engine_method("lookup", "greedy", 3)
+    assert Method.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    drafter = bench_runner.Runner(m, tiny[0], None).decoder.drafter
+    assert (drafter.max_ngram, drafter.min_ngram) == (5, 2)
+    assert bench_runner.Runner(engine_method("lookup", "greedy", 3), tiny[0], None).decoder.drafter.max_ngram == 3
+    for spec, message in (("drafter=lookup,k=3,base_k=2", "it takes: max_ngram, min_ngram"),
+                          ("drafter=eagle,verifer=greedy", "the method's own keys are drafter, verifier"),
+                          ("drafter=eagle+lookup,base_k=two", "wants an integer")):
+        with pytest.raises(SpeculateError, match=message):
+            parse_method(spec)
+
+
 def test_a_folder_keeps_its_settings(tmp_path, tiny_folders):
     cfg = _config(tmp_path, tiny_folders[0], [])
     run_bench(cfg, progress=False)

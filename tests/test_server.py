@@ -490,3 +490,20 @@ def test_cli_serve_flags_and_a_real_subprocess(tiny_folders):
     finally:
         proc.terminate()
         proc.wait(15)
+
+
+def test_the_servers_drafter_options_apply_to_its_drafter_only(tiny):
+    """--drafter-opt at startup: requests that use the server's drafter get its options, a request naming
+    another drafter gets that one's defaults; an option the drafter does not take stops the start."""
+    from speculate.errors import SpeculateError
+    from speculate.server.generation import build_decoder, merge_settings
+    from speculate.server.schemas import SpeculativeSettings
+
+    config = ServerConfig(model="m", drafter="lookup", drafter_options=["max_ngram=5"])
+    assert config.drafter_options == {"max_ngram": 5}
+    decoder = build_decoder(tiny[0], None, merge_settings(config, None))
+    assert decoder.drafter.max_ngram == 5
+    other = merge_settings(config, SpeculativeSettings(drafter="none"))
+    assert other["drafter_options"] == {} and build_decoder(tiny[0], None, other).drafter.name == "none"
+    with pytest.raises(SpeculateError, match="no option 'base_k'"):
+        ServerConfig(model="m", drafter="lookup", drafter_options=["base_k=2"])

@@ -14,6 +14,10 @@ K_HELP = ("draft length per round (default 6: on these CPUs a target forward ove
 K_AUTO_HELP = K_HELP[:-1] + ("; 'auto': per round, the k with the best predicted speedup on this machine's "
                              "measured cost curve at the acceptance rate seen so far)")
 
+DRAFTER_OPT_HELP = ("a drafter option (repeatable), e.g. base_k=3 for eagle+lookup (the heads' depth beside lookup), "
+                    "min_confidence=0.35 for eagle-chain, topk/budget/depth for the eagle tree, max_ngram for "
+                    "lookup, branch/spread for model-tree, layers for layerskip; a wrong key lists the valid ones")
+
 
 def _k_arg(value: str):
     from .calc.auto import parse_auto
@@ -52,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="default lookup (prompt lookup); medusa / eagle draft trees with heads trained on the "
                         "target (shipped for the default model; -chain variants draft chains)")
     g.add_argument("--heads", metavar="DIR", help="heads folder for medusa / eagle (default: the shipped ones)")
+    g.add_argument("--drafter-opt", action="append", metavar="KEY=VALUE", help=DRAFTER_OPT_HELP)
     g.add_argument("--draft-model", help="draft model for --drafter model: an alias or a folder sharing the "
                                          "target's tokenizer")
     g.add_argument("--verifier", choices=list(VERIFIERS),
@@ -82,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--drafter", default="lookup", choices=list(ALL_DRAFTERS),
                    help="default drafter for requests (default lookup)")
     s.add_argument("--draft-model", help="draft model for --drafter model (loaded once, shared by requests)")
+    s.add_argument("--drafter-opt", action="append", metavar="KEY=VALUE", help=DRAFTER_OPT_HELP)
     s.add_argument("--verifier", choices=list(VERIFIERS),
                    help="default verifier; default greedy at temperature 0, sample (lossless) otherwise")
     s.add_argument("--k", type=int, default=6, help=K_HELP)
@@ -127,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _generate(args) -> int:
-    from .drafters import HEAD_DRAFTERS, get_drafter
+    from .drafters import HEAD_DRAFTERS, get_drafter, parse_options
     from .engine import SpeculativeDecoder
     from .models import load_model
 
@@ -139,11 +145,12 @@ def _generate(args) -> int:
         raise SpeculateError("--draft-model needs --drafter model (or model-tree)")
     target = load_model(args.model, dtype=args.dtype)
     draft = load_model(args.draft_model, dtype=args.draft_dtype or args.dtype) if args.draft_model else None
-    drafter = args.drafter
+    options = parse_options(args.drafter, args.drafter_opt or [])
     if args.heads:
         if args.drafter not in HEAD_DRAFTERS:
             raise SpeculateError(f"--heads is for the drafters with trained heads: {', '.join(HEAD_DRAFTERS)}")
-        drafter = get_drafter(args.drafter, None, target, heads=args.heads)
+        options["heads"] = args.heads
+    drafter = get_drafter(args.drafter, draft, target, **options) if options else args.drafter
     decoder = SpeculativeDecoder(target, drafter, args.verifier, k=args.k, draft_model=draft,
                                  eps=args.eps, beta=args.beta)
     stream = decoder.stream(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -177,7 +184,7 @@ def _serve(args) -> int:
                           verifier=args.verifier, k=args.k, eps=args.eps, beta=args.beta, dtype=args.dtype,
                           host=args.host, port=args.port, api_key=api_key,
                           max_concurrency=args.max_concurrency, max_queue=args.max_queue,
-                          max_body_bytes=args.max_body_bytes)
+                          max_body_bytes=args.max_body_bytes, drafter_options=args.drafter_opt or [])
     serve(config, log_level=args.log_level)
     return 0
 

@@ -15,11 +15,12 @@ import itertools
 from dataclasses import asdict, dataclass, fields
 
 from ..calc.auto import is_auto, parse_auto
-from ..drafters import ALL_DRAFTERS, MODEL_DRAFTERS
+from ..drafters import ALL_DRAFTERS, MODEL_DRAFTERS, parse_options
 from ..errors import SpeculateError
 from ..verifiers import VERIFIERS
 
 BASELINES = ("plain", "hf_generate", "hf_assisted", "hf_lookup")
+METHOD_KEYS = ("drafter", "verifier", "k", "temperature", "eps", "beta", "D")  # the rest: the drafter's options
 FAMILY = {"greedy": "SD", "sample": "SD", "mentored": "MD", "consultant": "CD", "typical": "TA"}
 #: Which of the matrix's verifier parameters each verifier takes (the others are not expanded for it).
 VERIFIER_PARAMS = {"greedy": (), "sample": (), "consultant": ("eps", "beta"), "mentored": ("D",),
@@ -36,6 +37,7 @@ class Method:
     beta: float | None = None
     D: float | None = None
     temperature: float = 0.0
+    options: tuple = ()  # the drafter's options (drafters.OPTIONS) as sorted (key, value) pairs, e.g. base_k=3
 
     @property
     def name(self) -> str:
@@ -50,6 +52,7 @@ class Method:
                 parts.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
         if self.temperature:
             parts.append(f"T={self.temperature:g}")
+        parts += [f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}" for key, value in self.options]
         return " ".join(parts)
 
     @property
@@ -66,7 +69,9 @@ class Method:
     @classmethod
     def from_dict(cls, d: dict) -> Method:
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        values = {k: v for k, v in d.items() if k in names}
+        values["options"] = tuple(tuple(pair) for pair in values.get("options", ()))  # JSON gives lists
+        return cls(**values)
 
 
 def baseline(kind: str) -> Method:
@@ -75,8 +80,10 @@ def baseline(kind: str) -> Method:
     return Method(kind=kind)
 
 
-def engine_method(drafter: str, verifier: str, k, temperature: float = 0.0, eps=None, beta=None, D=None) -> Method:
-    """One engine method, checked: names exist, k >= 1 or auto, the verifier fits the temperature."""
+def engine_method(drafter: str, verifier: str, k, temperature: float = 0.0, eps=None, beta=None, D=None,
+                  options=None) -> Method:
+    """One engine method, checked: names exist, k >= 1 or auto, the verifier fits the temperature, the
+    drafter takes ``options`` ({key: value or its text})."""
     if drafter not in ALL_DRAFTERS or drafter == "none":
         raise SpeculateError(f"unknown drafter '{drafter}' for a speculative method; choose from: "
                              f"{', '.join(d for d in ALL_DRAFTERS if d != 'none')} (plain decoding is the baseline 'plain')")
@@ -94,7 +101,9 @@ def engine_method(drafter: str, verifier: str, k, temperature: float = 0.0, eps=
         raise SpeculateError("eps 'auto' is for the consultant verifier")
     takes = VERIFIER_PARAMS[verifier]
     params = {key: value for key, value in (("eps", eps), ("beta", beta), ("D", D)) if key in takes}
-    return Method("engine", drafter, verifier, "auto" if is_auto(k) else k, temperature=float(temperature), **params)
+    options = tuple(sorted(parse_options(drafter, options or {}).items()))
+    return Method("engine", drafter, verifier, "auto" if is_auto(k) else k, temperature=float(temperature),
+                  options=options, **params)
 
 
 def expand_matrix(drafters, verifiers, ks, temperatures, eps=(None,), betas=(None,), Ds=(None,)) -> list[Method]:
@@ -117,24 +126,26 @@ def expand_matrix(drafters, verifiers, ks, temperatures, eps=(None,), betas=(Non
 
 def parse_method(spec: str) -> Method:
     """``--method 'verifier=mentored,k=4,D=0.3,temperature=0.3'`` (drafter defaults to model), or a
-    baseline name."""
+    baseline name. Other keys are the drafter's options: ``drafter=eagle+lookup,k=6,base_k=3``."""
     spec = spec.strip()
     if spec in BASELINES:
         return baseline(spec)
     values: dict = {}
+    options: dict = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         key, sep, value = item.partition("=")
         key = key.strip()
-        if not sep or key not in ("drafter", "verifier", "k", "temperature", "eps", "beta", "D"):
-            raise SpeculateError(f"--method {spec!r}: expected key=value pairs with keys drafter, verifier, k, "
-                                 f"temperature, eps, beta, D; or a baseline ({', '.join(BASELINES)})")
-        values[key] = value.strip()
+        if not sep:
+            raise SpeculateError(f"--method {spec!r}: expected key=value pairs with keys {', '.join(METHOD_KEYS)} "
+                                 f"and the drafter's options; or a baseline ({', '.join(BASELINES)})")
+        (values if key in METHOD_KEYS else options)[key] = value.strip()
     try:
         return engine_method(
             values.get("drafter", "model"), values.get("verifier", "greedy"),
             parse_auto(values.get("k", "4"), int, "k"), float(values.get("temperature", 0)),
             parse_auto(values["eps"], float, "eps") if "eps" in values else None,
             float(values["beta"]) if "beta" in values else None,
-            float(values["D"]) if "D" in values else None)
+            float(values["D"]) if "D" in values else None, options)
     except ValueError as e:
-        raise SpeculateError(f"--method {spec!r}: {e}") from None
+        keys = "" if "has no option" not in str(e) else "; the method's own keys are " + ", ".join(METHOD_KEYS)
+        raise SpeculateError(f"--method {spec!r}: {e}{keys}") from None

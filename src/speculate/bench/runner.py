@@ -26,6 +26,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..calc.auto import calibrate_eps, chinchilla_eps, profile_for, teacher_forced
+from ..drafters import get_drafter
 from ..engine import SpeculativeDecoder
 from ..errors import SpeculateError
 from ..models import load_model
@@ -87,7 +88,10 @@ class Runner:
         self.eos = eos_ids(target)
         if method.kind == "engine":
             drafter_model = draft if method.needs_draft_model else None
-            self.decoder = SpeculativeDecoder(target, method.drafter, method.verifier, k=method.k,
+            drafter = method.drafter
+            if method.options:
+                drafter = get_drafter(method.drafter, drafter_model, target, **dict(method.options))
+            self.decoder = SpeculativeDecoder(target, drafter, method.verifier, k=method.k,
                                               draft_model=drafter_model, eps=method.eps, beta=method.beta,
                                               D=method.D)
         elif method.kind == "plain":

@@ -47,6 +47,37 @@ HEAD_DRAFTERS = tuple(name for name in SELF_DRAFTERS if name != "layerskip")  # 
 ALL_DRAFTERS = (*DRAFTERS, *SELF_DRAFTERS)  # every name get_drafter takes
 
 
+# The options each drafter takes by name from the command line (``--drafter-opt KEY=VALUE``) and in bench
+# methods (``drafter=eagle+lookup,k=6,base_k=3``), with their types; the constructors document them.
+_EAGLE_OPTIONS = {"topk": int, "budget": int, "depth": int, "min_confidence": float}
+OPTIONS: dict[str, dict[str, type]] = {
+    "none": {}, "lookup": {"max_ngram": int, "min_ngram": int}, "model": {},
+    "model-tree": {"branch": int, "spread": int}, "medusa": {}, "medusa-chain": {},
+    "eagle": _EAGLE_OPTIONS, "eagle-chain": {"min_confidence": float}, "layerskip": {"layers": int},
+}
+OPTIONS.update({f"{name}+lookup": {**OPTIONS[name], "base_k": int}
+                for name in ("eagle", "eagle-chain", "medusa", "medusa-chain")})
+
+
+def parse_options(name: str, items) -> dict:
+    """``KEY=VALUE`` strings (or a {key: value} dict) → the typed options of drafter ``name``; anything it
+    does not take, or a value of the wrong type, is a SpeculateError naming what it takes."""
+    takes = OPTIONS.get(name, {})
+    pairs = items.items() if isinstance(items, dict) else [item.partition("=")[::2] for item in items]
+    out = {}
+    for key, value in pairs:
+        key = str(key).strip()
+        if key not in takes:
+            accepted = ", ".join(takes) or "no options"
+            raise SpeculateError(f"drafter '{name}' has no option '{key}' (it takes: {accepted})")
+        try:
+            out[key] = takes[key](str(value).strip())
+        except ValueError:
+            kind = {int: "an integer", float: "a number"}.get(takes[key], takes[key].__name__)
+            raise SpeculateError(f"drafter '{name}': option {key} wants {kind}, got {value!r}") from None
+    return out
+
+
 def get_drafter(name: str, draft_model=None, target=None, **params) -> Drafter:
     """A drafter by name. ``model`` and ``model-tree`` need ``draft_model`` (a LoadedModel sharing the
     target's tokenizer); ``model-tree`` takes ``branch`` and ``spread`` (drafters/model_tree.py)."""
@@ -68,4 +99,5 @@ def get_drafter(name: str, draft_model=None, target=None, **params) -> Drafter:
     return DRAFTERS[name](**params)
 
 
-__all__ = ["ALL_DRAFTERS", "DRAFTERS", "HEAD_DRAFTERS", "MODEL_DRAFTERS", "SELF_DRAFTERS", "Draft", "Drafter", "get_drafter"]
+__all__ = ["ALL_DRAFTERS", "DRAFTERS", "HEAD_DRAFTERS", "MODEL_DRAFTERS", "OPTIONS", "SELF_DRAFTERS", "Draft", "Drafter",
+           "get_drafter", "parse_options"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import SpeculateError
 from .base import EMPTY, Draft, Drafter
 
 
@@ -22,7 +23,7 @@ class LookupDrafter(Drafter):
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
-            raise ValueError("need 1 <= min_ngram <= max_ngram")
+            raise SpeculateError(f"lookup: need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def begin(self, prompt_ids, sampling, generator):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..drafters import MODEL_DRAFTERS
+from ..drafters import MODEL_DRAFTERS, parse_options
 from ..errors import SpeculateError
 
 MiB = 1 << 20
@@ -26,6 +26,8 @@ class ServerConfig:
     max_concurrency: int = 1  # generation workers
     max_queue: int = 16  # admitted requests waiting for a worker; beyond that: 429
     max_body_bytes: int = MiB
+    # --drafter-opt KEY=VALUE: the server drafter's options (requests that name another drafter get its defaults)
+    drafter_options: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if not isinstance(self.k, int) or self.k < 1:
@@ -42,6 +44,7 @@ class ServerConfig:
             raise SpeculateError("--draft-model needs --drafter model (or model-tree)")
         if self.api_key is not None and not self.api_key:
             raise SpeculateError("--api-key must not be empty")
+        object.__setattr__(self, "drafter_options", parse_options(self.drafter, self.drafter_options))
 
     @property
     def verifier_params(self) -> dict:

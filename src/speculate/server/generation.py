@@ -105,7 +105,8 @@ def merge_settings(config: ServerConfig, spec: SpeculativeSettings | None) -> di
         params = spec.verifier_params()
     else:
         params = {**config.verifier_params, **spec.verifier_params()}
-    return {"drafter": spec.drafter or config.drafter,
+    drafter = spec.drafter or config.drafter
+    return {"drafter": drafter, "drafter_options": config.drafter_options if drafter == config.drafter else {},
             "verifier": spec.verifier if spec.verifier is not None else config.verifier,
             "k": spec.k if spec.k is not None else config.k,
             "params": params}
@@ -118,9 +119,9 @@ def build_decoder(target: LoadedModel, draft: LoadedModel | None, settings: dict
                 raise SpeculateError(f"drafter '{settings['drafter']}' needs a draft model: start the server with "
                                      f"--drafter {settings['drafter']} --draft-model M")
             # The draft's tokenizer was checked against the target's at startup.
-            drafter = MODEL_DRAFTERS[settings["drafter"]](draft)
+            drafter = MODEL_DRAFTERS[settings["drafter"]](draft, **settings["drafter_options"])
         else:
-            drafter = get_drafter(settings["drafter"], target=target)
+            drafter = get_drafter(settings["drafter"], target=target, **settings["drafter_options"])
         return SpeculativeDecoder(target, drafter, settings["verifier"], k=settings["k"], **settings["params"])
     except SpeculateError as e:
         raise APIError(400, f"speculative: {e}", "speculative", "invalid_value") from None
