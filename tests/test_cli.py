@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from speculate import SpeculativeDecoder
 from speculate.cli import main
@@ -58,6 +59,9 @@ def test_stream_prints_the_same_text(tiny_folders):
     (["--k", "two"], "--k"),
     (["--eps", "lots"], "--eps"),
     (["--eps", "auto"], "consultant"),  # auto calibrates CD's NLL threshold only
+    (["--drafter-opt", "base_k=2"], "takes: max_ngram, min_ngram"),  # lookup's options
+    (["--drafter-opt", "max_ngram=three"], "an integer"),
+    (["--drafter-opt", "max_ngram=1", "--drafter-opt", "min_ngram=2"], "min_ngram <= max_ngram"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tiny_folders, capsys, args, message):
     # In-process (an unexpected exception would escape main() and fail the test); the subprocess
@@ -86,6 +90,25 @@ def test_mismatched_draft_tokenizer_is_refused(tmp_path, tiny_folders):
     assert r.returncode == 2 and "tokenizer" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_drafter_options_reach_the_drafter(tiny_folders, tmp_path, capsys):
+    """--drafter-opt: an EAGLE chain gated at confidence 1 drafts nothing (its random head is never sure),
+    ungated it drafts every round; the tokens are the same (greedy)."""
+    from speculate.heads import EagleHead, save_heads
+    from speculate.models import load_model
+
+    folder = str(tiny_folders[0])
+    loaded = load_model(folder)
+    torch.manual_seed(0)
+    save_heads(tmp_path, EagleHead.for_target(loaded.model.config), loaded.name, 259)
+    runs = {}
+    for gate in ("0", "1"):
+        assert main(["generate", "abc abc", "--model", folder, "--no-chat", "--max-new-tokens", "12", "--json",
+                     "--drafter", "eagle-chain", "--heads", str(tmp_path), "--drafter-opt", f"min_confidence={gate}"]) == 0
+        runs[gate] = json.loads(capsys.readouterr().out)
+    assert runs["0"]["token_ids"] == runs["1"]["token_ids"]
+    assert runs["1"]["stats"]["drafted_tokens"] == 0 and runs["0"]["stats"]["drafted_tokens"] > 0
+
+
 def test_train_heads_end_to_end(tiny_folders, tmp_path, capsys):
     """`speculate train-heads` on a tiny model: data (prompts, answers, hidden rows), training, saved heads
     whose config records the data and the time; the heads then draft through `generate`. Bad input: one line."""
@@ -102,7 +125,10 @@ def test_train_heads_end_to_end(tiny_folders, tmp_path, capsys):
     assert main(["generate", "hello", "--model", str(tiny_folders[0]), "--drafter", "medusa", "--heads", str(out),
                  "--max-new-tokens", "5"]) == 0
     capsys.readouterr()
-    bad = [a if a != "3" else "0" for a in args]  # --steps 0
-    assert main(bad) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--steps" in err[0]
+    for bad, flag in (([a if a != "3" else "0" for a in args], "--steps"),  # --steps 0
+                      (args + ["--feature-layers", "0"], "--feature-layers"),  # medusa
+                      (args[:2] + ["eagle"] + args[3:] + ["--feature-layers", "0,x"], "--feature-layers"),
+                      (args[:2] + ["eagle"] + args[3:] + ["--feature-layers", "1"], "feature layers")):  # the last
+        assert main(bad) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and flag in err[0], err

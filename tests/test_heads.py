@@ -11,7 +11,7 @@ from speculate.drafters.medusa import MedusaDrafter
 from speculate import SpeculativeDecoder
 from speculate.errors import SpeculateError
 from speculate.heads import EagleHead, MedusaHeads, load_heads, save_heads
-from speculate.heads.data import build_data
+from speculate.heads.data import build_data, with_taps
 from speculate.heads.train import _Batches, _medusa_loss, make_heads, train_heads
 from speculate.models.kv import KVModel
 from speculate.sampling import Sampling
@@ -51,7 +51,28 @@ def test_hidden_equal_on_both_backends(tiny):
     assert torch.allclose(rows[0], rows[1], atol=1e-4)
 
 
-def random_heads(kind, loaded, subset=None, seed=0):
+@pytest.mark.parametrize("fast", [True, False])
+def test_kv_taps_follow_the_hidden_rows(tiny, fast):
+    """With ``taps`` the hidden rows are followed by those decoder layers' outputs (Hugging Face's
+    hidden_states[i + 1]) on both backends; the first H columns do not change."""
+    loaded = tiny[0]
+    h = loaded.model.config.hidden_size
+    kv = KVModel(loaded, fast=fast)
+    kv.reset(64)
+    kv.forward(torch.tensor(PROMPT))
+    plain = kv.hidden.clone()
+    kv.taps = (0,)
+    kv.reset(64)
+    kv.forward(torch.tensor(PROMPT))
+    with torch.no_grad():
+        ref = loaded.model(input_ids=torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
+    assert kv.hidden.shape == (len(PROMPT), 2 * h)
+    assert torch.equal(kv.hidden[:, :h], plain)
+    assert torch.allclose(kv.hidden[:, h:], ref[1][0], atol=1e-5)
+    assert not torch.allclose(ref[1][0], ref[0][0], atol=1e-2)  # the layer did change its input
+
+
+def random_heads(kind, loaded, subset=None, seed=0, feature_layers=()):
     torch.manual_seed(seed)
     vocab = None
     v = lm_head(loaded).out_features
@@ -60,14 +81,18 @@ def random_heads(kind, loaded, subset=None, seed=0):
     if kind == "medusa":
         heads = MedusaHeads(loaded.model.config.hidden_size, 3, 1, vocab, zero_init=False)
     else:
-        heads = EagleHead.for_target(loaded.model.config, vocab)
+        heads = EagleHead.for_target(loaded.model.config, vocab, feature_layers)
     return heads.eval().requires_grad_(False)
 
 
-@pytest.mark.parametrize("kind,subset", [("medusa", None), ("medusa", 100), ("eagle", None), ("eagle", 100)])
-def test_save_load_round_trip(tiny, tmp_path, kind, subset):
+FUSED = (0,)  # a fused EAGLE head on the tiny models (2 layers; the last one's output is what the norm reads)
+
+
+@pytest.mark.parametrize("kind,subset,layers", [("medusa", None, ()), ("medusa", 100, ()), ("eagle", None, ()),
+                                                ("eagle", 100, ()), ("eagle", 100, FUSED)])
+def test_save_load_round_trip(tiny, tmp_path, kind, subset, layers):
     loaded = tiny[0]
-    heads = random_heads(kind, loaded, subset)
+    heads = random_heads(kind, loaded, subset, feature_layers=layers)
     save_heads(tmp_path, heads, loaded.name, 259, {"steps": 3})
     back, config = load_heads(tmp_path, kind)
     assert config["kind"] == kind and config["training"] == {"steps": 3} and config["vocab_size"] == 259
@@ -78,8 +103,9 @@ def test_save_load_round_trip(tiny, tmp_path, kind, subset):
     if kind == "medusa":
         assert torch.equal(back.features(h), heads.features(h))
     else:
-        emb = torch.randn(2, 5, h.shape[1])
-        assert torch.equal(back(emb, h[None].expand(2, -1, -1)), heads(emb, h[None].expand(2, -1, -1)))
+        assert back.feature_layers == layers and config.get("feature_layers", []) == list(layers)
+        emb, wide = torch.randn(2, 5, h.shape[1]), torch.randn(2, 5, h.shape[1] * (1 + len(layers)))
+        assert torch.equal(back(emb, wide), heads(emb, wide))
     # fp16 storage (what `speculate train-heads` writes): half the size, the same heads to fp16 precision.
     save_heads(tmp_path / "half", heads, loaded.name, 259, dtype=torch.float16)
     half, config = load_heads(tmp_path / "half", kind)
@@ -112,26 +138,28 @@ def test_eagle_cache_matches_training_forward(tiny):
     assert torch.allclose(torch.cat(out), full, atol=1e-5)
 
 
-def test_eagle_unroll_is_drafting(tiny):
+@pytest.mark.parametrize("layers", [(), FUSED])
+def test_eagle_unroll_is_drafting(tiny, layers):
     """Training-time test: pass m of ``unroll`` at row r is what drafting computes at depth m after the
-    real pairs 0..r — each drafted pair fed on the head's own previous output, at the next slot."""
+    real pairs 0..r — each drafted pair fed on the head's own previous output, at the next slot. A fused
+    head (EAGLE-3) reads the wide real features at depth 1 and its own H-wide outputs after."""
     loaded = tiny[0]
-    head = random_heads("eagle", loaded, seed=3)
+    head = random_heads("eagle", loaded, seed=3, feature_layers=layers)
     h, t = loaded.model.config.hidden_size, 7
-    emb, feat = torch.randn(1, t, h), torch.randn(1, t, h)
+    emb, feat = torch.randn(1, t, h), torch.randn(1, t, h * (1 + len(layers)))
     passes = head.unroll(emb, feat, 3)
     assert torch.equal(passes[0], head(emb, feat))
     for r in range(t - 2):
         cache = head.new_cache(16)
         pos = torch.arange(r + 1)
-        out = head.step(cache, emb[0, : r + 1], feat[0, : r + 1], pos, pos, None)[-1]
+        out = head.step(cache, emb[0, : r + 1], head.real_features(feat[0, : r + 1]), pos, pos, None)[-1]
         assert torch.allclose(out, passes[0][0, r], atol=1e-5)
         for m in (2, 3):  # the pair [embedding of token r+m, the previous prediction] at position r+m-1
             at = torch.tensor([r + m - 1])
             out = head.step(cache, emb[0, r + m - 1: r + m], out[None], at, at, None)[0]
             assert torch.allclose(out, passes[m - 1][0, r], atol=1e-5), (r, m)
     # Causal in both passes: a change to feature 2 leaves every earlier row of pass 1 and pass 2 alone.
-    other = head.unroll(emb, feat + 0.5 * torch.eye(t, h)[None] * (torch.arange(t) == 2)[None, :, None], 2)
+    other = head.unroll(emb, feat + 0.5 * torch.eye(t, feat.shape[-1])[None] * (torch.arange(t) == 2)[None, :, None], 2)
     assert torch.equal(other[0][0, :2], passes[0][0, :2]) and torch.equal(other[1][0, :2], passes[1][0, :2])
     assert not torch.allclose(other[1][0, 2], passes[1][0, 2])
 
@@ -161,15 +189,23 @@ def spec_greedy(loaded, drafter, prompt, n, k, fast=True):
 
 
 def drafter_for(kind, loaded, folder, tree):
-    return MedusaDrafter(loaded, folder, tree=tree) if kind == "medusa" else EagleDrafter(loaded, folder, tree=tree)
+    if kind == "medusa":
+        return MedusaDrafter(loaded, folder, tree=tree)
+    return EagleDrafter(loaded, folder, tree=tree)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def heads_kind(kind):
+    """("medusa" | "eagle", feature layers) for the parametrized kinds, "eagle-fused" among them."""
+    return ("eagle", FUSED) if kind == "eagle-fused" else (kind, ())
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle-fused"])
 @pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("subset", [None, 120])
 def test_greedy_with_random_heads_equals_plain(tiny, tmp_path, kind, tree, subset):
     loaded = tiny[2]
-    save_heads(tmp_path, random_heads(kind, loaded, subset, seed=3), loaded.name, 259)
+    kind, layers = heads_kind(kind)
+    save_heads(tmp_path, random_heads(kind, loaded, subset, seed=3, feature_layers=layers), loaded.name, 259)
     expected = plain_greedy(loaded, PROMPT, 30)
     drafter = drafter_for(kind, loaded, tmp_path, tree)
     assert drafter.tree == tree
@@ -310,6 +346,35 @@ def test_eagle_training_time_test_lowers_the_depth_two_loss(tiny, tiny_data, tmp
     assert depth2["two"] < depth2["one"] - 0.05, depth2
 
 
+def test_fused_eagle_head_trains_on_the_tapped_layers(tiny, tmp_path):
+    """EAGLE-3's fused features: build_data extends a cached data file with the layers asked for (one more
+    teacher-forced pass; the answers are kept), training refuses data without them, and a fused head
+    trains (its loss falls) and keeps its layers through save and load."""
+    loaded = tiny[0]
+    prompts = ["hello there", "write a poem", "count to ten", "abc abc abc", "what is two plus two"]
+    plain = build_data(loaded, tmp_path / "d", len(prompts), 16, batch_size=4, prompts=prompts, progress=False)
+    assert plain.taps is None
+    kw = dict(batch_size=4, lr=3e-3, vocab_subset=None, progress=False, checkpoint_every=1000)
+    with pytest.raises(SpeculateError, match="no outputs of layers"):
+        train_heads("eagle", loaded, plain, tmp_path / "x", 2, feature_layers=FUSED, **kw)
+    data = build_data(loaded, tmp_path / "d", len(prompts), 16, prompts=prompts, progress=False, feature_layers=FUSED)
+    assert torch.equal(data.ids, plain.ids) and torch.equal(data.hidden, plain.hidden)
+    assert data.meta["feature_layers"] == list(FUSED) and data.taps.shape == (data.ids.numel(), 64)
+    again = build_data(loaded, tmp_path / "d", len(prompts), 16, prompts=prompts, progress=False)
+    assert torch.equal(again.taps, data.taps)  # kept in the cache file
+    kv = KVModel(loaded)
+    kv.taps = FUSED
+    kv.reset(64)
+    n = int(data.lengths[0])
+    kv.forward(data.ids[:n])
+    assert torch.allclose(kv.hidden[:, 64:], data.taps[:n].float(), rtol=2e-3, atol=2e-3)
+    heads, meta = train_heads("eagle", loaded, data, tmp_path / "h", 40, feature_layers=FUSED, **kw)
+    _, early = train_heads("eagle", loaded, data, tmp_path / "e", 2, feature_layers=FUSED, **kw)
+    assert heads.feature_layers == FUSED and meta["final_loss"] < early["final_loss"]
+    save_heads(tmp_path / "saved", heads, loaded.name, 259, meta)
+    assert load_heads(tmp_path / "saved")[0].feature_layers == FUSED
+
+
 def test_training_keeps_the_best_heldout_heads(tiny, tiny_data, tmp_path, monkeypatch):
     """Held-out top-1 is measured at every checkpoint and at the end; the returned heads are those of the
     best measurement (here step 20 of 30), across an interruption, and the curve is recorded."""
@@ -394,18 +459,28 @@ def test_answer_generation_resumes_from_its_partial_file(tiny, tmp_path, monkeyp
     assert again[:2] == first and len(calls) == 1  # only the new prompt was generated
 
 
-def test_eagle_drafting_pairs_match_training_pairs(tiny, tiny_data, tmp_path):
+@pytest.mark.parametrize("layers", [(), FUSED])
+def test_eagle_drafting_pairs_match_training_pairs(tiny, tiny_data, tmp_path, layers):
     """The drafter feeds the head exactly the pairs training does: after observing the hidden rows of
-    a sequence, its predicted feature equals the training forward's output at the same position, and
-    its first draft is that output's LM-head argmax."""
+    a sequence (and, fused, the tapped layers' outputs the engine's KV model adds), its predicted feature
+    equals the training forward's output at the same position, and its first draft is that output's
+    LM-head argmax."""
     loaded = tiny[0]
-    head = random_heads("eagle", loaded, seed=7)
+    head = random_heads("eagle", loaded, seed=7, feature_layers=layers)
     save_heads(tmp_path, head, loaded.name, 259)
-    data = tiny_data
+    data = with_taps(loaded, tiny_data, layers, progress=False)
     s, n = int(data.starts[0]), int(data.lengths[0])
-    ids, rows = data.ids[s: s + n].tolist(), data.hidden[s: s + n].float()
+    ids = data.ids[s: s + n].tolist()
+    rows = data.hidden[s: s + n].float()
+    if layers:
+        rows = torch.cat([rows, data.taps[s: s + n, data.tap_columns(layers)].float()], dim=-1)
+    kv = KVModel(loaded)  # what the engine hands over is what the data holds (to fp16 rounding)
+    kv.taps = layers
+    kv.reset(n + 1)
+    kv.forward(torch.tensor(ids))
+    assert torch.allclose(kv.hidden, rows, rtol=2e-3, atol=2e-3)
     embed = loaded.model.get_input_embeddings().weight.detach()
-    batches = _Batches(data, 1, torch.arange(259), holdout=0.0)
+    batches = _Batches(data, 1, torch.arange(259), holdout=0.0, feature_layers=layers)
     emb, feat, *_ = batches.eagle(torch.tensor([0]), embed, 4096, torch.Generator())
     with torch.no_grad():
         trained_view = head(emb, feat)[0]  # row t: the prediction of feature t+1
@@ -452,7 +527,7 @@ def test_int8_hidden_rows_scale_back_to_the_fp32_features(tiny_folders, tmp_path
         assert ((lm - fp32_lm).norm() / fp32_lm.norm()) < 0.01
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle-fused"])
 @pytest.mark.parametrize("tree", [False, True])
 def test_greedy_with_heads_on_an_int8_target_equals_plain_int8(tiny_folders, tmp_path, monkeypatch, kind, tree):
     """Beside an int8 target the heads and their LM head run in int8 too; greedy decoding stays exactly
@@ -462,7 +537,8 @@ def test_greedy_with_heads_on_an_int8_target_equals_plain_int8(tiny_folders, tmp
 
     monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path / "cache"))
     loaded = load_model(str(tiny_folders[2]), dtype="int8")
-    save_heads(tmp_path / "heads", random_heads(kind, loaded, 120, seed=3), loaded.name, 259)
+    kind, layers = heads_kind(kind)
+    save_heads(tmp_path / "heads", random_heads(kind, loaded, 120, seed=3, feature_layers=layers), loaded.name, 259)
     drafter = drafter_for(kind, loaded, tmp_path / "heads", tree)
     assert isinstance(drafter.lm, Int8Linear)
     assert any(isinstance(m, Int8Linear) for m in (drafter.heads if kind == "medusa" else drafter.head).modules())

@@ -181,6 +181,7 @@ class SpeculativeDecoder:
         kv, drafter, policy = self.kv, self.drafter, self.k_policy
         tokens = list(prompt_ids)
         kv.reset(capacity=len(tokens) + max_new_tokens + drafter.max_nodes(policy.k_max) + 1)
+        kv.taps = drafter.feature_layers  # the layer outputs a fused EAGLE head reads beside the hidden rows
         policy.reset()
         drafter.begin(tokens, sampling, generator)
         # Prefill all but the last prompt token; the last one is scored with the first draft.

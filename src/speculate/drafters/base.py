@@ -69,6 +69,7 @@ class Drafter:
     name = "base"
     tree = False  # True: proposals may be trees (Draft.parents); the verifier must have a tree rule
     wants_hidden = False  # True: the engine hands over the target's hidden states through observe()
+    feature_layers: tuple[int, ...] = ()  # decoder layers whose outputs observe() also wants (EAGLE-3)
 
     def begin(self, prompt_ids: list[int], sampling: Sampling, generator: torch.Generator) -> None:
         """Start a new generation (reset any state)."""
@@ -95,7 +96,8 @@ class Drafter:
 
     def observe(self, hidden: torch.Tensor) -> None:
         """For drafters that draft from the target's own features (``wants_hidden``): the final-normed
-        hidden states [r, H] of newly committed positions, in order — after the prefill (every prompt
+        hidden states [r, H] of newly committed positions (then, [r, (1 + L)·H], the outputs of the L
+        ``feature_layers``), in order — after the prefill (every prompt
         token but the last) and after each round (the last committed token and the accepted drafts).
         The last row is always the one whose LM-head output named the current last token."""
 

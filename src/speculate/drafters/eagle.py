@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import SpeculateError
 from ..heads.io import drafting_parts
 from ..heads.medusa import expand_rows
 from ..sampling import warp
@@ -43,17 +44,19 @@ class EagleDrafter(Drafter):
         self.embed = target.model.get_input_embeddings().weight.detach()
         self.vocab_size = int(target.model.get_output_embeddings().out_features)
         if topk < 1 or (budget is not None and budget < 1) or (depth is not None and depth < 1):
-            raise ValueError("EagleDrafter needs topk, budget and depth >= 1")
+            raise SpeculateError("eagle: topk, budget and depth must be >= 1")
         if not 0.0 <= min_confidence <= 1.0:
-            raise ValueError("EagleDrafter needs 0 <= min_confidence <= 1")
+            raise SpeculateError("eagle: min_confidence must be in [0, 1]")
         self.tree, self.topk, self.budget, self.depth = bool(tree), topk, budget, depth
         self.min_confidence = float(min_confidence)
         self.hidden_size = self.head.hidden_size
+        self.feature_layers = self.head.feature_layers
+        self.width = self.hidden_size * (1 + len(self.feature_layers))  # of the target's rows observe() keeps
 
     def begin(self, prompt_ids, sampling, generator):
         super().begin(prompt_ids, sampling, generator)
         self.cache = self.head.new_cache(len(prompt_ids) + 256)
-        self.feats = torch.empty(len(prompt_ids) + 256, self.hidden_size)
+        self.feats = torch.empty(len(prompt_ids) + 256, self.width)
         self.n_feats = 0  # target features observed: positions 0..n_feats-1
         self.fed = 0  # pairs in the head's cache (real features only): positions 0..fed-1
         self.root = None  # the head's output at position fed-1: its predicted feature at position fed
@@ -61,7 +64,7 @@ class EagleDrafter(Drafter):
     def observe(self, hidden: torch.Tensor) -> None:
         n = hidden.shape[0]
         if self.n_feats + n > self.feats.shape[0]:
-            grown = torch.empty(max(2 * self.feats.shape[0], self.n_feats + n), self.hidden_size)
+            grown = torch.empty(max(2 * self.feats.shape[0], self.n_feats + n), self.width)
             grown[: self.n_feats] = self.feats[: self.n_feats]
             self.feats = grown
         self.feats[self.n_feats: self.n_feats + n] = self.parts.features(hidden)  # int8: unsmoothed
@@ -91,7 +94,7 @@ class EagleDrafter(Drafter):
         if self.fed < self.n_feats:
             pos = torch.arange(self.fed, self.n_feats)
             out = self.head.step(self.cache, self._emb(tokens[self.fed + 1: self.n_feats + 1]),
-                                 self.feats[self.fed: self.n_feats], pos, pos, None)
+                                 self.head.real_features(self.feats[self.fed: self.n_feats]), pos, pos, None)
             self.root, self.fed = out[-1], self.n_feats
         return self.root is not None
 

@@ -46,7 +46,7 @@ class WithLookup(Drafter):
             raise SpeculateError("base_k must be >= 1")
         self.base, self.base_k, self.lookup = base, base_k, lookup or LookupDrafter()
         self.name = name or f"{base.name}+lookup"
-        self.wants_hidden = base.wants_hidden
+        self.wants_hidden, self.feature_layers = base.wants_hidden, base.feature_layers
 
     def begin(self, prompt_ids, sampling, generator):
         super().begin(prompt_ids, sampling, generator)

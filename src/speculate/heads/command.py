@@ -54,6 +54,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--unroll", type=int, default=DEFAULTS["unroll"],
                         help="EAGLE: train on this many drafting steps, each on the head's own previous "
                              f"prediction (EAGLE-3's training-time test; 1 = EAGLE-1; default {DEFAULTS['unroll']})")
+    parser.add_argument("--feature-layers", default="",
+                        help="EAGLE: comma-separated decoder layers (0-based) whose outputs the head reads beside "
+                             "the final hidden row (EAGLE-3's fused features, e.g. 2,15; default none: EAGLE-1's "
+                             "input). The data gets one more teacher-forced pass for them")
     parser.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints (default 200)")
     parser.add_argument("--fp32", action="store_true", help="store the heads in fp32 (default fp16: half the size)")
     parser.add_argument("--seed", type=int, default=0)
@@ -63,7 +67,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from ..models import load_model
     from .data import build_data
-    from .io import save_heads
+    from .io import check_feature_layers, save_heads
     from .train import train_heads
 
     for flag, value, low in (("--prompts", args.prompts, 1), ("--max-new-tokens", args.max_new_tokens, 1),
@@ -78,6 +82,7 @@ def run(args) -> int:
         raise SpeculateError("--steps must be >= 1 and --epochs > 0")
     if args.batch_size is not None and args.batch_size < 1:
         raise SpeculateError("--batch-size must be >= 1")
+    feature_layers = _layers(args.feature_layers, args.kind)
     progress = not args.quiet
     out = Path(args.out)
     data_dir = Path(args.data_dir) if args.data_dir else out
@@ -87,7 +92,9 @@ def run(args) -> int:
 
     t0 = time.perf_counter()
     target = load_model(args.model, progress=progress)
-    data = build_data(target, data_dir, args.prompts, args.max_new_tokens, args.gen_batch, progress=progress)
+    check_feature_layers(feature_layers, target, "--feature-layers")
+    data = build_data(target, data_dir, args.prompts, args.max_new_tokens, args.gen_batch, progress=progress,
+                      feature_layers=feature_layers)
     data_seconds = time.perf_counter() - t0
     log(f"data: {data.starts.numel()} sequences, {data.meta['tokens']} tokens ({data.meta['answer_tokens']} in "
         f"answers), hidden rows {data.hidden.numel() * 2 / 1e6:.0f} MB, ready after {data_seconds:.0f} s")
@@ -101,7 +108,7 @@ def run(args) -> int:
             steps = DEFAULTS[f"{args.kind}_steps"]
     heads, meta = train_heads(args.kind, target, data, out, steps, args.batch_size, args.lr, args.heads,
                               args.vocab_subset or None, args.checkpoint_every, args.seed, progress=progress, log=log,
-                              unroll=args.unroll)
+                              unroll=args.unroll, feature_layers=feature_layers)
     # This run's data time plus the training loop's, summed over resumed runs (train_seconds).
     meta["train_seconds_total"] = round(data_seconds + meta["train_seconds"], 1)
     vocab_size = int(target.model.get_output_embeddings().out_features)
@@ -111,3 +118,18 @@ def run(args) -> int:
     log(f"saved {args.kind} heads to {out} (held-out top-1: {meta.get('heldout_top1')}, vocabulary coverage "
         f"{meta['vocab_coverage']:.1%}) in {meta['train_seconds_total']:.0f} s")
     return 0
+
+
+def _layers(text: str, kind: str) -> tuple[int, ...]:
+    """``--feature-layers`` as distinct non-negative layer indices, in the order given."""
+    if not text.strip():
+        return ()
+    if kind != "eagle":
+        raise SpeculateError("--feature-layers is for --kind eagle")
+    try:
+        layers = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise SpeculateError(f"--feature-layers wants comma-separated layer numbers, got '{text}'") from None
+    if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
+        raise SpeculateError(f"--feature-layers wants distinct layer numbers >= 0, got '{text}'")
+    return layers

@@ -11,6 +11,9 @@ written atomically, keyed by model, prompt count and answer length, so a rerun (
 training) reuses it; the answers are also saved after every generation batch, so an interrupted
 generation resumes at the next batch.
 
+For fused EAGLE heads the pass also keeps the outputs of some decoder layers (``taps``); a cached
+file without them gets one more teacher-forced pass over its sequences (:func:`with_taps`).
+
 Sizes: rows are stored in fp16; N sequences of ~L tokens take N·L·H·2 bytes (512 × 300 × 576 × 2 ≈
 180 MB for the default model).
 """
@@ -181,6 +184,20 @@ class DistillData:
     lengths: torch.Tensor
     prompt_lengths: torch.Tensor
     meta: dict
+    # [N_tok, len(meta["feature_layers"])·H] fp16: those decoder layers' outputs, for fused EAGLE heads.
+    taps: torch.Tensor | None = None
+
+    def tap_columns(self, layers) -> torch.Tensor | None:
+        """The columns of ``taps`` holding ``layers``' outputs, in that order (None for no layers)."""
+        if not layers:
+            return None
+        have = list(self.meta.get("feature_layers", ()))
+        missing = [i for i in layers if i not in have]
+        if self.taps is None or missing:
+            raise SpeculateError(f"the training data holds no outputs of layers {missing or list(layers)}; "
+                                 f"rebuild it with those feature layers")
+        h = self.hidden.shape[1]
+        return torch.cat([torch.arange(have.index(i) * h, (have.index(i) + 1) * h) for i in layers])
 
     def answer_tokens(self) -> torch.Tensor:
         return torch.cat([self.ids[s + p: s + n] for s, n, p in
@@ -261,25 +278,45 @@ def generate_answers(loaded, prompts: list[str], max_new_tokens: int, batch_size
     return out
 
 
-def hidden_states(loaded, pairs, progress: bool = True) -> DistillData:
-    """The teacher-forced pass: final-normed hidden rows over each prompt + answer (KVModel.hidden)."""
+def hidden_states(loaded, pairs, progress: bool = True, feature_layers=()) -> DistillData:
+    """The teacher-forced pass: final-normed hidden rows over each prompt + answer (KVModel.hidden), and
+    the outputs of ``feature_layers`` (``taps``, for fused EAGLE heads)."""
     from tqdm import tqdm
 
     from ..models.kv import KVModel
 
     kv = KVModel(loaded)
-    ids, rows, starts, lengths, plens = [], [], [], [], []
+    kv.taps = tuple(feature_layers)
+    h = int(loaded.model.config.hidden_size)
+    ids, rows, taps, starts, lengths, plens = [], [], [], [], [], []
     at = 0
     for prompt, answer in tqdm(pairs, desc="hidden states", unit="seq", disable=not progress):
         seq = prompt + answer
         kv.reset(capacity=len(seq) + 1)
         kv.forward(torch.tensor(seq), last=1)
-        rows.append(kv.hidden.to(torch.float16))
+        wide = kv.hidden.to(torch.float16)
+        rows.append(wide[:, :h]), taps.append(wide[:, h:])
         ids.append(torch.tensor(seq))
         starts.append(at), lengths.append(len(seq)), plens.append(len(prompt))
         at += len(seq)
     return DistillData(torch.cat(ids), torch.cat(rows), torch.tensor(starts), torch.tensor(lengths),
-                       torch.tensor(plens), {})
+                       torch.tensor(plens), {"feature_layers": list(feature_layers)} if feature_layers else {},
+                       torch.cat(taps) if feature_layers else None)
+
+
+def with_taps(loaded, data: DistillData, feature_layers, progress: bool = True) -> DistillData:
+    """``data`` with the outputs of ``feature_layers`` too: the teacher-forced pass again over its
+    sequences (the answers are kept; ~8 min for the default recipe on two cores), keeping the layers it
+    had. Unchanged when it holds them already."""
+    have = list(data.meta.get("feature_layers", ()))
+    if data.taps is not None and all(i in have for i in feature_layers):
+        return data
+    layers = sorted(set(have) | set(feature_layers))
+    pairs = [(data.ids[s: s + p].tolist(), data.ids[s + p: s + n].tolist()) for s, n, p in
+             zip(data.starts.tolist(), data.lengths.tolist(), data.prompt_lengths.tolist())]
+    out = hidden_states(loaded, pairs, progress, layers)
+    out.meta = {**data.meta, **out.meta}
+    return out
 
 
 def save_data(path: Path, data: DistillData) -> None:
@@ -289,8 +326,11 @@ def save_data(path: Path, data: DistillData) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
     try:
-        save_file({"ids": data.ids, "hidden": data.hidden, "starts": data.starts, "lengths": data.lengths,
-                   "prompt_lengths": data.prompt_lengths}, tmp, metadata={"meta": json.dumps(data.meta)})
+        tensors = {"ids": data.ids, "hidden": data.hidden, "starts": data.starts, "lengths": data.lengths,
+                   "prompt_lengths": data.prompt_lengths}
+        if data.taps is not None:
+            tensors["taps"] = data.taps
+        save_file(tensors, tmp, metadata={"meta": json.dumps(data.meta)})
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -304,28 +344,32 @@ def load_data(path: Path) -> DistillData | None:
         with safe_open(path, "pt") as f:
             meta = json.loads(f.metadata()["meta"])
             t = {k: f.get_tensor(k) for k in f.keys()}
-        return DistillData(t["ids"], t["hidden"], t["starts"], t["lengths"], t["prompt_lengths"], meta)
+        return DistillData(t["ids"], t["hidden"], t["starts"], t["lengths"], t["prompt_lengths"], meta, t.get("taps"))
     except Exception:  # missing, truncated or from another version: rebuild
         return None
 
 
 def build_data(loaded, out_dir: Path, n_prompts: int, max_new_tokens: int, batch_size: int = 16,
-               prompts: list[str] | None = None, progress: bool = True) -> DistillData:
-    """The cached data in ``out_dir/data-<prompts>x<tokens>.safetensors``, built first when missing."""
+               prompts: list[str] | None = None, progress: bool = True, feature_layers=()) -> DistillData:
+    """The cached data in ``out_dir/data-<prompts>x<tokens>.safetensors``, built first when missing (or
+    extended, :func:`with_taps`, when it lacks some of ``feature_layers``)."""
     path = Path(out_dir) / f"data-{n_prompts}x{max_new_tokens}.safetensors"
     key = {"model": loaded.name, "prompts": n_prompts, "max_new_tokens": max_new_tokens,
            "hidden_size": int(loaded.model.config.hidden_size)}
     data = load_data(path)
     if data is not None and all(data.meta.get(k) == v for k, v in key.items()):
-        return data
+        extended = with_taps(loaded, data, feature_layers, progress)
+        if extended is not data:
+            save_data(path, extended)
+        return extended
     if prompts is None:
         prompts = _cached_prompts(loaded, path.with_suffix(".prompts.json"), n_prompts, progress)
     if not prompts:
         raise SpeculateError("no prompts to build training data from")
     partial = path.with_suffix(".answers.json")
     pairs = generate_answers(loaded, prompts, max_new_tokens, batch_size, progress, partial)
-    data = hidden_states(loaded, pairs, progress)
-    data.meta = {**key, "tokens": int(data.ids.numel()), "answer_tokens": int(data.answer_tokens().numel())}
+    data = hidden_states(loaded, pairs, progress, feature_layers)
+    data.meta = {**key, **data.meta, "tokens": int(data.ids.numel()), "answer_tokens": int(data.answer_tokens().numel())}
     save_data(path, data)
     partial.unlink(missing_ok=True)
     path.with_suffix(".prompts.json").unlink(missing_ok=True)

@@ -12,6 +12,11 @@ The layer is written out (not transformers' module) so that training (a batch of
 causal) and drafting (a static KV cache addressed by slot, with a tree mask) share one code path.
 Trained with smooth-L1 on the features plus cross-entropy on the tokens (heads/train.py), optionally
 also on its own predictions a few steps deep (:meth:`EagleHead.unroll`, EAGLE-3's training-time test).
+
+Fused features (EAGLE-3, Li et al. 2025; ``feature_layers``): at depth 1 the head may also read the
+outputs of a few lower decoder layers of the target beside f_t, which say more about what comes next
+than the last row alone (that row is shaped to predict one token); ``fuse`` mixes them back to H
+(:meth:`EagleHead.real_features`). From depth 2 on the head drafts on its own H-wide outputs, as before.
 """
 
 from __future__ import annotations
@@ -25,13 +30,19 @@ class EagleHead(nn.Module):
     kind = "eagle"
 
     def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, intermediate_size: int,
-                 rope_theta: float = 10000.0, eps: float = 1e-5, vocab: torch.Tensor | None = None):
+                 rope_theta: float = 10000.0, eps: float = 1e-5, vocab: torch.Tensor | None = None,
+                 feature_layers: tuple[int, ...] = ()):
+        """``feature_layers``: decoder layers (0-based) of the target whose outputs join the final-normed
+        row as the head's input at depth 1 (EAGLE-3's fused low/mid/high features), mixed to H by
+        ``fuse``; empty: EAGLE-1's input, the final-normed row alone."""
         super().__init__()
         if n_heads % n_kv_heads:
             raise ValueError("n_heads must be a multiple of n_kv_heads")
         self.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim = hidden_size, n_heads, n_kv_heads, head_dim
         self.intermediate_size, self.rope_theta, self.eps = intermediate_size, float(rope_theta), float(eps)
         h = hidden_size
+        self.feature_layers = tuple(int(i) for i in feature_layers)
+        self.fuse = nn.Linear((1 + len(self.feature_layers)) * h, h) if self.feature_layers else None
         self.fc = nn.Linear(2 * h, h)
         self.q_proj = nn.Linear(h, n_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(h, n_kv_heads * head_dim, bias=False)
@@ -50,15 +61,17 @@ class EagleHead(nn.Module):
         return {"kind": self.kind, "hidden_size": self.hidden_size, "n_heads": self.n_heads,
                 "n_kv_heads": self.n_kv_heads, "head_dim": self.head_dim,
                 "intermediate_size": self.intermediate_size, "rope_theta": self.rope_theta, "eps": self.eps,
-                "vocab_subset": None if self.vocab is None else int(self.vocab.numel())}
+                "vocab_subset": None if self.vocab is None else int(self.vocab.numel()),
+                **({"feature_layers": list(self.feature_layers)} if self.feature_layers else {})}
 
     @classmethod
     def from_config(cls, cfg: dict, vocab: torch.Tensor | None = None) -> "EagleHead":
         return cls(cfg["hidden_size"], cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"], cfg["intermediate_size"],
-                   cfg["rope_theta"], cfg["eps"], vocab)
+                   cfg["rope_theta"], cfg["eps"], vocab, tuple(cfg.get("feature_layers", ())))
 
     @classmethod
-    def for_target(cls, model_config, vocab: torch.Tensor | None = None) -> "EagleHead":
+    def for_target(cls, model_config, vocab: torch.Tensor | None = None,
+                   feature_layers: tuple[int, ...] = ()) -> "EagleHead":
         """Sized like one layer of the target (its heads, head size, MLP width, rotary base)."""
         c = model_config
         theta = getattr(c, "rope_theta", None)
@@ -67,7 +80,7 @@ class EagleHead(nn.Module):
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return cls(c.hidden_size, c.num_attention_heads, getattr(c, "num_key_value_heads", None) or
                    c.num_attention_heads, head_dim, c.intermediate_size, theta, getattr(c, "rms_norm_eps", 1e-5),
-                   vocab)
+                   vocab, feature_layers)
 
     # ----------------------------------------------------------------------------------- forward
     def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -78,6 +91,18 @@ class EagleHead(nn.Module):
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
+
+    def real_features(self, feat: torch.Tensor) -> torch.Tensor:
+        """The target's features [..., (1 + len(feature_layers))·H] → the head's input [..., H]: the final-
+        normed row, or (fused) that row and each tapped layer's output, each tap RMS-normed without a
+        weight (residual-stream rows differ in scale from layer to layer), mixed by ``fuse``. Drafted
+        features (the head's own outputs, depth ≥ 2) are already [..., H] and skip this."""
+        if self.fuse is None:
+            return feat
+        h = self.hidden_size
+        taps = feat[..., h:].unflatten(-1, (len(self.feature_layers), h))
+        taps = F.rms_norm(taps, (h,), eps=self.eps).flatten(-2)
+        return self.fuse(torch.cat([feat[..., :h], taps], dim=-1))
 
     def _qkv(self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor):
         x = self.fc(torch.cat([emb, feat], dim=-1))
@@ -93,7 +118,7 @@ class EagleHead(nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
 
     def forward(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
-        """Training: emb, feat [B, T, H] (pairs at positions 0..T-1, right-padded) → f̂ [B, T, H], causal."""
+        """Training: emb [B, T, H], feat [B, T, H or (1 + taps)·H (:meth:`real_features`)] (pairs at positions 0..T-1, right-padded) → f̂ [B, T, H], causal."""
         return self.unroll(emb, feat, 1)[0]
 
     def unroll(self, emb: torch.Tensor, feat: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -109,6 +134,7 @@ class EagleHead(nn.Module):
         padding; the loss masks them)."""
         b, t, h = emb.shape
         positions = torch.arange(t).expand(b, t)
+        feat = self.real_features(feat)
         keys, values, outs, mask = [], [], [], None
         for m in range(1, steps + 1):
             if m > 1:  # the next token's embedding beside the previous pass's prediction

@@ -110,6 +110,16 @@ def check_target(config: dict, loaded, folder) -> None:
     if meta_v is not None and int(meta_v) != vocab_size:
         raise SpeculateError(f"the draft heads in {folder} were trained for a vocabulary of {meta_v} tokens; "
                              f"{loaded.name} has {vocab_size}")
+    check_feature_layers(tuple(config.get("feature_layers", ())), loaded, f"the draft heads in {folder}")
+
+
+def check_feature_layers(layers: tuple[int, ...], loaded, what: str) -> None:
+    """Fused EAGLE heads read decoder layers 0..L−2 (the last layer's output is what the final norm
+    reads, and Hugging Face reports it normed)."""
+    n = int(loaded.model.config.num_hidden_layers)
+    if any(not 0 <= i < n - 1 for i in layers):
+        raise SpeculateError(f"{what}: feature layers {list(layers)} are not all among {loaded.name}'s decoder "
+                             f"layers 0..{n - 2} (the last one is not tapped)")
 
 
 def find_heads(loaded, kind: str, folder: str | Path | None = None):
@@ -144,9 +154,14 @@ class DraftingParts:
         return self.heads.vocab
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's final-normed hidden rows as the features the heads were trained on (fp32)."""
+        """The target's final-normed hidden rows as the features the heads were trained on (fp32); tapped
+        layer outputs after them (fused EAGLE heads) are residual-stream rows, which smoothing leaves as
+        they are."""
         hidden = hidden.float()
-        return hidden if self.feature_scale is None else hidden * self.feature_scale
+        if self.feature_scale is None:
+            return hidden
+        h = self.feature_scale.numel()
+        return torch.cat([hidden[..., :h] * self.feature_scale, hidden[..., h:]], dim=-1)
 
     def cost(self, *modules: torch.nn.Module) -> float:
         """What running ``modules`` once costs relative to a target step: the weights each reads."""

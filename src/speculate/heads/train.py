@@ -39,20 +39,24 @@ from .medusa import MedusaHeads, subset_weight
 CHECKPOINT = "checkpoint.pt"
 
 
-def make_heads(kind: str, loaded, n_heads: int = 4, vocab: torch.Tensor | None = None):
+def make_heads(kind: str, loaded, n_heads: int = 4, vocab: torch.Tensor | None = None,
+               feature_layers: tuple[int, ...] = ()):
     cfg = loaded.model.config
     if kind == "medusa":
         return MedusaHeads(cfg.hidden_size, n_heads, 1, vocab)
     if kind == "eagle":
-        return EagleHead.for_target(cfg, vocab)
+        return EagleHead.for_target(cfg, vocab, feature_layers)
     raise SpeculateError(f"unknown head kind '{kind}'; choose medusa or eagle")
 
 
 class _Batches:
     """Index tensors over the concatenated data, built once."""
 
-    def __init__(self, data: DistillData, n_heads: int, label_map: torch.Tensor, holdout: float = 0.05):
+    def __init__(self, data: DistillData, n_heads: int, label_map: torch.Tensor, holdout: float = 0.05,
+                 feature_layers: tuple[int, ...] = ()):
         self.data, self.label_map = data, label_map
+        # EAGLE with fused features: the columns of data.taps that hold the head's layers, in its order.
+        self.tap_columns = data.tap_columns(feature_layers)
         n_seq = data.starts.numel()
         n_hold = max(1, int(n_seq * holdout)) if n_seq > 1 else 0
         self.train_seqs = torch.arange(n_hold, n_seq)
@@ -91,14 +95,17 @@ class _Batches:
             crops.append((start, lo, min(n, lo + max_len + 1), p))
         t = max(hi - lo for _, lo, hi, _ in crops) - 1
         b, h = len(crops), d.hidden.shape[1]
-        emb, feat, target = torch.zeros(b, t, h), torch.zeros(b, t, h), torch.zeros(b, t, h)
+        width = h + (0 if self.tap_columns is None else self.tap_columns.numel())
+        emb, feat, target = torch.zeros(b, t, h), torch.zeros(b, t, width), torch.zeros(b, t, h)
         reg = torch.zeros(b, t, dtype=torch.bool)
         labels = torch.full((b, t), -100, dtype=torch.long)
         for r, (start, lo, hi, p) in enumerate(crops):
             m = hi - lo - 1  # pairs at positions lo..hi-2
             rows = d.hidden[start + lo: start + hi].float()
             ids = d.ids[start + lo: start + hi]
-            feat[r, :m], target[r, :m] = rows[:m], rows[1:m + 1]
+            feat[r, :m, :h], target[r, :m] = rows[:m], rows[1:m + 1]
+            if self.tap_columns is not None:
+                feat[r, :m, h:] = d.taps[start + lo: start + hi - 1, self.tap_columns].float()
             emb[r, :m] = embed[ids[1:m + 1]].float()
             reg[r, :m] = True
             if m > 1:
@@ -111,8 +118,11 @@ class _Batches:
 def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int, batch_size: int | None = None,
                 lr: float | None = None, n_heads: int = 4, vocab_subset: int | None = 8192,
                 checkpoint_every: int = 200, seed: int = 0, max_len: int = 384, progress: bool = True,
-                log=None, stop_at: int | None = None, unroll: int = 1):
+                log=None, stop_at: int | None = None, unroll: int = 1, feature_layers: tuple[int, ...] = ()):
     """Train (or resume) heads of ``kind``; returns (heads in eval mode, metadata dict).
+
+    ``feature_layers`` (EAGLE): target layers whose outputs the head also reads (:class:`EagleHead`); the
+    data must hold them (``data.taps``).
 
     ``stop_at``: stop after that step with a checkpoint (a time-boxed run; rerun to resume) and
     return (None, {"stopped_at": step})."""
@@ -124,7 +134,8 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
     model = loaded.model
     vocab_size = int(model.get_output_embeddings().out_features)
     vocab = data.frequency_subset(vocab_subset, vocab_size) if vocab_subset and vocab_subset < vocab_size else None
-    heads = make_heads(kind, loaded, n_heads, vocab)
+    feature_layers = tuple(feature_layers) if kind == "eagle" else ()
+    heads = make_heads(kind, loaded, n_heads, vocab, feature_layers)
     lm_weight = subset_weight(model.get_output_embeddings().weight.detach().float(), vocab)
     embed = model.get_input_embeddings().weight.detach()
     label_map = torch.full((vocab_size,), -100, dtype=torch.long)
@@ -132,7 +143,7 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
         label_map = torch.arange(vocab_size)
     else:
         label_map[vocab] = torch.arange(vocab.numel())
-    batches = _Batches(data, n_heads if kind == "medusa" else 1, label_map)
+    batches = _Batches(data, n_heads if kind == "medusa" else 1, label_map, feature_layers=feature_layers)
     if kind == "medusa":
         batch_size = batch_size or 256
         lr = lr or 1e-3
@@ -157,6 +168,8 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
                 "batch_size": batch_size, "lr": lr, "seed": seed, "data": data.meta}
     if kind == "eagle" and unroll > 1:  # (absent when 1: checkpoints from before the option still resume)
         settings["unroll"] = unroll
+    if feature_layers:  # (likewise)
+        settings["feature_layers"] = list(feature_layers)
     start, earlier, began = 0, 0.0, time.perf_counter()
     ckpt = out_dir / CHECKPOINT
     # The best held-out measurement so far: {"step", "score", "heads"} (kept in the checkpoint), and all of them.
@@ -178,7 +191,7 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
         best, curve = state.get("best"), list(state.get("curve", []))
         if log:
             log(f"resuming from {ckpt} at step {start}/{steps}")
-    noise = 0.1 * float(data.hidden[:4096].float().std()) if kind == "eagle" else 0.0
+    noise = _noise_scale(data, batches.tap_columns) if kind == "eagle" else None
     heads.train()
     bar = tqdm(total=steps, initial=start, desc=f"training {kind}", unit="step", disable=not progress)
     running = None
@@ -193,7 +206,7 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
             else:
                 seqs = batches.train_seqs[torch.randint(batches.train_seqs.numel(), (batch_size,), generator=gen)]
                 emb, feat, target, reg, labels = batches.eagle(seqs, embed, max_len, gen)
-                if noise:
+                if noise is not None:
                     feat = feat + (torch.rand(feat.shape, generator=gen) * 2 - 1) * noise
                 loss = _eagle_loss(heads, lm_weight, emb, feat, target, reg, labels, unroll)
             optim.zero_grad(set_to_none=True)
@@ -233,6 +246,17 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
             "vocab_coverage": _coverage(data, vocab), "train_seconds": round(spent(), 1)}
     heads.requires_grad_(False)
     return heads, meta
+
+
+def _noise_scale(data: DistillData, tap_columns) -> torch.Tensor:
+    """EAGLE's feature noise: uniform in ±0.1 std of each feature block (the final-normed row, then each
+    tapped layer's output, whose scales differ), as a row [width]."""
+    h = data.hidden.shape[1]
+    blocks = [data.hidden[:4096].float()]
+    if tap_columns is not None:
+        taps = data.taps[:4096, tap_columns].float()
+        blocks += list(taps.split(h, dim=1))
+    return torch.cat([torch.full((h,), 0.1 * float(b.std())) for b in blocks])
 
 
 def _measure(kind, heads, lm_weight, batches, embed, max_len, step, best):

@@ -110,6 +110,7 @@ class FastKVModel:
         self.scaling = attn0.scaling
         self.hidden_size = cfg.hidden_size
         self.hidden = None  # after each forward: final-normed hidden rows [n_new, H] (the LM head's input)
+        self.taps: tuple[int, ...] = ()  # decoder layers whose outputs follow them in ``hidden`` (EAGLE-3)
         self.layers = []
         for layer in inner.layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -165,6 +166,7 @@ class FastKVModel:
         # Rotary: x·cos + rotate_half(x)·sin, where rotate_half(x) = (−x₂, x₁) = roll(x, half)·(−1, +1).
         half = hd // 2
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        tapped = []
         for i, (ln1, qkv, o_proj, ln2, gate_up, down) in enumerate(self.layers):
             # Attention: one fused q/k/v matmul, rotary on q and k, new k/v written at their positions.
             out = qkv(F.rms_norm(x, (self.hidden_size,), ln1, self.eps))
@@ -176,10 +178,14 @@ class FastKVModel:
             # MLP: one fused gate/up matmul.
             gate, up = gate_up(F.rms_norm(x, (self.hidden_size,), ln2, self.eps)).chunk(2, dim=-1)
             x = down(x, F.silu(gate) * up)  # x + down_proj(...)
+            if i in self.taps:  # a fused EAGLE head also reads this layer's output (a new tensor: no copy)
+                tapped.append(x)
         self.length = end
         # The final-normed rows of every new token (the LM head's input), kept for self-drafting heads
         # (Medusa, EAGLE): a reference, no copy; the norm is row-wise, so slicing after it is the same.
         self.hidden = x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
+        if tapped:
+            self.hidden = torch.cat([x, *tapped], dim=-1)
         if last:
             x = x[-last:]
         return self.lm_head(x).float()

@@ -33,6 +33,7 @@ class HFKVModel:
         self.cache = None
         self.length = 0
         self.hidden = None  # after each forward: final-normed hidden rows [n_new, H] (the LM head's input)
+        self.taps: tuple[int, ...] = ()  # decoder layers whose outputs follow them in ``hidden`` (EAGLE-3)
         self._mask_min = torch.finfo(self.model.dtype).min
 
     def reset(self, capacity: int = 0) -> None:
@@ -67,7 +68,10 @@ class HFKVModel:
             logits_to_keep=last, output_hidden_states=True, **kwargs,
         )
         self.length += n
-        self.hidden = out.hidden_states[-1][0]  # transformers 5: the last entry is the final-normed one
+        # transformers 5: the last entry is the final-normed one; entry i + 1 is decoder layer i's output.
+        self.hidden = out.hidden_states[-1][0]
+        if self.taps:
+            self.hidden = torch.cat([self.hidden, *(out.hidden_states[i + 1][0] for i in self.taps)], dim=-1)
         return out.logits[0].float()
 
     def keep(self, n_positions: int) -> None:
