@@ -128,7 +128,9 @@ def test_train_heads_end_to_end(tiny_folders, tmp_path, capsys):
     for bad, flag in (([a if a != "3" else "0" for a in args], "--steps"),  # --steps 0
                       (args + ["--feature-layers", "0"], "--feature-layers"),  # medusa
                       (args[:2] + ["eagle"] + args[3:] + ["--feature-layers", "0,x"], "--feature-layers"),
-                      (args[:2] + ["eagle"] + args[3:] + ["--feature-layers", "1"], "feature layers")):  # the last
+                      (args[:2] + ["eagle"] + args[3:] + ["--feature-layers", "1"], "feature layers"),  # the last
+                      (args[:2] + ["eagle"] + args[3:] + ["--loss-weights", "1"], "--loss-weights"),
+                      (args[:2] + ["eagle"] + args[3:] + ["--loss-weights", "0,0"], "--loss-weights")):
         assert main(bad) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and flag in err[0], err

@@ -371,6 +371,13 @@ def test_fused_eagle_head_trains_on_the_tapped_layers(tiny, tmp_path):
     heads, meta = train_heads("eagle", loaded, data, tmp_path / "h", 40, feature_layers=FUSED, **kw)
     _, early = train_heads("eagle", loaded, data, tmp_path / "e", 2, feature_layers=FUSED, **kw)
     assert heads.feature_layers == FUSED and meta["final_loss"] < early["final_loss"]
+    assert meta["feature_layers"] == list(FUSED) and meta["loss_weights"] == [1.0, 0.1]
+    # EAGLE-3 weighs the token loss over the feature loss: another objective, so another checkpoint.
+    token_only, info = train_heads("eagle", loaded, data, tmp_path / "t", 2, feature_layers=FUSED,
+                                   loss_weights=(0.0, 1.0), **kw)
+    assert info["loss_weights"] == [0.0, 1.0] and early["final_loss"] != info["final_loss"]
+    with pytest.raises(SpeculateError, match="loss_weights"):
+        train_heads("eagle", loaded, data, tmp_path / "t", 2, feature_layers=FUSED, **kw)
     save_heads(tmp_path / "saved", heads, loaded.name, 259, meta)
     assert load_heads(tmp_path / "saved")[0].feature_layers == FUSED
 

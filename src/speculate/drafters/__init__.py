@@ -49,11 +49,12 @@ ALL_DRAFTERS = (*DRAFTERS, *SELF_DRAFTERS)  # every name get_drafter takes
 
 # The options each drafter takes by name from the command line (``--drafter-opt KEY=VALUE``) and in bench
 # methods (``drafter=eagle+lookup,k=6,base_k=3``), with their types; the constructors document them.
-_EAGLE_OPTIONS = {"topk": int, "budget": int, "depth": int, "min_confidence": float}
+# ``heads``: a folder of trained heads (the CLI's --heads), so that a bench run can compare two sets.
+_EAGLE_OPTIONS = {"heads": str, "topk": int, "budget": int, "depth": int, "min_confidence": float}
 OPTIONS: dict[str, dict[str, type]] = {
     "none": {}, "lookup": {"max_ngram": int, "min_ngram": int}, "model": {},
-    "model-tree": {"branch": int, "spread": int}, "medusa": {}, "medusa-chain": {},
-    "eagle": _EAGLE_OPTIONS, "eagle-chain": {"min_confidence": float}, "layerskip": {"layers": int},
+    "model-tree": {"branch": int, "spread": int}, "medusa": {"heads": str}, "medusa-chain": {"heads": str},
+    "eagle": _EAGLE_OPTIONS, "eagle-chain": {"heads": str, "min_confidence": float}, "layerskip": {"layers": int},
 }
 OPTIONS.update({f"{name}+lookup": {**OPTIONS[name], "base_k": int}
                 for name in ("eagle", "eagle-chain", "medusa", "medusa-chain")})

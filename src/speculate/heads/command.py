@@ -58,6 +58,9 @@ def add_arguments(parser) -> None:
                         help="EAGLE: comma-separated decoder layers (0-based) whose outputs the head reads beside "
                              "the final hidden row (EAGLE-3's fused features, e.g. 2,15; default none: EAGLE-1's "
                              "input). The data gets one more teacher-forced pass for them")
+    parser.add_argument("--loss-weights", default=None, metavar="FEATURE,TOKEN",
+                        help="EAGLE: the weights of the feature (smooth-L1) and token (cross-entropy) losses "
+                             "(default 1,0.1: EAGLE-1's)")
     parser.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints (default 200)")
     parser.add_argument("--fp32", action="store_true", help="store the heads in fp32 (default fp16: half the size)")
     parser.add_argument("--seed", type=int, default=0)
@@ -83,6 +86,7 @@ def run(args) -> int:
     if args.batch_size is not None and args.batch_size < 1:
         raise SpeculateError("--batch-size must be >= 1")
     feature_layers = _layers(args.feature_layers, args.kind)
+    loss_weights = _loss_weights(args.loss_weights, args.kind)
     progress = not args.quiet
     out = Path(args.out)
     data_dir = Path(args.data_dir) if args.data_dir else out
@@ -108,7 +112,7 @@ def run(args) -> int:
             steps = DEFAULTS[f"{args.kind}_steps"]
     heads, meta = train_heads(args.kind, target, data, out, steps, args.batch_size, args.lr, args.heads,
                               args.vocab_subset or None, args.checkpoint_every, args.seed, progress=progress, log=log,
-                              unroll=args.unroll, feature_layers=feature_layers)
+                              unroll=args.unroll, feature_layers=feature_layers, loss_weights=loss_weights)
     # This run's data time plus the training loop's, summed over resumed runs (train_seconds).
     meta["train_seconds_total"] = round(data_seconds + meta["train_seconds"], 1)
     vocab_size = int(target.model.get_output_embeddings().out_features)
@@ -133,3 +137,20 @@ def _layers(text: str, kind: str) -> tuple[int, ...]:
     if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
         raise SpeculateError(f"--feature-layers wants distinct layer numbers >= 0, got '{text}'")
     return layers
+
+
+def _loss_weights(text: str | None, kind: str) -> tuple[float, float]:
+    """``--loss-weights FEATURE,TOKEN``: two numbers >= 0, not both 0."""
+    from .train import EAGLE_LOSS
+
+    if text is None:
+        return EAGLE_LOSS
+    if kind != "eagle":
+        raise SpeculateError("--loss-weights is for --kind eagle")
+    try:
+        weights = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        weights = ()
+    if len(weights) != 2 or min(weights) < 0 or max(weights) == 0:
+        raise SpeculateError(f"--loss-weights wants two numbers >= 0 (feature, token), not both 0; got '{text}'")
+    return weights

@@ -37,6 +37,7 @@ from .eagle import EagleHead
 from .medusa import MedusaHeads, subset_weight
 
 CHECKPOINT = "checkpoint.pt"
+EAGLE_LOSS = (1.0, 0.1)  # (feature smooth-L1, token cross-entropy): EAGLE-1's weights
 
 
 def make_heads(kind: str, loaded, n_heads: int = 4, vocab: torch.Tensor | None = None,
@@ -118,11 +119,13 @@ class _Batches:
 def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int, batch_size: int | None = None,
                 lr: float | None = None, n_heads: int = 4, vocab_subset: int | None = 8192,
                 checkpoint_every: int = 200, seed: int = 0, max_len: int = 384, progress: bool = True,
-                log=None, stop_at: int | None = None, unroll: int = 1, feature_layers: tuple[int, ...] = ()):
+                log=None, stop_at: int | None = None, unroll: int = 1, feature_layers: tuple[int, ...] = (),
+                loss_weights: tuple[float, float] = EAGLE_LOSS):
     """Train (or resume) heads of ``kind``; returns (heads in eval mode, metadata dict).
 
     ``feature_layers`` (EAGLE): target layers whose outputs the head also reads (:class:`EagleHead`); the
     data must hold them (``data.taps``).
+    ``loss_weights`` (EAGLE): the feature and token terms' weights (:func:`_eagle_loss`).
 
     ``stop_at``: stop after that step with a checkpoint (a time-boxed run; rerun to resume) and
     return (None, {"stopped_at": step})."""
@@ -170,6 +173,9 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
         settings["unroll"] = unroll
     if feature_layers:  # (likewise)
         settings["feature_layers"] = list(feature_layers)
+    loss_weights = tuple(float(w) for w in loss_weights)
+    if kind == "eagle" and loss_weights != EAGLE_LOSS:  # (likewise)
+        settings["loss_weights"] = list(loss_weights)
     start, earlier, began = 0, 0.0, time.perf_counter()
     ckpt = out_dir / CHECKPOINT
     # The best held-out measurement so far: {"step", "score", "heads"} (kept in the checkpoint), and all of them.
@@ -208,7 +214,7 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
                 emb, feat, target, reg, labels = batches.eagle(seqs, embed, max_len, gen)
                 if noise is not None:
                     feat = feat + (torch.rand(feat.shape, generator=gen) * 2 - 1) * noise
-                loss = _eagle_loss(heads, lm_weight, emb, feat, target, reg, labels, unroll)
+                loss = _eagle_loss(heads, lm_weight, emb, feat, target, reg, labels, unroll, loss_weights)
             optim.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -240,7 +246,8 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
     heads.eval()
     metrics = evaluate(kind, heads, lm_weight, batches, embed, max_len)
     meta = {"steps": steps, "batch_size": batch_size, "lr": lr, "final_loss": running, **metrics,
-            **({"unroll": unroll} if kind == "eagle" else {}),
+            **({"unroll": unroll, "feature_layers": list(feature_layers), "loss_weights": list(loss_weights)}
+               if kind == "eagle" else {}),
             "best_step": None if best is None else best["step"], "heldout_curve": curve,
             "data": data.meta, "vocab_subset": None if vocab is None else int(vocab.numel()),
             "vocab_coverage": _coverage(data, vocab), "train_seconds": round(spent(), 1)}
@@ -285,17 +292,20 @@ def _medusa_loss(heads, lm_weight, hidden, labels):
     return (torch.stack(losses) * weights).sum() / weights.sum(), logits
 
 
-def _eagle_loss(head, lm_weight, emb, feat, target, reg, labels, unroll: int = 1):
+def _eagle_loss(head, lm_weight, emb, feat, target, reg, labels, unroll: int = 1, weights=EAGLE_LOSS):
     """Pass m (0-based) row r predicts f_{r+m+1} and token r+m+2: compared with row r+m of the
-    pass-1 targets; rows whose target lies past the sequence drop out with the shift."""
-    total, weights = 0.0, 0.0
+    pass-1 targets; rows whose target lies past the sequence drop out with the shift. ``weights``: the
+    feature and token terms' (EAGLE-3 drops the feature term: its head's output need not be a target
+    feature, only a good input to the LM head and to the next step)."""
+    feature_w, token_w = weights
+    total, norm = 0.0, 0.0
     for m, out, tgt, ok_reg, lab in _aligned(head.unroll(emb, feat, unroll), target, reg, labels):
-        loss = F.smooth_l1_loss(out[ok_reg], tgt[ok_reg]) if ok_reg.any() else out.sum() * 0
+        loss = feature_w * F.smooth_l1_loss(out[ok_reg], tgt[ok_reg]) if ok_reg.any() else out.sum() * 0
         ok = lab >= 0
         if ok.any():
-            loss = loss + 0.1 * F.cross_entropy(F.linear(out[ok], lm_weight), lab[ok])
-        total, weights = total + 0.8 ** m * loss, weights + 0.8 ** m
-    return total / weights
+            loss = loss + token_w * F.cross_entropy(F.linear(out[ok], lm_weight), lab[ok])
+        total, norm = total + 0.8 ** m * loss, norm + 0.8 ** m
+    return total / norm
 
 
 def _aligned(passes, *per_row):
@@ -358,5 +368,5 @@ def read_checkpoint_step(out_dir: Path) -> int | None:
 def _diff(old, new) -> str:
     if not isinstance(old, dict):
         return "unreadable"
-    keys = [k for k in new if old.get(k) != new.get(k)]
+    keys = [k for k in {**old, **new} if old.get(k) != new.get(k)]  # a setting only one side has counts too
     return ", ".join(f"{k}: {old.get(k)!r} → {new.get(k)!r}" for k in keys) or "unknown"
