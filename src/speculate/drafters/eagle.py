@@ -51,7 +51,7 @@ class EagleDrafter(Drafter):
         self.min_confidence = float(min_confidence)
         self.hidden_size = self.head.hidden_size
         self.feature_layers = self.head.feature_layers
-        self.width = self.hidden_size * (1 + len(self.feature_layers))  # of the target's rows observe() keeps
+        self.width = self.hidden_size * (1 + len(self.feature_layers))  # of the rows observe() keeps
 
     def begin(self, prompt_ids, sampling, generator):
         super().begin(prompt_ids, sampling, generator)

@@ -14,9 +14,11 @@ Trained with smooth-L1 on the features plus cross-entropy on the tokens (heads/t
 also on its own predictions a few steps deep (:meth:`EagleHead.unroll`, EAGLE-3's training-time test).
 
 Fused features (EAGLE-3, Li et al. 2025; ``feature_layers``): at depth 1 the head may also read the
-outputs of a few lower decoder layers of the target beside f_t, which say more about what comes next
-than the last row alone (that row is shaped to predict one token); ``fuse`` mixes them back to H
+outputs of a few lower decoder layers of the target beside f_t (the last row is shaped to predict one
+token; lower layers keep more of what comes after it); ``fuse`` mixes them back to H
 (:meth:`EagleHead.real_features`). From depth 2 on the head drafts on its own H-wide outputs, as before.
+On the default model's 255k-token training data they did not pay (docs/benchmarks.md, section 6), so the
+shipped head reads f_t alone.
 """
 
 from __future__ import annotations
