@@ -649,3 +649,11 @@ def test_eagle_chain_confidence_gate(tiny, tmp_path):
     decoder = SpeculativeDecoder(loaded, drafter, "sample", k=2)
     assert sampled_prefix_pvalue(loaded, PROMPT, Sampling(temperature=1.0, top_k=3), decoder, 1000) > 1e-3
     assert any(n < k for n, k in lengths) and any(n == k > 0 for n, k in lengths)  # the gate cut some, not all
+    # The registry's EAGLE chains are gated at 0.35 (docs/benchmarks.md, section 6); trees are not; 0 turns it off.
+    from speculate.drafters import get_drafter
+
+    gates = {name: get_drafter(name, None, loaded, heads=tmp_path) for name in ("eagle-chain", "eagle-chain+lookup",
+                                                                              "eagle", "eagle+lookup")}
+    assert gates["eagle-chain"].min_confidence == gates["eagle-chain+lookup"].base.min_confidence == 0.35
+    assert gates["eagle"].min_confidence == gates["eagle+lookup"].base.min_confidence == 0.0
+    assert get_drafter("eagle-chain", None, loaded, heads=tmp_path, min_confidence=0).min_confidence == 0.0

@@ -21,8 +21,13 @@ def _self_drafters():
     from .layerskip import LayerSkipDrafter
     from .medusa import MedusaDrafter
 
+    # EAGLE chains stop where the head's top probability is below 0.35 (EagleDrafter.min_confidence): chosen
+    # on the tuning prompts of `python -m speculate.bench.trees`, then faster on all six comparisons of the
+    # benchmark's samples too (docs/benchmarks.md, section 6, "Confidence-gated chains"); min_confidence=0
+    # turns it off.
     heads = {"medusa": partial(MedusaDrafter, tree=True), "medusa-chain": partial(MedusaDrafter, tree=False),
-             "eagle": partial(EagleDrafter, tree=True), "eagle-chain": partial(EagleDrafter, tree=False)}
+             "eagle": partial(EagleDrafter, tree=True), "eagle-chain": partial(EagleDrafter, tree=False,
+                                                                              min_confidence=0.35)}
     # With lookup merged in (drafters/with_lookup.py), the heads draft no deeper than their fastest
     # depth beside lookup (docs/benchmarks.md, section 6, `python -m speculate.bench.trees`: 2 for the
     # EAGLE tree and chain; Medusa's tree is at most its 4 heads deep) and lookup's copies reach k.
