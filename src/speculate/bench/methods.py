@@ -46,13 +46,10 @@ class Method:
             return self.kind
         family = FAMILY.get(self.verifier or "", self.verifier or "?")
         parts = [f"{family}/{self.drafter}", f"k={self.k}"]
-        for key in ("eps", "beta", "D"):
-            value = getattr(self, key)
-            if value is not None:
-                parts.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
+        parts += [_pair(key, getattr(self, key)) for key in ("eps", "beta", "D") if getattr(self, key) is not None]
         if self.temperature:
             parts.append(f"T={self.temperature:g}")
-        parts += [f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}" for key, value in self.options]
+        parts += [_pair(key, value) for key, value in self.options]
         return " ".join(parts)
 
     @property
@@ -72,6 +69,10 @@ class Method:
         values = {k: v for k, v in d.items() if k in names}
         values["options"] = tuple(tuple(pair) for pair in values.get("options", ()))  # JSON gives lists
         return cls(**values)
+
+
+def _pair(key: str, value) -> str:
+    return f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}"
 
 
 def baseline(kind: str) -> Method:

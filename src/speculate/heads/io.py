@@ -157,11 +157,11 @@ class DraftingParts:
         """The target's final-normed hidden rows as the features the heads were trained on (fp32); tapped
         layer outputs after them (fused EAGLE heads) are residual-stream rows, which smoothing leaves as
         they are."""
-        hidden = hidden.float()
         if self.feature_scale is None:
-            return hidden
-        h = self.feature_scale.numel()
-        return torch.cat([hidden[..., :h] * self.feature_scale, hidden[..., h:]], dim=-1)
+            return hidden.float()
+        out = hidden.to(torch.float32, copy=True)  # one copy; the taps after the first H columns stay as they are
+        out[..., : self.feature_scale.numel()] *= self.feature_scale
+        return out
 
     def cost(self, *modules: torch.nn.Module) -> float:
         """What running ``modules`` once costs relative to a target step: the weights each reads."""
