@@ -295,7 +295,9 @@ def hidden_states(loaded, pairs, progress: bool = True, feature_layers=()) -> Di
         kv.reset(capacity=len(seq) + 1)
         kv.forward(torch.tensor(seq), last=1)
         wide = kv.hidden.to(torch.float16)
-        rows.append(wide[:, :h]), taps.append(wide[:, h:])
+        rows.append(wide[:, :h])
+        if feature_layers:
+            taps.append(wide[:, h:])
         ids.append(torch.tensor(seq))
         starts.append(at), lengths.append(len(seq)), plens.append(len(prompt))
         at += len(seq)
@@ -308,8 +310,8 @@ def with_taps(loaded, data: DistillData, feature_layers, progress: bool = True) 
     """``data`` with the outputs of ``feature_layers`` too: the teacher-forced pass again over its
     sequences (the answers are kept; ~8 min for the default recipe on two cores), keeping the layers it
     had. Unchanged when it holds them already."""
-    have = list(data.meta.get("feature_layers", ()))
-    if data.taps is not None and all(i in have for i in feature_layers):
+    have = list(data.meta.get("feature_layers", ())) if data.taps is not None else []
+    if all(i in have for i in feature_layers):  # (none asked: nothing to add)
         return data
     layers = sorted(set(have) | set(feature_layers))
     pairs = [(data.ids[s: s + p].tolist(), data.ids[s + p: s + n].tolist()) for s, n, p in
