@@ -77,6 +77,19 @@ def test_greedy_model_and_lookup_drafters_equal_plain_decoding(tiny, k):
     assert accepted > 0  # the drafts were not all rejected: acceptance paths were exercised
 
 
+@pytest.mark.parametrize("name", ["model", "model-tree", "model+lookup"])
+def test_draft_model_drafters_at_the_smallest_budgets(tiny, name):
+    """max_new_tokens 1 leaves no room for a draft (k = 0 in the first and only round): the drafter's
+    rollback must still work (model drafters once failed here, never having drafted)."""
+    target = tiny[0]
+    prompt = random_prompt(5, 6) * 2
+    for n in (1, 2, 3):
+        ref = plain(target, prompt, n)
+        out = SpeculativeDecoder(target, get_drafter(name, noisy_copy(target, 0.1), target), "greedy",
+                                 k=3).generate(prompt, max_new_tokens=n)
+        assert out.token_ids == ref.token_ids
+
+
 def test_stop_inside_an_accepted_draft(tiny):
     model = tiny[1]
     prompt = random_prompt(5, 5)

@@ -16,7 +16,7 @@ K_AUTO_HELP = K_HELP[:-1] + ("; 'auto': per round, the k with the best predicted
 
 DRAFTER_OPT_HELP = ("a drafter option (repeatable), e.g. base_k=3 for eagle+lookup (the heads' depth beside lookup), "
                     "min_confidence=0.35 for eagle-chain, topk/budget/depth for the eagle tree, max_ngram for "
-                    "lookup, branch/spread for model-tree, layers for layerskip; a wrong key lists the valid ones")
+                    "lookup, branch/spread for model-tree, min_match/lookup_k for model+lookup, layers for layerskip; a wrong key lists the valid ones")
 
 
 def _k_arg(value: str):
@@ -133,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _generate(args) -> int:
-    from .drafters import HEAD_DRAFTERS, get_drafter, parse_options
+    from .drafters import HEAD_DRAFTERS, MODEL_DRAFTERS, NEEDS_MODEL_DRAFTER, get_drafter, parse_options
     from .engine import SpeculativeDecoder
     from .models import load_model
 
@@ -141,8 +141,8 @@ def _generate(args) -> int:
         raise SpeculateError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not args.prompt.strip():
         raise SpeculateError("the prompt is empty")
-    if args.draft_model and args.drafter not in ("model", "model-tree"):
-        raise SpeculateError("--draft-model needs --drafter model (or model-tree)")
+    if args.draft_model and args.drafter not in MODEL_DRAFTERS:
+        raise SpeculateError(NEEDS_MODEL_DRAFTER)
     target = load_model(args.model, dtype=args.dtype)
     draft = load_model(args.draft_model, dtype=args.draft_dtype or args.dtype) if args.draft_model else None
     options = parse_options(args.drafter, args.drafter_opt or [])

@@ -8,11 +8,14 @@ from ..errors import SpeculateError
 from .base import Draft, Drafter
 from .lookup import LookupDrafter
 from .model import ModelDrafter
+from .model_lookup import ModelWithLookup
 from .model_tree import ModelTreeDrafter
 from .none import NoDrafter
 
-DRAFTERS = {"none": NoDrafter, "lookup": LookupDrafter, "model": ModelDrafter, "model-tree": ModelTreeDrafter}
-MODEL_DRAFTERS = {"model": ModelDrafter, "model-tree": ModelTreeDrafter}  # the drafters with a draft model
+# The drafters with a draft model; ``model+lookup`` lets lookup draft the rounds it can copy (model_lookup.py).
+MODEL_DRAFTERS = {"model": ModelDrafter, "model-tree": ModelTreeDrafter, "model+lookup": ModelWithLookup}
+DRAFTERS = {"none": NoDrafter, "lookup": LookupDrafter, **MODEL_DRAFTERS}
+NEEDS_MODEL_DRAFTER = "--draft-model needs --drafter " + ", ".join(MODEL_DRAFTERS)  # the CLI's and server's error
 
 
 def _self_drafters():
@@ -58,6 +61,7 @@ ALL_DRAFTERS = (*DRAFTERS, *SELF_DRAFTERS)  # every name get_drafter takes
 _EAGLE_OPTIONS = {"heads": str, "topk": int, "budget": int, "depth": int, "min_confidence": float}
 OPTIONS: dict[str, dict[str, type]] = {
     "none": {}, "lookup": {"max_ngram": int, "min_ngram": int}, "model": {},
+    "model+lookup": {"min_match": int, "lookup_k": int},
     "model-tree": {"branch": int, "spread": int}, "medusa": {"heads": str}, "medusa-chain": {"heads": str},
     "eagle": _EAGLE_OPTIONS, "eagle-chain": {"heads": str, "min_confidence": float}, "layerskip": {"layers": int},
 }
@@ -85,8 +89,9 @@ def parse_options(name: str, items) -> dict:
 
 
 def get_drafter(name: str, draft_model=None, target=None, **params) -> Drafter:
-    """A drafter by name. ``model`` and ``model-tree`` need ``draft_model`` (a LoadedModel sharing the
-    target's tokenizer); ``model-tree`` takes ``branch`` and ``spread`` (drafters/model_tree.py)."""
+    """A drafter by name. ``model``, ``model-tree`` and ``model+lookup`` need ``draft_model`` (a
+    LoadedModel sharing the target's tokenizer); ``model-tree`` takes ``branch`` and ``spread``
+    (drafters/model_tree.py), ``model+lookup`` ``min_match`` and ``lookup_k`` (drafters/model_lookup.py)."""
     if name in SELF_DRAFTERS:
         if draft_model is not None:
             raise SpeculateError(f"drafter '{name}' drafts with heads on the target itself; it takes no draft model")
@@ -101,9 +106,9 @@ def get_drafter(name: str, draft_model=None, target=None, **params) -> Drafter:
             raise SpeculateError(f"drafter '{name}' needs a draft model (--draft-model)")
         return MODEL_DRAFTERS[name](draft_model, target, **params)
     if draft_model is not None:
-        raise SpeculateError(f"drafter '{name}' takes no draft model; use --drafter model or model-tree")
+        raise SpeculateError(f"drafter '{name}' takes no draft model; use --drafter {', '.join(MODEL_DRAFTERS)}")
     return DRAFTERS[name](**params)
 
 
-__all__ = ["ALL_DRAFTERS", "DRAFTERS", "HEAD_DRAFTERS", "MODEL_DRAFTERS", "OPTIONS", "SELF_DRAFTERS", "Draft", "Drafter",
+__all__ = ["ALL_DRAFTERS", "DRAFTERS", "HEAD_DRAFTERS", "MODEL_DRAFTERS", "NEEDS_MODEL_DRAFTER", "OPTIONS", "SELF_DRAFTERS", "Draft", "Drafter",
            "get_drafter", "parse_options"]

@@ -32,6 +32,16 @@ class LookupDrafter(Drafter):
         self.indexed = 0  # n-grams ending before this position are in the index
 
     def propose(self, tokens, k):
+        found = self.match(tokens)
+        if found is None:
+            return Draft(EMPTY)
+        n, start = found
+        length = k if n == self.max_ngram else min(k, 2 ** (n - 1))
+        return Draft(torch.tensor(tokens[start: start + length], dtype=torch.long))
+
+    def match(self, tokens) -> tuple[int, int] | None:
+        """(n, start): the longest n-gram (``max_ngram`` down to ``min_ngram``) ending ``tokens`` that
+        occurred before, and where its latest earlier occurrence was followed; None when none did."""
         # Index every n-gram that ends before the last token (its continuation exists); the n-grams
         # ending at the last token are the query and would only match themselves.
         for end in range(self.indexed, len(tokens) - 1):
@@ -41,6 +51,5 @@ class LookupDrafter(Drafter):
         for n in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1):
             start = self.index.get(tuple(tokens[-n:]))
             if start is not None:
-                length = k if n == self.max_ngram else min(k, 2 ** (n - 1))
-                return Draft(torch.tensor(tokens[start: start + length], dtype=torch.long))
-        return Draft(EMPTY)
+                return n, start
+        return None

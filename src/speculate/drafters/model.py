@@ -35,7 +35,8 @@ class ModelDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, tokens, k):
-        if k == 0:
+        self.base = len(tokens)  # update() keeps the cache up to here plus what it accepts
+        if k == 0:  # the budget's last token: nothing to draft (update keeps the cache as it is)
             return Draft(torch.empty(0, dtype=torch.long))
         unseen = torch.tensor(tokens[self.kv.length:], dtype=torch.long)
         drafted, rows = [], []
@@ -48,7 +49,6 @@ class ModelDrafter(Drafter):
             rows.append(probs)
             unseen = token
         # The last drafted token was never fed: the cache holds prefix + first k-1 drafts.
-        self.base = len(tokens)
         return Draft(torch.cat(drafted), torch.cat(rows))
 
     def update(self, n_accepted, next_token):

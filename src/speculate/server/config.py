@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..drafters import MODEL_DRAFTERS, parse_options
+from ..drafters import MODEL_DRAFTERS, NEEDS_MODEL_DRAFTER, parse_options
 from ..errors import SpeculateError
 
 MiB = 1 << 20
@@ -41,7 +41,7 @@ class ServerConfig:
         if not 0 <= self.port <= 65535:
             raise SpeculateError(f"--port must be in 0..65535, got {self.port}")
         if self.draft_model and self.drafter not in MODEL_DRAFTERS:
-            raise SpeculateError("--draft-model needs --drafter model (or model-tree)")
+            raise SpeculateError(NEEDS_MODEL_DRAFTER)
         if self.api_key is not None and not self.api_key:
             raise SpeculateError("--api-key must not be empty")
         object.__setattr__(self, "drafter_options", parse_options(self.drafter, self.drafter_options))

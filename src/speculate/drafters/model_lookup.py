@@ -1,0 +1,69 @@
+"""A draft model that lets prompt lookup draft for it where the context says what comes next
+(``model+lookup``).
+
+Why: with a draft model the round's cost is T(k+1)/T(1) for the target plus k·c for the draft's k
+forwards (c ≈ 0.36-0.42 for Qwen2.5-Coder-0.5B drafting for 1.5B on these CPUs, docs/benchmarks.md §5),
+and the draft is the larger share. Much of what a coding or rewriting model writes is a copy of its
+context (a HumanEval answer restates the function's signature and docstring; a GSM8K answer repeats the
+question's numbers and names), and there prompt lookup (drafters/lookup.py) drafts as well as the model
+does, for nothing. So each round this drafter asks lookup first: when the last ``min_match`` tokens
+occurred earlier in the context, lookup's copy of what followed them is the draft (up to ``lookup_k``
+tokens, one-hot p_draft) and the draft model does not run; otherwise the draft model drafts k tokens as
+``model`` does.
+
+Unlike ``eagle+lookup`` (drafters/with_lookup.py) nothing is merged: a round's draft is one chain, from
+one of the two, so every chain verifier applies unchanged, and speculative sampling stays lossless
+(Leviathan et al. 2023: any draft distribution — here a one-hot row or the draft model's warped row,
+chosen from the committed tokens alone — gives exactly p_target). The draft model skips the rounds lookup
+drafts; at its next round it feeds the committed tokens it has not seen in one forward, as it does after
+every round anyway (drafters/model.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import SpeculateError
+from .base import Draft, Drafter
+from .lookup import LookupDrafter
+from .model import ModelDrafter
+
+
+class ModelWithLookup(Drafter):
+    name = "model+lookup"
+
+    def __init__(self, draft_model, target_model=None, min_match: int = 3, lookup_k: int | None = None):
+        """``min_match``: the n-gram length (1-3) whose earlier occurrence lets lookup draft the round;
+        ``lookup_k``: how many tokens lookup copies then (None: the round's k)."""
+        if not 1 <= min_match <= LookupDrafter().max_ngram:
+            raise SpeculateError(f"model+lookup: min_match must be 1..{LookupDrafter().max_ngram}, got {min_match}")
+        if lookup_k is not None and lookup_k < 1:
+            raise SpeculateError(f"model+lookup: lookup_k must be >= 1, got {lookup_k}")
+        self.drafter = ModelDrafter(draft_model, target_model)
+        self.model = draft_model  # read by --k auto for the draft's cost ratio c
+        self.lookup = LookupDrafter()
+        self.min_match, self.lookup_k = min_match, lookup_k
+        self.copied = False  # whether lookup drafted the last round
+
+    def begin(self, prompt_ids, sampling, generator):
+        super().begin(prompt_ids, sampling, generator)
+        self.drafter.begin(prompt_ids, sampling, generator)
+        self.lookup.begin(prompt_ids, sampling, generator)
+
+    def relative_cost(self):
+        return None  # the draft model's, measured with the target (lookup's rounds cost nothing to draft)
+
+    def max_nodes(self, k):
+        return max(k, self.lookup_k or 0)
+
+    def propose(self, tokens, k):
+        found = self.lookup.match(tokens) if k else None
+        self.copied = found is not None and found[0] >= self.min_match
+        if self.copied:
+            start = found[1]
+            return Draft(torch.tensor(tokens[start: start + (self.lookup_k or k)], dtype=torch.long))
+        return self.drafter.propose(tokens, k)
+
+    def update(self, n_accepted, next_token):
+        if not self.copied:  # the draft model rolls back its own drafts; after a copy it has nothing to undo
+            self.drafter.update(n_accepted, next_token)
