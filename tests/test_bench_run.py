@@ -163,6 +163,9 @@ def test_predictions_use_the_profile_and_the_fitted_alpha():
     expected = speedup(0.8, 3, 0.4, prof.curve)
     assert p["c"] == 0.4 and p["k"] == 3 and p["predicted"] == pytest.approx(expected, abs=1e-3)
     assert p["error"] == pytest.approx(1.5 / expected - 1, abs=1e-3)
+    # model+lookup's rounds are of two kinds: no single-alpha prediction for it.
+    run["methods"]["CD"]["drafter"] = "model+lookup"
+    assert predictions(run, rows) == []
 
 
 @pytest.mark.parametrize("args, message", [

@@ -94,8 +94,10 @@ class SpeculativeDecoder:
         cost = self.drafter.relative_cost()  # c: lookup ~0, heads by the weights they read...
         draft = self.drafter.model if cost is None else None  # ...a draft model's measured with the target
         prof = profile_for(self.target, draft)
-        # A tree drafter verifies all its nodes: the cost of depth k is T(nodes + 1), not T(k + 1).
-        return AutoK(prof, prof.c if cost is None else cost, rows=lambda k: self.drafter.max_nodes(k) + 1)
+        # A tree drafter verifies all its nodes: the cost of depth k is T(nodes + 1), not T(k + 1). A chain
+        # drafter's k rounds verify k + 1 rows (model+lookup's copies, of their own length, cost no draft).
+        rows = (lambda k: self.drafter.max_nodes(k) + 1) if self.drafter.tree else None
+        return AutoK(prof, prof.c if cost is None else cost, rows=rows)
 
     def _verifier(self, sampling: Sampling) -> Verifier:
         if isinstance(self.verifier_spec, Verifier):
