@@ -14,9 +14,13 @@ K_HELP = ("draft length per round (default 6: on these CPUs a target forward ove
 K_AUTO_HELP = K_HELP[:-1] + ("; 'auto': per round, the k with the best predicted speedup on this machine's "
                              "measured cost curve at the acceptance rate seen so far)")
 
-DRAFTER_OPT_HELP = ("a drafter option (repeatable), e.g. base_k=3 for eagle+lookup (the heads' depth beside lookup), "
-                    "min_confidence=0.35 for eagle-chain, topk/budget/depth for the eagle tree, max_ngram for "
-                    "lookup, branch/spread for model-tree, min_match/lookup_k for model+lookup, layers for layerskip; a wrong key lists the valid ones")
+def _drafter_opt_help() -> str:
+    """--drafter-opt's help, from drafters.OPTIONS (what parse_options checks against)."""
+    from .drafters import OPTIONS
+
+    takes = "; ".join(f"{name}: {', '.join(options)}" for name, options in OPTIONS.items() if options)
+    return (f"a drafter option (repeatable), e.g. base_k=3 for eagle+lookup (the heads' depth beside lookup). "
+            f"Options by drafter — {takes}")
 
 
 def _k_arg(value: str):
@@ -56,9 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="default lookup (prompt lookup); medusa / eagle draft trees with heads trained on the "
                         "target (shipped for the default model; -chain variants draft chains)")
     g.add_argument("--heads", metavar="DIR", help="heads folder for medusa / eagle (default: the shipped ones)")
-    g.add_argument("--drafter-opt", action="append", metavar="KEY=VALUE", help=DRAFTER_OPT_HELP)
-    g.add_argument("--draft-model", help="draft model for --drafter model: an alias or a folder sharing the "
-                                         "target's tokenizer")
+    g.add_argument("--drafter-opt", action="append", metavar="KEY=VALUE", help=_drafter_opt_help())
+    g.add_argument("--draft-model", help="draft model for --drafter model, model-tree or model+lookup: an alias or a "
+                                         "folder sharing the target's tokenizer")
     g.add_argument("--verifier", choices=list(VERIFIERS),
                    help="default greedy at temperature 0, sample (lossless) otherwise")
     g.add_argument("--k", type=_k_arg, default=6, help=K_AUTO_HELP)
@@ -86,8 +90,9 @@ def _parser() -> argparse.ArgumentParser:
                         f"(default {DEFAULT_MODEL}); also the model id clients must send")
     s.add_argument("--drafter", default="lookup", choices=list(ALL_DRAFTERS),
                    help="default drafter for requests (default lookup)")
-    s.add_argument("--draft-model", help="draft model for --drafter model (loaded once, shared by requests)")
-    s.add_argument("--drafter-opt", action="append", metavar="KEY=VALUE", help=DRAFTER_OPT_HELP)
+    s.add_argument("--draft-model", help="draft model for --drafter model, model-tree or model+lookup (loaded once, "
+                                         "shared by requests)")
+    s.add_argument("--drafter-opt", action="append", metavar="KEY=VALUE", help=_drafter_opt_help())
     s.add_argument("--verifier", choices=list(VERIFIERS),
                    help="default verifier; default greedy at temperature 0, sample (lossless) otherwise")
     s.add_argument("--k", type=int, default=6, help=K_HELP)
