@@ -51,8 +51,8 @@ def test_cut_at_stop():
 
 
 def _config(tmp_path, folder, methods, **kw):
-    return BenchConfig(model=str(folder), out=tmp_path / "run", methods=methods, datasets=["copy"], limit=2,
-                       max_new_tokens=10, **kw)
+    return BenchConfig(model=str(folder), out=tmp_path / "run", methods=methods, datasets=["copy"],
+                       **{"limit": 2, "max_new_tokens": 10, **kw})
 
 
 def test_run_writes_every_file_and_resumes(tmp_path, tiny_folders, monkeypatch):
@@ -88,6 +88,13 @@ def test_run_writes_every_file_and_resumes(tmp_path, tiny_folders, monkeypatch):
     again = read_records(out / "samples.jsonl")
     assert len(again) == 4 and again[-1]["id"] == lost["id"] and again[-1]["method"] == lost["method"]
     assert again[-1]["turns"][0]["token_ids"] == lost["turns"][0]["token_ids"]
+
+
+def test_skip_leaves_out_the_first_samples(tmp_path, tiny_folders):
+    cfg = _config(tmp_path, tiny_folders[0], [], skip=1)
+    out = run_bench(cfg, progress=False)
+    assert sorted(r["id"] for r in read_records(out / "samples.jsonl")) == ["copy-1", "copy-2"]
+    assert json.loads((out / "run.json").read_text())["settings"]["skip"] == 1
 
 
 def test_a_methods_drafter_options_reach_the_drafter(tiny):
@@ -173,6 +180,7 @@ def test_predictions_use_the_profile_and_the_fitted_alpha():
     (["--baselines", "hf_magic"], "baseline"),
     (["--config", "/no/such.toml"], "no such file"),
     (["--limit", "0"], "--limit"),
+    (["--skip", "-1"], "--skip"),
 ])
 def test_bench_bad_input_is_one_line(capsys, args, message, tmp_path):
     assert main(["bench", *args, "--out", str(tmp_path / "x")]) == 2

@@ -23,7 +23,7 @@ from .methods import BASELINES, expand_matrix, parse_method
 
 LIST_KEYS = {"datasets": str, "drafters": str, "verifiers": str, "baselines": str, "k": "int|auto",
              "eps": "float|auto", "beta": float, "D": float, "temperature": float, "method": "spec"}
-SCALAR_KEYS = {"model": str, "draft_model": str, "dtype": str, "draft_dtype": str, "limit": int, "shots": int,
+SCALAR_KEYS = {"model": str, "draft_model": str, "dtype": str, "draft_dtype": str, "limit": int, "skip": int, "shots": int,
                "max_new_tokens": int, "seed": int, "turns": int, "out": str, "sandbox_timeout": float}
 
 
@@ -37,6 +37,8 @@ def add_arguments(p) -> None:
     p.add_argument("--draft-dtype", choices=list(DTYPES), help="draft precision (default: --dtype)")
     p.add_argument("--datasets", help="comma-separated: humaneval, gsm8k, mt_bench, copy (default humaneval,gsm8k,mt_bench)")
     p.add_argument("--limit", type=int, help="first N samples of each dataset")
+    p.add_argument("--skip", type=int, help="leave out the first N samples of each dataset, e.g. to tune settings "
+                                            "on other samples than a reported run's (default 0)")
     p.add_argument("--shots", type=int, help="GSM8K chain-of-thought examples in the prompt (default 8, as the paper)")
     p.add_argument("--turns", type=int, choices=[1, 2], help="MT-Bench turns (default 2)")
     p.add_argument("--max-new-tokens", type=int, help="per turn (default 256)")
@@ -114,14 +116,14 @@ def build_config(args):
     from .methods import baseline
 
     methods = [baseline(b) for b in baselines if b != "plain"] + methods
-    for key, low in (("limit", 1), ("shots", 0), ("max_new_tokens", 1)):
+    for key, low in (("limit", 1), ("skip", 0), ("shots", 0), ("max_new_tokens", 1)):
         if key in s and s[key] < low:
             raise SpeculateError(f"--{key.replace('_', '-')} must be >= {low}, got {s[key]}")
     model = s.get("model", DEFAULT_MODEL)
     out = Path(s.get("out") or Path("bench-runs") / Path(model).name)
     return BenchConfig(model=model, out=out, methods=methods, datasets=s.get("datasets", ["humaneval", "gsm8k", "mt_bench"]),
                        draft_model=draft, dtype=s.get("dtype", "fp32"), draft_dtype=s.get("draft_dtype"),
-                       limit=s.get("limit"), shots=s.get("shots", 8), max_new_tokens=s.get("max_new_tokens", 256),
+                       limit=s.get("limit"), skip=s.get("skip", 0), shots=s.get("shots", 8), max_new_tokens=s.get("max_new_tokens", 256),
                        seed=s.get("seed", 0), turns=s.get("turns", 2), sandbox_timeout=s.get("sandbox_timeout", 10.0))
 
 

@@ -52,6 +52,7 @@ class BenchConfig:
     dtype: str = "fp32"
     draft_dtype: str | None = None
     limit: int | None = None
+    skip: int = 0  # leave out each dataset's first samples (tune on others than a reported run's)
     shots: int = 8
     max_new_tokens: int = 256
     seed: int = 0
@@ -255,7 +256,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     previous = _check_run_file(out, cfg)
-    samples = [s for name in cfg.datasets for s in load_dataset(name, cfg.limit, cfg.shots, cfg.data_dir)]
+    end = None if cfg.limit is None else cfg.skip + cfg.limit
+    samples = [s for name in cfg.datasets for s in load_dataset(name, end, cfg.shots, cfg.data_dir)[cfg.skip:]]
     methods = [baseline("plain")] + [m for m in cfg.methods if m.kind != "plain"]
     needs_draft = any(m.needs_draft_model for m in methods)
     if needs_draft and not cfg.draft_model:
@@ -264,7 +266,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
     draft = load_model(cfg.draft_model, dtype=cfg.draft_dtype or cfg.dtype) if cfg.draft_model else None
     profile = profile_for(target, draft, progress=progress)
 
-    run_info = {"settings": {**cfg.fixed(), "datasets": cfg.datasets, "limit": cfg.limit, "turns": cfg.turns},
+    run_info = {"settings": {**cfg.fixed(), "datasets": cfg.datasets, "limit": cfg.limit, "skip": cfg.skip,
+                             "turns": cfg.turns},
                 "machine": machine(),
                 "torch": torch.__version__, "profile": profile.to_dict(),
                 "started": previous.get("started") or time.strftime("%Y-%m-%d %H:%M:%S"),
