@@ -47,7 +47,7 @@ def repetitive_prompt(seed, n=6, times=4):
     return [rng.randrange(3, 259) for _ in range(n)] * times
 
 
-@pytest.mark.parametrize("k,min_match,lookup_k", [(1, 3, None), (3, 3, None), (4, 1, 8), (6, 2, None)])
+@pytest.mark.parametrize("k,min_match,lookup_k", [(1, 3, None), (3, 3, 10), (4, 1, 8), (6, 2, None)])
 def test_greedy_equals_plain_decoding_with_both_kinds_of_rounds(tiny, k, min_match, lookup_k):
     target = tiny[0]
     draft = noisy_copy(target, 0.1)
@@ -128,6 +128,8 @@ def test_sampling_is_lossless(tiny):
 def test_options_and_refusals(tiny, tiny_folders, capsys):
     target = tiny[0]
     assert parse_options("model+lookup", ["min_match=2", "lookup_k=10"]) == {"min_match": 2, "lookup_k": 10}
+    default = get_drafter("model+lookup", target, target)
+    assert (default.min_match, default.lookup_k) == (3, 10)  # copies may run longer than k (§5 of the benchmarks)
     drafter = get_drafter("model+lookup", target, target, min_match=2, lookup_k=10)
     assert (drafter.min_match, drafter.lookup_k, drafter.max_nodes(4), drafter.max_nodes(12)) == (2, 10, 10, 12)
     with pytest.raises(SpeculateError, match="needs a draft model"):
