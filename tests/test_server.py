@@ -25,6 +25,7 @@ from speculate.models.fast import FastKVModel
 from speculate.models.kv import HFKVModel
 from speculate.server import ServerConfig, create_app, load_models
 from speculate.server.background import BackgroundServer
+from speculate.server.errors import APIError
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -507,3 +508,22 @@ def test_the_servers_drafter_options_apply_to_its_drafter_only(tiny):
     assert other["drafter_options"] == {} and build_decoder(tiny[0], None, other).drafter.name == "none"
     with pytest.raises(SpeculateError, match="no option 'base_k'"):
         ServerConfig(model="m", drafter="lookup", drafter_options=["base_k=2"])
+
+
+def test_a_request_may_ask_for_model_lookup_with_the_servers_draft_model(tiny):
+    """model+lookup is a draft-model drafter for the server too: a request naming it gets the server's
+    draft model (and the server's options when it is the server's own drafter), and the same tokens as plain
+    decoding; without a draft model it is a 400."""
+    from speculate.server.generation import build_decoder, merge_settings
+    from speculate.server.schemas import SpeculativeSettings
+
+    config = ServerConfig(model="m", drafter="model+lookup", draft_model="d", drafter_options=["lookup_k=4"])
+    decoder = build_decoder(tiny[0], tiny[0], merge_settings(config, None))
+    assert decoder.drafter.name == "model+lookup" and decoder.drafter.lookup_k == 4
+    prompt = [5, 6, 7, 8] * 3
+    plain = SpeculativeDecoder(tiny[0], "none").generate(prompt, max_new_tokens=12).token_ids
+    assert decoder.generate(prompt, max_new_tokens=12).token_ids == plain
+    asked = merge_settings(ServerConfig(model="m"), SpeculativeSettings(drafter="model+lookup"))
+    with pytest.raises(APIError, match="needs a draft model"):
+        build_decoder(tiny[0], None, asked)
+    assert build_decoder(tiny[0], tiny[0], asked).drafter.lookup_k == 10
