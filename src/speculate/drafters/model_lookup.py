@@ -42,13 +42,13 @@ class ModelWithLookup(Drafter):
         ``lookup_k``: how many tokens lookup copies then (None: the round's k). 10 and 3: on held-out
         samples (HumanEval and GSM8K 20-27, docs/benchmarks.md §5) copies of 16 tokens and matches of 2
         were no faster, and copies capped at k = 6 were slower on the benchmark's samples."""
-        if not 1 <= min_match <= LookupDrafter().max_ngram:
-            raise SpeculateError(f"model+lookup: min_match must be 1..{LookupDrafter().max_ngram}, got {min_match}")
+        self.lookup = LookupDrafter()
+        if not 1 <= min_match <= self.lookup.max_ngram:
+            raise SpeculateError(f"model+lookup: min_match must be 1..{self.lookup.max_ngram}, got {min_match}")
         if lookup_k is not None and lookup_k < 1:
             raise SpeculateError(f"model+lookup: lookup_k must be >= 1, got {lookup_k}")
         self.drafter = ModelDrafter(draft_model, target_model)
         self.model = draft_model  # read by --k auto for the draft's cost ratio c
-        self.lookup = LookupDrafter()
         self.min_match, self.lookup_k = min_match, lookup_k
         self.copied = False  # whether lookup drafted the last round
 
