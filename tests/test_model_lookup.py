@@ -47,7 +47,7 @@ def repetitive_prompt(seed, n=6, times=4):
     return [rng.randrange(3, 259) for _ in range(n)] * times
 
 
-@pytest.mark.parametrize("k,min_match,lookup_k", [(1, 3, None), (3, 3, 10), (4, 1, 8), (6, 2, None)])
+@pytest.mark.parametrize("k,min_match,lookup_k", [(1, 3, None), (3, 3, 10), (4, 1, 8), (6, 2, None), (3, 5, 10)])
 def test_greedy_equals_plain_decoding_with_both_kinds_of_rounds(tiny, k, min_match, lookup_k):
     target = tiny[0]
     draft = noisy_copy(target, 0.1)
@@ -134,8 +134,9 @@ def test_options_and_refusals(tiny, tiny_folders, capsys):
     assert (drafter.min_match, drafter.lookup_k, drafter.max_nodes(4), drafter.max_nodes(12)) == (2, 10, 10, 12)
     with pytest.raises(SpeculateError, match="needs a draft model"):
         get_drafter("model+lookup", target=target)
-    with pytest.raises(SpeculateError, match="min_match must be 1..3"):
-        get_drafter("model+lookup", target, target, min_match=4)
+    with pytest.raises(SpeculateError, match="min_match must be 1..8"):
+        get_drafter("model+lookup", target, target, min_match=9)
+    assert get_drafter("model+lookup", target, target, min_match=5).lookup.max_ngram == 5
     with pytest.raises(SpeculateError, match="lookup_k must be >= 1"):
         get_drafter("model+lookup", target, target, lookup_k=0)
     with pytest.raises(SpeculateError, match="takes: min_match, lookup_k"):

@@ -34,17 +34,20 @@ from .lookup import LookupDrafter
 from .model import ModelDrafter
 
 
+MAX_MATCH = 8  # the longest match min_match may ask for (lookup indexes every n-gram up to it)
+
+
 class ModelWithLookup(Drafter):
     name = "model+lookup"
 
     def __init__(self, draft_model, target_model=None, min_match: int = 3, lookup_k: int | None = 10):
-        """``min_match``: the n-gram length (1-3) whose earlier occurrence lets lookup draft the round;
+        """``min_match``: the n-gram length (1-8) whose earlier occurrence lets lookup draft the round;
         ``lookup_k``: how many tokens lookup copies then (None: the round's k). 10 and 3: on held-out
         samples (HumanEval and GSM8K 20-27, docs/benchmarks.md §5) copies of 16 tokens and matches of 2
         were no faster, and copies capped at k = 6 were slower on the benchmark's samples."""
-        self.lookup = LookupDrafter()
-        if not 1 <= min_match <= self.lookup.max_ngram:
-            raise SpeculateError(f"model+lookup: min_match must be 1..{self.lookup.max_ngram}, got {min_match}")
+        if not 1 <= min_match <= MAX_MATCH:
+            raise SpeculateError(f"model+lookup: min_match must be 1..{MAX_MATCH}, got {min_match}")
+        self.lookup = LookupDrafter(max_ngram=max(3, min_match))  # lookup's own default reaches 3
         if lookup_k is not None and lookup_k < 1:
             raise SpeculateError(f"model+lookup: lookup_k must be >= 1, got {lookup_k}")
         self.drafter = ModelDrafter(draft_model, target_model)
