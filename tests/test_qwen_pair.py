@@ -29,9 +29,12 @@ pytestmark = [
 def test_qwen_pair_greedy_equals_plain_decoding(dtype):
     target = load_model("qwen2.5-coder-1.5b-instruct", dtype=dtype)
     draft = load_model("qwen2.5-coder-0.5b-instruct", dtype=dtype)
-    prompt = "Write a Python function is_even(n) that returns True when n is even."
-    plain = SpeculativeDecoder(target, "none").generate(prompt, max_new_tokens=24)
-    for k in (3, "auto"):
-        out = SpeculativeDecoder(target, "model", "greedy", k=k, draft_model=draft).generate(prompt, max_new_tokens=24)
-        assert out.token_ids == plain.token_ids, k
+    # The answer restates the signature, so model+lookup drafts some rounds by copying.
+    prompt = "Complete this function:\n\ndef is_even(n: int) -> bool:\n    \"\"\"Return True when n is even.\"\"\"\n"
+    plain = SpeculativeDecoder(target, "none").generate(prompt, max_new_tokens=40)
+    for drafter, k in (("model", 3), ("model", "auto"), ("model+lookup", 6)):
+        out = SpeculativeDecoder(target, drafter, "greedy", k=k, draft_model=draft).generate(prompt, max_new_tokens=40)
+        assert out.token_ids == plain.token_ids, (drafter, k)
         assert out.stats.accepted_draft_tokens > 0 and out.stats.target_calls < plain.stats.target_calls
+        if drafter == "model+lookup":  # some rounds copied more than k tokens: lookup drafted them
+            assert len(out.stats.drafted_by_position) > 6
