@@ -54,7 +54,8 @@ def test_k_auto_is_lossless_and_measures_the_curve_once(tiny, cache, monkeypatch
     target, draft = tiny[0], noisy_copy(tiny[0], 0.1)
     prompt = "abcabcabc hello hello hello abcabc"
     ref = SpeculativeDecoder(target, "none").generate(prompt, max_new_tokens=40)
-    # model+lookup's copies are longer than the cost curve reaches: k auto prices only its model's rounds.
+    # model+lookup's copies (12) are longer than the cost curve reaches (k_max + 1 rows): k auto prices its depth k
+    # at T(k + 1), what the draft model's rounds verify.
     for drafter in (get_drafter("lookup"), get_drafter("model", draft, target),
                     get_drafter("model+lookup", draft, target, min_match=1, lookup_k=12)):
         dec = SpeculativeDecoder(target, drafter, "greedy", k="auto")
