@@ -262,12 +262,9 @@ def tiny_data(tiny, tmp_path_factory):
     data = build_data(loaded, folder, len(prompts), 24, batch_size=4, prompts=prompts, progress=False)
     import speculate.heads.data as heads_data
 
-    pass_ = heads_data.hidden_states
-    heads_data.hidden_states = None  # served from the cache file: no teacher-forced pass again
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # (a module fixture: no function-scoped monkeypatch)
+        mp.setattr(heads_data, "hidden_states", None)  # served from the cache file: no teacher-forced pass again
         again = build_data(loaded, folder, len(prompts), 24, batch_size=4, prompts=prompts, progress=False)
-    finally:
-        heads_data.hidden_states = pass_
     assert torch.equal(again.hidden, data.hidden)
     return data
 
