@@ -527,3 +527,6 @@ def test_a_request_may_ask_for_model_lookup_with_the_servers_draft_model(tiny):
     with pytest.raises(APIError, match="needs a draft model"):
         build_decoder(tiny[0], None, asked)
     assert build_decoder(tiny[0], tiny[0], asked).drafter.lookup_k == 10
+    # A request naming a drafter that takes no draft model works on a server that has one.
+    lookup = merge_settings(config, SpeculativeSettings(drafter="lookup"))
+    assert build_decoder(tiny[0], tiny[0], lookup).drafter.name == "lookup"

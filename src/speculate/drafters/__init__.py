@@ -60,8 +60,8 @@ ALL_DRAFTERS = (*DRAFTERS, *SELF_DRAFTERS)  # every name get_drafter takes
 # ``heads``: a folder of trained heads (the CLI's --heads), so that a bench run can compare two sets.
 _EAGLE_OPTIONS = {"heads": str, "topk": int, "budget": int, "depth": int, "min_confidence": float}
 OPTIONS: dict[str, dict[str, type]] = {
-    "none": {}, "lookup": {"max_ngram": int, "min_ngram": int}, "model": {},
-    "model+lookup": {"min_match": int, "lookup_k": int},
+    "none": {}, "lookup": {"max_ngram": int, "min_ngram": int, "max_copy": int}, "model": {},
+    "model+lookup": {"min_match": int, "lookup_k": int, "max_copy": int},
     "model-tree": {"branch": int, "spread": int}, "medusa": {"heads": str}, "medusa-chain": {"heads": str},
     "eagle": _EAGLE_OPTIONS, "eagle-chain": {"heads": str, "min_confidence": float}, "layerskip": {"layers": int},
 }

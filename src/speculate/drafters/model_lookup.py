@@ -30,7 +30,7 @@ import torch
 
 from ..errors import SpeculateError
 from .base import Draft, Drafter
-from .lookup import LookupDrafter
+from .lookup import MAX_COPY, LookupDrafter
 from .model import ModelDrafter
 
 
@@ -40,14 +40,16 @@ MAX_MATCH = 8  # the longest match min_match may ask for (lookup indexes every n
 class ModelWithLookup(Drafter):
     name = "model+lookup"
 
-    def __init__(self, draft_model, target_model=None, min_match: int = 3, lookup_k: int | None = 10):
+    def __init__(self, draft_model, target_model=None, min_match: int = 3, lookup_k: int | None = 10,
+                 max_copy: int = MAX_COPY):
         """``min_match``: the n-gram length (1-8) whose earlier occurrence lets lookup draft the round;
-        ``lookup_k``: how many tokens lookup copies then (None: the round's k). 10 and 3: on held-out
+        ``lookup_k``: how many tokens lookup copies then (None: the round's k); ``max_copy``: copies
+        accepted whole double the next one's length up to this (drafters/lookup.py). 10 and 3: on held-out
         samples (HumanEval and GSM8K 20-27, docs/benchmarks.md §5) copies of 16 tokens and matches of 2
         were no faster, and copies capped at k = 6 were slower on the benchmark's samples."""
         if not 1 <= min_match <= MAX_MATCH:
             raise SpeculateError(f"model+lookup: min_match must be 1..{MAX_MATCH}, got {min_match}")
-        self.lookup = LookupDrafter(max_ngram=max(3, min_match))  # lookup's own default reaches 3
+        self.lookup = LookupDrafter(max_ngram=max(3, min_match), max_copy=max_copy)  # lookup's default reaches 3
         if lookup_k is not None and lookup_k < 1:
             raise SpeculateError(f"model+lookup: lookup_k must be >= 1, got {lookup_k}")
         self.drafter = ModelDrafter(draft_model, target_model)
@@ -64,16 +66,16 @@ class ModelWithLookup(Drafter):
         return None  # the draft model's, measured with the target (lookup's rounds cost nothing to draft)
 
     def max_nodes(self, k):
-        return max(k, self.lookup_k or 0)
+        return max(k, self.lookup.max_nodes(self.lookup_k or k))
 
     def propose(self, tokens, k):
         found = self.lookup.match(tokens) if k else None
         self.copied = found is not None and found[0] >= self.min_match
         if self.copied:
-            start = found[1]
-            return Draft(torch.tensor(tokens[start: start + (self.lookup_k or k)], dtype=torch.long))
+            return self.lookup.copy(tokens, found[1], self.lookup_k or k)
         return self.drafter.propose(tokens, k)
 
     def update(self, n_accepted, next_token):
-        if not self.copied:  # the draft model rolls back its own drafts; after a copy it has nothing to undo
-            self.drafter.update(n_accepted, next_token)
+        # The draft model rolls back its own drafts; after a copy it has nothing to undo, and lookup
+        # learns how its copy went.
+        (self.lookup if self.copied else self.drafter).update(n_accepted, next_token)

@@ -44,7 +44,8 @@ class WithLookup(Drafter):
                                  "be merged with lookup")
         if base_k is not None and base_k < 1:
             raise SpeculateError("base_k must be >= 1")
-        self.base, self.base_k, self.lookup = base, base_k, lookup or LookupDrafter()
+        # Lookup's chain stays at most k long (max_copy 0): max_nodes counts k nodes for it.
+        self.base, self.base_k, self.lookup = base, base_k, lookup or LookupDrafter(max_copy=0)
         self.name = name or f"{base.name}+lookup"
         self.wants_hidden, self.feature_layers = base.wants_hidden, base.feature_layers
 

@@ -113,15 +113,14 @@ def merge_settings(config: ServerConfig, spec: SpeculativeSettings | None) -> di
 
 
 def build_decoder(target: LoadedModel, draft: LoadedModel | None, settings: dict) -> SpeculativeDecoder:
+    name = settings["drafter"]
     try:
-        if settings["drafter"] in MODEL_DRAFTERS:
-            if draft is None:
-                raise SpeculateError(f"drafter '{settings['drafter']}' needs a draft model: start the server with "
-                                     f"--drafter {settings['drafter']} --draft-model M")
-            # The draft's tokenizer was checked against the target's at startup.
-            drafter = MODEL_DRAFTERS[settings["drafter"]](draft, **settings["drafter_options"])
-        else:
-            drafter = get_drafter(settings["drafter"], target=target, **settings["drafter_options"])
+        if name in MODEL_DRAFTERS and draft is None:
+            raise SpeculateError(f"drafter '{name}' needs a draft model: start the server with "
+                                 f"--drafter {name} --draft-model M")
+        # The server's draft model (its tokenizer checked against the target's at startup) goes to the
+        # drafters that take one; a request may also ask for one that does not (lookup, the heads, ...).
+        drafter = get_drafter(name, draft if name in MODEL_DRAFTERS else None, target, **settings["drafter_options"])
         return SpeculativeDecoder(target, drafter, settings["verifier"], k=settings["k"], **settings["params"])
     except SpeculateError as e:
         raise APIError(400, f"speculative: {e}", "speculative", "invalid_value") from None
