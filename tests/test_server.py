@@ -510,7 +510,11 @@ def test_the_servers_drafter_options_apply_to_its_drafter_only(tiny):
         ServerConfig(model="m", drafter="lookup", drafter_options=["base_k=2"])
 
 
-def test_a_request_may_ask_for_model_lookup_with_the_servers_draft_model(tiny):
+def _fail(*args):
+    raise AssertionError("called")
+
+
+def test_a_request_may_ask_for_model_lookup_with_the_servers_draft_model(tiny, monkeypatch):
     """model+lookup is a draft-model drafter for the server too: a request naming it gets the server's
     draft model (and the server's options when it is the server's own drafter), and the same tokens as plain
     decoding; without a draft model it is a 400."""
@@ -518,6 +522,8 @@ def test_a_request_may_ask_for_model_lookup_with_the_servers_draft_model(tiny):
     from speculate.server.schemas import SpeculativeSettings
 
     config = ServerConfig(model="m", drafter="model+lookup", draft_model="d", drafter_options=["lookup_k=4"])
+    # The tokenizers were compared at startup; a request does not compare them again (~0.3 s on Qwen's).
+    monkeypatch.setattr("speculate.drafters.model.check_same_tokenizer", _fail)
     decoder = build_decoder(tiny[0], tiny[0], merge_settings(config, None))
     assert decoder.drafter.name == "model+lookup" and decoder.drafter.lookup_k == 4
     prompt = [5, 6, 7, 8] * 3

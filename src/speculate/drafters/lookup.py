@@ -10,14 +10,14 @@ match mostly buys a slower round; measured on the benchmark prompts this beats a
 date as tokens arrive, so a proposal costs O(max_ngram) dictionary look-ups, not a scan of the context.
 
 Copies that grow (``max_copy``): a generation that copies a passage verbatim accepts every full-match copy
-whole, and then each round of k tokens leaves speed on the table (at int8 a 25-row verification costs
-about twice a 1-row one, docs/benchmarks.md §2 and §4), while a generation that rewrites what it read
+whole, and then each round of k tokens leaves speed on the table (at int8 a 16-row verification costs
+1.9 times a 1-row one, docs/benchmarks.md §4), while a generation that rewrites what it read
 rejects long copies early. So each full-match copy accepted whole doubles the next one's length, up to
 ``max_copy`` (32; 0 turns growing off), and the first rejection returns it to k (the shape of Hugging
 Face's "heuristic" assistant-length schedule, which adds 2 after a full acceptance and takes 1 away after a
 miss; doubling reaches a long copy in a few rounds). The schedule reads only the verdicts on earlier
 rounds, so it changes nothing about what is accepted: greedy output stays the target's, and sampling stays
-lossless. Measured (docs/benchmarks.md §4b, §5): SmolLM2 repeating a paragraph verbatim 3.8× → 5.5× plain
+lossless. Measured (docs/benchmarks.md §4c, §5): SmolLM2 repeating a paragraph verbatim 3.8× → 5.5× plain
 decoding (int8); over the copy prompts +9 %, the Qwen pair on HumanEval +3 % (τ 7.0 → 8.7); where copies
 are seldom accepted whole (MT-Bench, GSM8K) it rarely triggers and costs nothing measurable.
 """

@@ -26,10 +26,9 @@ restated docstring line is accepted whole, and lookup drafts it for nothing.
 
 from __future__ import annotations
 
-import torch
 
 from ..errors import SpeculateError
-from .base import Draft, Drafter
+from .base import Drafter
 from .lookup import MAX_COPY, LookupDrafter
 from .model import ModelDrafter
 
