@@ -97,6 +97,28 @@ def test_skip_leaves_out_the_first_samples(tmp_path, tiny_folders):
     assert json.loads((out / "run.json").read_text())["settings"]["skip"] == 1
 
 
+def test_prefix_cache_reaches_every_decoder(tmp_path, tiny_folders):
+    """prefix_cache = true (TOML) / --prefix-cache: plain decoding and every engine method keep the prompt
+    prefix they share with their last generation — here the chat template's and the copy prompts' opening
+    words — and the run records the setting; a value that is not a boolean is refused."""
+    import argparse
+
+    sd = engine_method("lookup", "greedy", 3)
+    out = run_bench(_config(tmp_path, tiny_folders[0], [sd], prefix_cache=True, limit=3), progress=False)
+    records = read_records(out / "samples.jsonl")
+    assert {r["method"] for r in records} == {"plain", sd.name}
+    assert all(r["turns"][0]["stats"]["reused_prompt_tokens"] > 0 for r in records)
+    assert json.loads((out / "run.json").read_text())["settings"]["prefix_cache"] is True
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert build_config(p.parse_args(["--prefix-cache", "--out", str(tmp_path / "a")])).prefix_cache is True
+    assert build_config(p.parse_args(["--out", str(tmp_path / "b")])).prefix_cache is False
+    toml = tmp_path / "c.toml"
+    toml.write_text('prefix_cache = "yes"\n')
+    with pytest.raises(SpeculateError, match="--prefix-cache"):
+        build_config(p.parse_args(["--config", str(toml)]))
+
+
 def test_a_methods_drafter_options_reach_the_drafter(tiny):
     """Keys a method does not know are its drafter's options: named in the method, kept through the
     records' JSON, passed to the drafter; a key the drafter does not take is refused with what it takes."""

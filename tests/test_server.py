@@ -127,8 +127,12 @@ def test_openai_client_streamed_text_equals_whole_text(served, client):
     assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
     stats = whole.to_dict()["speculative_stats"]
-    assert stats == {**chunks[-1].to_dict()["speculative_stats"], "wall_seconds": stats["wall_seconds"],
-                     "prefill_seconds": stats["prefill_seconds"], "tokens_per_second": stats["tokens_per_second"]}
+    again = chunks[-1].to_dict()["speculative_stats"]
+    assert stats == {**again, "wall_seconds": stats["wall_seconds"], "prefill_seconds": stats["prefill_seconds"],
+                     "tokens_per_second": stats["tokens_per_second"], "reused_prompt_tokens": stats["reused_prompt_tokens"]}
+    # The second request got the first one's decoder back, which kept the whole prompt (but its last token,
+    # fed with the first draft): prefix reuse across requests (server/decoders.py).
+    assert again["reused_prompt_tokens"] == whole.usage.prompt_tokens - 1
     assert stats["new_tokens"] == whole.usage.completion_tokens
     assert stats["drafter"] == "lookup" and stats["verifier"] == "greedy" and stats["k"] == 3
 
@@ -282,8 +286,8 @@ def test_bad_inputs_get_4xx_with_an_openai_error_object(served):
     assert delta("400") == sum(1 for _, s, _, _ in BAD if s == 400) + 4
     assert (delta("401"), delta("404"), delta("405"), delta("413"), delta("415"), delta("500")) == (2, 2, 1, 2, 3, 0)
     assert httpx.get(served.url + "/health").status_code == 200
-    ok = post(served, "/v1/completions", {"model": served.model, "prompt": "hi", "max_tokens": 3})
-    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    ok = post(served, "/v1/completions", {"model": served.model, "prompt": "hi", "max_tokens": 3, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3  # greedy: no early EOS to draw
 
 
 def test_metrics_add_up(served):
@@ -425,7 +429,8 @@ def test_queue_full_then_disconnects_free_the_slot(served, slow_forward):
     try:
         long = {"model": served.model, "messages": MESSAGES, "max_tokens": 900, "temperature": 0, "stream": True,
                 "speculative": {"drafter": "none"}}
-        short = {"model": served.model, "prompt": "hi", "max_tokens": 4}
+        # Greedy: how long a sampled generation runs depends on the draw (an early EOS would end it).
+        short = {"model": served.model, "prompt": "hi", "max_tokens": 4, "temperature": 0}
         with httpx.Client(timeout=30) as http:
             with http.stream("POST", one.url + "/v1/chat/completions", json=long) as r:
                 assert r.status_code == 200
@@ -461,6 +466,7 @@ def test_queue_full_then_disconnects_free_the_slot(served, slow_forward):
 def test_cli_serve_flags_and_a_real_subprocess(tiny_folders):
     args = _parser().parse_args(["serve", "--model", "m"])
     assert (args.host, args.port, args.max_concurrency, args.api_key) == ("127.0.0.1", 8000, 1, None)
+    assert args.no_prefix_cache is False and _parser().parse_args(["serve", "--model", "m", "--no-prefix-cache"]).no_prefix_cache
     assert main(["serve", "--model", str(tiny_folders[0]), "--max-concurrency", "0"]) == 2
     assert main(["serve", "--model", str(tiny_folders[0]), "--verifier", "consultant", "--eps", "-1",
                  "--port", "1"]) == 2  # refused at load time, before binding anything
@@ -536,3 +542,52 @@ def test_a_request_may_ask_for_model_lookup_with_the_servers_draft_model(tiny, m
     # A request naming a drafter that takes no draft model works on a server that has one.
     lookup = merge_settings(config, SpeculativeSettings(drafter="lookup"))
     assert build_decoder(tiny[0], tiny[0], lookup).drafter.name == "lookup"
+
+
+def test_idle_decoders_are_kept_per_settings_and_matched_by_prefix(tiny):
+    """server/decoders.py: a decoder given back is handed out again for the same settings — the idle one
+    whose cached tokens share the longest prefix with the prompt — never for other settings; at most
+    ``keep`` stay idle, the least recently returned leaving first; a failed generation's decoder is dropped."""
+    from speculate.server.decoders import Decoders
+    from speculate.server.generation import produce
+
+    built = []
+
+    def build(settings):
+        built.append(SpeculativeDecoder(tiny[0], settings["drafter"], prefix_cache=True))
+        return built[-1]
+
+    pool = Decoders(build, keep=2)
+    lookup, plain = {"drafter": "lookup"}, {"drafter": "none"}
+    a, b = pool.take(lookup, [1]), pool.take(lookup, [1])
+    assert a is not b and len(built) == 2
+    a.generate([5, 6, 7, 8, 9], max_new_tokens=3)
+    b.generate([5, 6, 40, 41], max_new_tokens=3)
+    pool.give_back(lookup, a)
+    pool.give_back(lookup, b)
+    assert pool.take(plain, [5, 6, 40]) is built[2]  # other settings: a new decoder
+    assert pool.take(lookup, [5, 6, 40, 50]) is b  # shares 3 tokens with b's, 2 with a's
+    assert pool.take(lookup, [9]) is a and pool.take(lookup, [9]) is built[3]
+    for d in built[:3]:
+        pool.give_back(lookup, d)
+    assert pool.take(lookup, [1]) in built[1:3] and pool.take(lookup, [1]) in built[1:3]  # a left first
+    assert pool.take(lookup, [1]) is built[4]
+
+    released = []
+
+    class Failing:
+        pieces = iter(())
+
+        def __iter__(self):
+            raise RuntimeError("boom")
+
+    class FakeJob:
+        cancelled = __import__("threading").Event()
+        events = []
+
+        def emit(self, kind, value=None):
+            self.events.append(kind)
+
+    job = FakeJob()
+    produce(job, Failing(), release=lambda: released.append(1))
+    assert job.events == ["error"] and released == []

@@ -110,6 +110,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a worker; beyond that the server answers 429 (default 16)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest accepted request body; larger is 413 (default 1 MiB)")
+    s.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt whole in a fresh decoder (default: decoders are kept between "
+                        "requests and a prompt reuses the KV of the prefix it shares with an earlier one)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
     from .calc.command import add_arguments as add_calc_arguments
@@ -189,7 +192,8 @@ def _serve(args) -> int:
                           verifier=args.verifier, k=args.k, eps=args.eps, beta=args.beta, dtype=args.dtype,
                           host=args.host, port=args.port, api_key=api_key,
                           max_concurrency=args.max_concurrency, max_queue=args.max_queue,
-                          max_body_bytes=args.max_body_bytes, drafter_options=args.drafter_opt or [])
+                          max_body_bytes=args.max_body_bytes, drafter_options=args.drafter_opt or [],
+                          prefix_cache=not args.no_prefix_cache)
     serve(config, log_level=args.log_level)
     return 0
 

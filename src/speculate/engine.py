@@ -29,7 +29,7 @@ from .calc.auto import AutoK, FixedK, calibrate_eps, is_auto, profile_for
 from .drafters import Drafter, get_drafter
 from .drafters.none import NoDrafter
 from .errors import SpeculateError
-from .models.kv import KVModel
+from .models.kv import KVModel, PrefixReuse
 from .models.loader import LoadedModel
 from .sampling import Sampling, one_hot, warp
 from .stats import Stats
@@ -65,15 +65,24 @@ class SpeculativeDecoder:
     ``draft_model``).
     ``verifier``: a :class:`Verifier`, a name, or None for ``greedy`` at temperature 0 and ``sample``
     (lossless) otherwise. ``verifier_params`` go to :func:`get_verifier` (eps, beta, D, tol, ...).
+    ``prefix_cache``: keep, between this decoder's generations, the KV of the prefix a new prompt shares
+    with the last generation's tokens (target and draft model), instead of prefilling it again. At int8 the
+    kept rows are bit-identical to a fresh prefill's (batch-invariant kernels); at fp32 they can differ in
+    the last bits, so a near-tie may resolve differently than in a fresh decoder. Not for drafters that
+    read the target's features (the heads observe every prompt row).
     """
 
     def __init__(self, target: LoadedModel, drafter: Drafter | str = "lookup", verifier: Verifier | str | None = None,
-                 k: int | str = 6, draft_model: LoadedModel | None = None, **verifier_params):
+                 k: int | str = 6, draft_model: LoadedModel | None = None, prefix_cache: bool = False,
+                 **verifier_params):
         if not is_auto(k) and (not isinstance(k, int) or k < 1):
             raise SpeculateError(f"k must be an integer >= 1 or 'auto', got {k}")
         self.target = target
         self.kv = KVModel(target)
         self.drafter = drafter if isinstance(drafter, Drafter) else get_drafter(drafter, draft_model, target)
+        self.prefix_cache = prefix_cache and not self.drafter.wants_hidden
+        self.drafter.reuse_prefix = self.prefix_cache
+        self.held = PrefixReuse()  # which tokens the target's cache holds, for prefix_cache
         self.verifier_spec = verifier
         self.verifier_params = {key: v for key, v in verifier_params.items() if v is not None}
         if is_auto(self.verifier_params.get("eps")):
@@ -182,13 +191,16 @@ class SpeculativeDecoder:
         EOS or a stop string)."""
         kv, drafter, policy = self.kv, self.drafter, self.k_policy
         tokens = list(prompt_ids)
-        kv.reset(capacity=len(tokens) + max_new_tokens + drafter.max_nodes(policy.k_max) + 1)
+        capacity = len(tokens) + max_new_tokens + drafter.max_nodes(policy.k_max) + 1
+        stats.reused_prompt_tokens = kept = self.held.start(kv, tokens, capacity, self.prefix_cache)
+        self.held.follow(tokens)
         kv.taps = drafter.feature_layers  # the layer outputs a fused EAGLE head reads beside the hidden rows
         policy.reset()
         drafter.begin(tokens, sampling, generator)
-        # Prefill all but the last prompt token; the last one is scored with the first draft.
-        if len(tokens) > 1:
-            kv.forward(torch.tensor(tokens[:-1]), last=1)
+        # Prefill all but the last prompt token (and what the cache kept); the last one is scored with the
+        # first draft.
+        if len(tokens) - 1 > kept:
+            kv.forward(torch.tensor(tokens[kept:-1]), last=1)
             if drafter.wants_hidden:
                 drafter.observe(kv.hidden)
         stats.prefill_seconds = time.perf_counter() - start

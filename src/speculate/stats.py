@@ -25,6 +25,7 @@ class Stats:
     accepted_by_position: list[int] = field(default_factory=list)  # rounds that accepted position (depth) i
     prefill_seconds: float = 0.0
     wall_seconds: float = 0.0  # prefill + decoding; loading excluded
+    reused_prompt_tokens: int = 0  # prompt tokens whose KV the target's cache kept from the last generation
 
     def record(self, n_drafted: int, n_accepted: int, depth: int | None = None) -> None:
         """One round: ``n_drafted`` tokens proposed, ``n_accepted`` of them kept. A tree of
@@ -80,6 +81,7 @@ class Stats:
             "drafted_by_position": list(self.drafted_by_position),
             "accepted_by_position": list(self.accepted_by_position),
             "prefill_seconds": round(self.prefill_seconds, 4),
+            "reused_prompt_tokens": self.reused_prompt_tokens,
             "wall_seconds": round(self.wall_seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
         }

@@ -24,7 +24,8 @@ from .methods import BASELINES, expand_matrix, parse_method
 LIST_KEYS = {"datasets": str, "drafters": str, "verifiers": str, "baselines": str, "k": "int|auto",
              "eps": "float|auto", "beta": float, "D": float, "temperature": float, "method": "spec"}
 SCALAR_KEYS = {"model": str, "draft_model": str, "dtype": str, "draft_dtype": str, "limit": int, "skip": int, "shots": int,
-               "max_new_tokens": int, "seed": int, "turns": int, "out": str, "sandbox_timeout": float}
+               "max_new_tokens": int, "seed": int, "turns": int, "out": str, "sandbox_timeout": float,
+               "prefix_cache": "bool"}
 
 
 def add_arguments(p) -> None:
@@ -55,6 +56,9 @@ def add_arguments(p) -> None:
     p.add_argument("--baselines", help=f"comma-separated from {', '.join(BASELINES[1:])} (plain always runs; "
                                        f"default hf_generate, plus hf_assisted with a draft model)")
     p.add_argument("--sandbox-timeout", type=float, help="seconds per HumanEval test run (default 10)")
+    p.add_argument("--prefix-cache", action="store_true", default=None,
+                   help="each method's decoder keeps the KV of the prompt prefix it shares with its last "
+                        "generation (e.g. GSM8K's 8-shot examples), for every method alike")
     p.add_argument("--out", help="output folder (default bench-runs/<model>); rerun to resume")
 
 
@@ -67,6 +71,10 @@ def _convert(key: str, value):
             return parse_auto(str(value), float, f"--{key}")
         if kind == "spec":
             return parse_method(str(value))
+        if kind == "bool":
+            if not isinstance(value, bool):
+                raise ValueError(value)
+            return value
         return kind(value)
     except ValueError:
         raise SpeculateError(f"--{key.replace('_', '-')}: {value!r} is not a valid value") from None
@@ -124,7 +132,8 @@ def build_config(args):
     return BenchConfig(model=model, out=out, methods=methods, datasets=s.get("datasets", ["humaneval", "gsm8k", "mt_bench"]),
                        draft_model=draft, dtype=s.get("dtype", "fp32"), draft_dtype=s.get("draft_dtype"),
                        limit=s.get("limit"), skip=s.get("skip", 0), shots=s.get("shots", 8), max_new_tokens=s.get("max_new_tokens", 256),
-                       seed=s.get("seed", 0), turns=s.get("turns", 2), sandbox_timeout=s.get("sandbox_timeout", 10.0))
+                       seed=s.get("seed", 0), turns=s.get("turns", 2), sandbox_timeout=s.get("sandbox_timeout", 10.0),
+                       prefix_cache=s.get("prefix_cache", False))
 
 
 def run(args) -> int:

@@ -59,6 +59,7 @@ class BenchConfig:
     turns: int = 2  # MT-Bench turns to run (1 or 2)
     sandbox_timeout: float = 10.0
     data_dir: Path | None = None
+    prefix_cache: bool = False  # each decoder keeps the prompt prefix it shares with its last generation
 
     def fixed(self) -> dict:
         return {key: getattr(self, key) for key in FIXED}
@@ -84,7 +85,7 @@ def cut_at_stop(text: str, stops) -> tuple[str, bool]:
 class Runner:
     """Generates with one method; built once per run (each engine method owns its decoder)."""
 
-    def __init__(self, method: Method, target, draft):
+    def __init__(self, method: Method, target, draft, prefix_cache: bool = False):
         self.method, self.target, self.draft = method, target, draft
         self.eos = eos_ids(target)
         if method.kind == "engine":
@@ -93,10 +94,10 @@ class Runner:
             if method.options:
                 drafter = get_drafter(method.drafter, drafter_model, target, **dict(method.options))
             self.decoder = SpeculativeDecoder(target, drafter, method.verifier, k=method.k,
-                                              draft_model=drafter_model, eps=method.eps, beta=method.beta,
-                                              D=method.D)
+                                              draft_model=drafter_model, prefix_cache=prefix_cache,
+                                              eps=method.eps, beta=method.beta, D=method.D)
         elif method.kind == "plain":
-            self.decoder = SpeculativeDecoder(target, "none")
+            self.decoder = SpeculativeDecoder(target, "none", prefix_cache=prefix_cache)
         elif method.kind == "hf_assisted" and draft is None:
             raise SpeculateError("the baseline hf_assisted needs --draft-model")
 
@@ -267,7 +268,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
     profile = profile_for(target, draft, progress=progress)
 
     run_info = {"settings": {**cfg.fixed(), "datasets": cfg.datasets, "limit": cfg.limit, "skip": cfg.skip,
-                             "turns": cfg.turns},
+                             "turns": cfg.turns, "prefix_cache": cfg.prefix_cache},
                 "machine": machine(),
                 "torch": torch.__version__, "profile": profile.to_dict(),
                 "started": previous.get("started") or time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -284,7 +285,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
     if not todo:
         write_report(out)
         return out
-    runners = {m.name: Runner(m, target, draft) for m in methods if any(t[1] == m for t in todo)}
+    runners = {m.name: Runner(m, target, draft, cfg.prefix_cache) for m in methods if any(t[1] == m for t in todo)}
     warm = encode_prompt(target.tokenizer, "Say hello.")
     for runner in runners.values():  # untimed: first-call allocations, lazy inits, profile loading
         runner(warm, 4, (), 0)

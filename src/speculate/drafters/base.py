@@ -70,6 +70,9 @@ class Drafter:
     tree = False  # True: proposals may be trees (Draft.parents); the verifier must have a tree rule
     wants_hidden = False  # True: the engine hands over the target's hidden states through observe()
     feature_layers: tuple[int, ...] = ()  # decoder layers whose outputs observe() also wants (EAGLE-3)
+    # Set by the engine (its ``prefix_cache``): a drafter with its own KV cache may keep the prefix the
+    # next prompt shares with the last generation (models/kv.py, PrefixReuse).
+    reuse_prefix = False
 
     def begin(self, prompt_ids: list[int], sampling: Sampling, generator: torch.Generator) -> None:
         """Start a new generation (reset any state)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpeculateError
-from ..models.kv import KVModel
+from ..models.kv import KVModel, PrefixReuse
 from ..sampling import warp
 from ..verifiers.base import sample_from
 from .base import Draft, Drafter
@@ -25,10 +25,11 @@ class ModelDrafter(Drafter):
             check_same_tokenizer(draft_model.tokenizer, target_model.tokenizer)
         self.model = draft_model  # read by --k auto for the draft's cost ratio c
         self.kv = KVModel(draft_model)
+        self.held = PrefixReuse()
 
     def begin(self, prompt_ids, sampling, generator):
         super().begin(prompt_ids, sampling, generator)
-        self.kv.reset()
+        self.held.start(self.kv, prompt_ids, len(prompt_ids) + 256, self.reuse_prefix)
 
     def relative_cost(self):
         return None  # measured with the target: the draft model's forwards have their own fixed costs
@@ -36,6 +37,7 @@ class ModelDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, tokens, k):
         self.base = len(tokens)  # update() keeps the cache up to here plus what it accepts
+        self.held.follow(tokens)  # the cache holds a prefix of these (the engine's list, kept growing)
         if k == 0:  # the budget's last token: nothing to draft (update keeps the cache as it is)
             return Draft(torch.empty(0, dtype=torch.long))
         unseen = torch.tensor(tokens[self.kv.length:], dtype=torch.long)

@@ -58,6 +58,7 @@ class ModelWithLookup(Drafter):
 
     def begin(self, prompt_ids, sampling, generator):
         super().begin(prompt_ids, sampling, generator)
+        self.drafter.reuse_prefix = self.reuse_prefix
         self.drafter.begin(prompt_ids, sampling, generator)
         self.lookup.begin(prompt_ids, sampling, generator)
 

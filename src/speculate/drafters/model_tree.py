@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpeculateError
-from ..models.kv import KVModel
+from ..models.kv import KVModel, PrefixReuse
 from ..sampling import warp
 from ..verifiers.base import sample_from
 from .base import Draft, Drafter
@@ -47,13 +47,14 @@ class ModelTreeDrafter(Drafter):
         self.branch, self.spread = branch, spread
         self.model = draft_model  # read by --k auto for the draft's cost ratio c
         self.kv = KVModel(draft_model)
+        self.held = PrefixReuse()
 
     def max_nodes(self, k: int) -> int:
         return sum(self.branch ** min(d, self.spread) for d in range(1, k + 1))
 
     def begin(self, prompt_ids, sampling, generator):
         super().begin(prompt_ids, sampling, generator)
-        self.kv.reset(capacity=len(prompt_ids) + 256)
+        self.held.start(self.kv, prompt_ids, len(prompt_ids) + 256, self.reuse_prefix)
         self.base, self.fed = len(prompt_ids), 0
 
     def _children(self, logits: torch.Tensor, probs: torch.Tensor, count: int) -> list[int]:
@@ -71,6 +72,7 @@ class ModelTreeDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, tokens, k):
         self.base, self.fed = len(tokens), 0
+        self.held.follow(tokens)  # the cache holds a prefix of these (the engine's list, kept growing)
         if k == 0:
             return Draft(torch.empty(0, dtype=torch.long), None, [])
         unseen = tokens[self.kv.length:]  # at least the last committed token (never fed before)

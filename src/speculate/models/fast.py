@@ -129,8 +129,9 @@ class FastKVModel:
         self.invariant = any(is_int8(m) for m in model.modules())
 
     # ---------------------------------------------------------------------------------------------
-    def reset(self, capacity: int = 256) -> None:
-        self.length = 0
+    def reset(self, capacity: int = 256, keep: int = 0) -> None:
+        """Start a new generation; ``keep``: the cached positions to keep (a shared prompt prefix)."""
+        self.length = min(self.length, keep)
         self._ensure(capacity)
 
     def _ensure(self, needed: int) -> None:

@@ -36,9 +36,13 @@ class HFKVModel:
         self.taps: tuple[int, ...] = ()  # decoder layers whose outputs follow them in ``hidden`` (EAGLE-3)
         self._mask_min = torch.finfo(self.model.dtype).min
 
-    def reset(self, capacity: int = 0) -> None:
+    def reset(self, capacity: int = 0, keep: int = 0) -> None:
+        """Start a new generation; ``keep``: the cached positions to keep (a shared prompt prefix)."""
         from transformers import DynamicCache
 
+        if keep and self.cache is not None:
+            self.keep(keep)
+            return
         self.cache = DynamicCache(config=self.config)
         self.length = 0
 
@@ -88,6 +92,38 @@ class HFKVModel:
             layer.keys = layer.keys.index_select(-2, index)
             layer.values = layer.values.index_select(-2, index)
         self.length = start + len(nodes)
+
+
+class PrefixReuse:
+    """Which token ids a KV cache holds, so that the next generation keeps the prefix it shares with
+    them instead of computing it again (a few-shot prompt's examples, a long system prompt, the earlier
+    turns of a chat).
+
+    The owner (the engine for the target's cache, a draft-model drafter for its own) calls :meth:`start`
+    at the beginning of a generation and :meth:`follow` with the generation's list of committed tokens,
+    which it keeps extending. The cache's positions below ``min(kv.length, len(tokens))`` always hold
+    those tokens' keys and values: drafts past them (a rejected chain, a tree's nodes) sit at higher
+    positions or were rolled back, and a generation stopped inside an accepted draft leaves the cache
+    longer than the list, never the other way round.
+    """
+
+    def __init__(self):
+        self.tokens: list[int] | None = None
+
+    def follow(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def start(self, kv, prompt_ids: list[int], capacity: int, enabled: bool) -> int:
+        """Reset ``kv`` for a generation of ``prompt_ids``, keeping (when ``enabled``) the longest prefix it
+        holds of them — never the last prompt token, which the first round feeds. Returns its length."""
+        keep = 0
+        if enabled and self.tokens is not None:
+            held, limit = self.tokens, min(kv.length, len(self.tokens), len(prompt_ids) - 1)
+            while keep < limit and held[keep] == prompt_ids[keep]:
+                keep += 1
+        self.tokens = None
+        kv.reset(capacity, keep=keep)
+        return keep
 
 
 def tree_depths_and_ancestors(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,8 @@ from .auth import check_api_key
 from .body import read_json
 from .config import ServerConfig
 from .errors import APIError, error_body, install_error_handlers, validation_error
-from .generation import Outcome, prepare, produce
+from .decoders import Decoders
+from .generation import Outcome, build_decoder, prepare, produce
 from .metrics import OUTCOME_KEY, Metrics, StatusCounter
 from .pool import Job, QueueFull, WorkerPool
 from .responses import DONE, Shaper, sse
@@ -37,6 +38,8 @@ RETRY_AFTER_SECONDS = 1
 def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | None = None) -> FastAPI:
     metrics = Metrics()
     pool = WorkerPool(config.max_concurrency, config.max_queue, on_change=metrics.set_load)
+    # Idle decoders between requests (prefix reuse): one per worker, and one more for a second settings.
+    decoders = Decoders(lambda s: build_decoder(target, draft, s, config.prefix_cache), keep=config.max_concurrency + 1)
     model_id = config.model
     created = int(time.time())
 
@@ -92,8 +95,8 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
         if req.model != model_id:
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{model_id}'",
                            "model", "model_not_found")
-        prepared = await anyio.to_thread.run_sync(prepare, config, target, draft, req)
-        job = Job(partial(produce, stream=prepared.stream), asyncio.get_running_loop())
+        prepared = await anyio.to_thread.run_sync(prepare, config, target, draft, req, decoders)
+        job = Job(partial(produce, stream=prepared.stream, release=prepared.release), asyncio.get_running_loop())
         try:
             pool.submit(job)
         except QueueFull:

@@ -26,6 +26,9 @@ class ServerConfig:
     max_concurrency: int = 1  # generation workers
     max_queue: int = 16  # admitted requests waiting for a worker; beyond that: 429
     max_body_bytes: int = MiB
+    # Keep decoders between requests and reuse the KV of a prompt's shared prefix (server/decoders.py);
+    # --no-prefix-cache: every request prefills its whole prompt in a fresh decoder.
+    prefix_cache: bool = True
     # --drafter-opt KEY=VALUE: the server drafter's options (requests that name another drafter get its defaults)
     drafter_options: dict = field(default_factory=dict)
 

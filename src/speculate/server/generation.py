@@ -2,16 +2,19 @@
 
 :func:`prepare` runs every check that needs the tokenizer or the engine (prompt length against the
 context window, speculative settings) *before* the request is queued, so a bad request is a 400 and never
-takes a worker. It builds a fresh :class:`SpeculativeDecoder` (and drafter) for the request: a decoder
-holds per-generation KV state and is not thread-safe, while the model weights it points to are shared
-by all of them. :func:`produce` is the worker side: iterate the engine's stream, hand each piece to the
-request handler, stop at once when the client has gone.
+takes a worker. It takes a :class:`SpeculativeDecoder` for the request's settings from the server's
+:class:`~speculate.server.decoders.Decoders` (an idle one whose cache shares the longest prefix with the
+prompt, or a new one): a decoder holds per-generation KV state and is not thread-safe, while the model
+weights it points to are shared by all of them. :func:`produce` is the worker side: iterate the engine's
+stream, hand each piece to the request handler, stop at once when the client has gone, then give the
+decoder back.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from ..drafters import MODEL_DRAFTERS, get_drafter
 from ..engine import Generation, SpeculativeDecoder, Stream
@@ -19,6 +22,7 @@ from ..errors import SpeculateError
 from ..models.loader import LoadedModel
 from ..text import encode_prompt
 from .config import ServerConfig
+from .decoders import Decoders
 from .errors import APIError
 from .pool import Job
 from .schemas import ChatCompletionRequest, CompletionRequest, SpeculativeSettings
@@ -32,6 +36,7 @@ class Prepared:
     prompt_tokens: int
     max_tokens: int
     settings: dict  # the speculative settings in force: drafter, verifier, k, params
+    release: Callable[[], None] = lambda: None  # gives the decoder back once its generation has ended
 
 
 @dataclass
@@ -41,7 +46,7 @@ class Outcome:
 
 
 def prepare(config: ServerConfig, target: LoadedModel, draft: LoadedModel | None,
-            req: CompletionRequest | ChatCompletionRequest) -> Prepared:
+            req: CompletionRequest | ChatCompletionRequest, decoders: Decoders | None = None) -> Prepared:
     """Check and set up one request (called off the event loop: it tokenizes). Raises APIError (4xx)."""
     req.check_supported()
     stops = req.stops()
@@ -81,13 +86,15 @@ def prepare(config: ServerConfig, target: LoadedModel, draft: LoadedModel | None
     settings = merge_settings(config, req.speculative)
     if settings["verifier"] is None:  # the engine's own default, named so that the stats can report it
         settings["verifier"] = "greedy" if req.temperature == 0 else "sample"
-    decoder = build_decoder(target, draft, settings)
+    decoders = decoders or Decoders(lambda s: build_decoder(target, draft, s, config.prefix_cache), keep=0)
+    decoder = decoders.take(settings, ids)
     try:
         stream = decoder.stream(ids, max_new_tokens=budget, temperature=req.temperature, top_p=req.top_p,
                                 seed=req.seed, stop=stops)
     except SpeculateError as e:
+        decoders.give_back(settings, decoder)  # nothing ran: it is as it was
         raise APIError(400, str(e), None, "invalid_value") from None
-    return Prepared(stream, len(ids), budget, settings)
+    return Prepared(stream, len(ids), budget, settings, lambda: decoders.give_back(settings, decoder))
 
 
 def _encode(fn, param: str) -> list[int]:
@@ -112,7 +119,8 @@ def merge_settings(config: ServerConfig, spec: SpeculativeSettings | None) -> di
             "params": params}
 
 
-def build_decoder(target: LoadedModel, draft: LoadedModel | None, settings: dict) -> SpeculativeDecoder:
+def build_decoder(target: LoadedModel, draft: LoadedModel | None, settings: dict,
+                  prefix_cache: bool = False) -> SpeculativeDecoder:
     name = settings["drafter"]
     try:
         if name in MODEL_DRAFTERS and draft is None:
@@ -124,14 +132,16 @@ def build_decoder(target: LoadedModel, draft: LoadedModel | None, settings: dict
         with_draft = name in MODEL_DRAFTERS
         drafter = get_drafter(name, draft if with_draft else None, None if with_draft else target,
                               **settings["drafter_options"])
-        return SpeculativeDecoder(target, drafter, settings["verifier"], k=settings["k"], **settings["params"])
+        return SpeculativeDecoder(target, drafter, settings["verifier"], k=settings["k"], prefix_cache=prefix_cache,
+                                  **settings["params"])
     except SpeculateError as e:
         raise APIError(400, f"speculative: {e}", "speculative", "invalid_value") from None
 
 
-def produce(job: Job, stream: Stream) -> None:
+def produce(job: Job, stream: Stream, release: Callable[[], None] = lambda: None) -> None:
     """Worker side: run the generation, emitting 'piece' events, then 'done' (an :class:`Outcome`),
-    'cancelled' or 'error'. Never raises."""
+    'cancelled' or 'error', and ``release`` the decoder after 'done' or 'cancelled' (one whose generation
+    failed is dropped). Never raises."""
     first = None
     try:
         for piece in stream:
@@ -142,6 +152,7 @@ def produce(job: Job, stream: Stream) -> None:
             job.emit("piece", piece)
         if job.cancelled.is_set():
             stream.pieces.close()  # closes the engine's generator: nothing more is computed
+            release()
             job.emit("cancelled")
             return
     except SpeculateError as e:
@@ -150,4 +161,5 @@ def produce(job: Job, stream: Stream) -> None:
     except Exception as e:  # noqa: BLE001 — a failure inside generation: a 500, the server stays up
         job.emit("error", e)
         return
+    release()
     job.emit("done", Outcome(stream.generation, first))

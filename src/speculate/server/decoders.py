@@ -1,0 +1,52 @@
+"""Decoders kept between requests, so that a prompt reuses the KV of the prefix it shares with an earlier
+request's tokens — the earlier turns of a chat, a long system prompt, few-shot examples
+(``SpeculativeDecoder(prefix_cache=True)``, models/kv.py ``PrefixReuse``).
+
+A decoder holds per-generation state and serves one request at a time: :meth:`Decoders.take` hands out an
+idle decoder built for the same speculative settings — the one whose cached tokens share the longest
+prefix with the prompt — or builds one; :meth:`Decoders.give_back` returns it when its generation ends.
+At most ``keep`` idle decoders are kept (each holds a KV cache sized to its longest generation); the least
+recently returned goes first. A decoder whose generation failed is not returned.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Callable
+
+from ..engine import SpeculativeDecoder
+
+
+def shared_prefix(held: list[int] | None, ids: list[int]) -> int:
+    n = 0
+    for a, b in zip(held or (), ids):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+class Decoders:
+    def __init__(self, build: Callable[[dict], SpeculativeDecoder], keep: int):
+        self.build, self.keep = build, keep
+        self._idle: list[tuple[str, SpeculativeDecoder]] = []  # oldest first
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(settings: dict) -> str:
+        return json.dumps(settings, sort_keys=True, default=str)
+
+    def take(self, settings: dict, ids: list[int]) -> SpeculativeDecoder:
+        key = self.key(settings)
+        with self._lock:
+            mine = [i for i, (k, _) in enumerate(self._idle) if k == key]
+            if mine:
+                best = max(mine, key=lambda i: (shared_prefix(self._idle[i][1].held.tokens, ids), i))
+                return self._idle.pop(best)[1]
+        return self.build(settings)
+
+    def give_back(self, settings: dict, decoder: SpeculativeDecoder) -> None:
+        with self._lock:
+            self._idle.append((self.key(settings), decoder))
+            del self._idle[: max(0, len(self._idle) - self.keep)]
