@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from speculate import SpeculativeDecoder, load_model
 from speculate.drafters.none import NoDrafter
@@ -124,3 +125,9 @@ def test_the_hugging_face_path_keeps_a_prefix_too(tiny, monkeypatch):
     out = decoder.generate(shared + ids(7, 5), max_new_tokens=10)
     assert out.stats.reused_prompt_tokens == 30 and fed.fed[0] == 5 - 1
     assert out.token_ids == SpeculativeDecoder(target, "none").generate(shared + ids(7, 5), max_new_tokens=10).token_ids
+    # A forward that failed half-way leaves some layers longer than the others: nothing is kept from that.
+    kv = decoder.kv
+    layer = kv.cache.layers[0]
+    layer.keys, layer.values = [torch.cat([t, t[..., -1:, :]], dim=-2) for t in (layer.keys, layer.values)]
+    kv.reset(64, keep=5)
+    assert kv.length == 0 and kv.cache.get_seq_length() == 0

@@ -40,7 +40,8 @@ class HFKVModel:
         """Start a new generation; ``keep``: the cached positions to keep (a shared prompt prefix)."""
         from transformers import DynamicCache
 
-        if keep and self.cache is not None:
+        # Keep only from a consistent cache: a forward that failed half-way may have grown some layers.
+        if keep and self.cache is not None and all(layer.keys.shape[-2] == self.length for layer in self.cache.layers):
             self.keep(keep)
             return
         self.cache = DynamicCache(config=self.config)

@@ -38,8 +38,8 @@ RETRY_AFTER_SECONDS = 1
 def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | None = None) -> FastAPI:
     metrics = Metrics()
     pool = WorkerPool(config.max_concurrency, config.max_queue, on_change=metrics.set_load)
-    # Idle decoders between requests (prefix reuse): one per worker, and one more for a second settings.
-    decoders = Decoders(lambda s: build_decoder(target, draft, s, config.prefix_cache), keep=config.max_concurrency + 1)
+    # Idle decoders between requests (prefix reuse): one per worker, each holding its KV buffers.
+    decoders = Decoders(lambda s: build_decoder(target, draft, s, config.prefix_cache), keep=config.max_concurrency)
     model_id = config.model
     created = int(time.time())
 
