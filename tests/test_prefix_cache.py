@@ -109,6 +109,9 @@ def test_what_a_cache_holds_is_never_past_the_committed_tokens():
     kv.length = 4
     assert held.start(kv, [5, 6, 7, 8], 64, enabled=True) == 3  # never the last prompt token: it is fed next
     assert held.start(kv, [5, 6, 7, 8], 64, enabled=True) == 0  # start() forgets: nothing followed since
+    held.follow([5, 6, 7, 8])
+    kv.length = 2  # the cache holds only the first two (e.g. a draft model that had not caught up)
+    assert held.start(kv, [5, 6, 7, 8, 9], 64, enabled=True) == 2
 
 
 def test_the_hugging_face_path_keeps_a_prefix_too(tiny, monkeypatch):

@@ -95,6 +95,16 @@ class HFKVModel:
         self.length = start + len(nodes)
 
 
+def shared_prefix(a, b) -> int:
+    """How many leading tokens the sequences ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a or (), b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class PrefixReuse:
     """Which token ids a KV cache holds, so that the next generation keeps the prefix it shares with
     them instead of computing it again (a few-shot prompt's examples, a long system prompt, the earlier
@@ -119,9 +129,7 @@ class PrefixReuse:
         holds of them — never the last prompt token, which the first round feeds. Returns its length."""
         keep = 0
         if enabled and self.tokens is not None:
-            held, limit = self.tokens, min(kv.length, len(self.tokens), len(prompt_ids) - 1)
-            while keep < limit and held[keep] == prompt_ids[keep]:
-                keep += 1
+            keep = shared_prefix(self.tokens[: min(kv.length, len(prompt_ids) - 1)], prompt_ids)
         self.tokens = None
         kv.reset(capacity, keep=keep)
         return keep

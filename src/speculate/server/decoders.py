@@ -16,15 +16,7 @@ import threading
 from typing import Callable
 
 from ..engine import SpeculativeDecoder
-
-
-def shared_prefix(held: list[int] | None, ids: list[int]) -> int:
-    n = 0
-    for a, b in zip(held or (), ids):
-        if a != b:
-            break
-        n += 1
-    return n
+from ..models.kv import shared_prefix
 
 
 class Decoders:
