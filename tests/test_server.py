@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -582,7 +583,7 @@ def test_idle_decoders_are_kept_per_settings_and_matched_by_prefix(tiny):
             raise RuntimeError("boom")
 
     class FakeJob:
-        cancelled = __import__("threading").Event()
+        cancelled = threading.Event()
         events = []
 
         def emit(self, kind, value=None):

@@ -26,7 +26,6 @@ restated docstring line is accepted whole, and lookup drafts it for nothing.
 
 from __future__ import annotations
 
-
 from ..errors import SpeculateError
 from .base import Drafter
 from .lookup import MAX_COPY, LookupDrafter

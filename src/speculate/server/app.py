@@ -95,7 +95,7 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
         if req.model != model_id:
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{model_id}'",
                            "model", "model_not_found")
-        prepared = await anyio.to_thread.run_sync(prepare, config, target, draft, req, decoders)
+        prepared = await anyio.to_thread.run_sync(prepare, config, target, decoders, req)
         job = Job(partial(produce, stream=prepared.stream, release=prepared.release), asyncio.get_running_loop())
         try:
             pool.submit(job)

@@ -45,8 +45,8 @@ class Outcome:
     first_piece_at: float | None  # perf_counter time of the first text piece
 
 
-def prepare(config: ServerConfig, target: LoadedModel, draft: LoadedModel | None,
-            req: CompletionRequest | ChatCompletionRequest, decoders: Decoders | None = None) -> Prepared:
+def prepare(config: ServerConfig, target: LoadedModel, decoders: Decoders,
+            req: CompletionRequest | ChatCompletionRequest) -> Prepared:
     """Check and set up one request (called off the event loop: it tokenizes). Raises APIError (4xx)."""
     req.check_supported()
     stops = req.stops()
@@ -86,7 +86,6 @@ def prepare(config: ServerConfig, target: LoadedModel, draft: LoadedModel | None
     settings = merge_settings(config, req.speculative)
     if settings["verifier"] is None:  # the engine's own default, named so that the stats can report it
         settings["verifier"] = "greedy" if req.temperature == 0 else "sample"
-    decoders = decoders or Decoders(lambda s: build_decoder(target, draft, s, config.prefix_cache), keep=0)
     decoder = decoders.take(settings, ids)
     try:
         stream = decoder.stream(ids, max_new_tokens=budget, temperature=req.temperature, top_p=req.top_p,
