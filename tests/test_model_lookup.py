@@ -88,6 +88,28 @@ def test_the_draft_model_catches_up_after_lookup_rounds(tiny):
         assert any(acc < n for copied, n, acc in drafter.rounds if copied)  # lookup was wrong at times
 
 
+def test_k_auto_learns_only_from_the_draft_models_rounds(tiny, tmp_path, monkeypatch):
+    """``--k auto`` sizes the draft model's rounds, so its α estimate counts only those: lookup's copies,
+    of their own length and acceptance, are left out (they would pull k towards lookup's rate)."""
+    from speculate.calc.auto import AutoK
+
+    monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path))  # the cost profile is measured into a scratch cache
+    target = tiny[0]
+    drafter = Recording(noisy_copy(target, 0.1), target, min_match=1)
+    decoder = SpeculativeDecoder(target, drafter, "greedy", k="auto")
+    prompt = repetitive_prompt(3)
+    assert decoder.generate(prompt, max_new_tokens=48).token_ids == \
+        SpeculativeDecoder(target, "none").generate(prompt, max_new_tokens=48).token_ids
+    policy = decoder.k_policy
+    assert isinstance(policy, AutoK)
+    prior_successes, prior_failures = policy.alpha0 * policy.prior_weight, (1 - policy.alpha0) * policy.prior_weight
+    model_rounds = [(n, acc) for copied, n, acc in drafter.rounds if not copied and n]
+    copies = [(n, acc) for copied, n, acc in drafter.rounds if copied]
+    assert model_rounds and copies
+    assert policy.successes == pytest.approx(prior_successes + sum(acc for _, acc in model_rounds))
+    assert policy.failures == pytest.approx(prior_failures + sum(acc < n for n, acc in model_rounds))
+
+
 def test_sampling_is_lossless(tiny):
     """The first three sampled tokens against the exact warped target distribution (chi-square at 1e-3):
     the prompt repeats, so rounds are drafted by lookup (one-hot rows) and by the draft model."""

@@ -128,16 +128,19 @@ def test_a_tree_drafted_by_the_target_itself_is_accepted_whole(tiny, spread):
         assert drafter.max_nodes(k) == sum(2 ** min(d, spread) for d in range(1, k + 1))
 
 
+@pytest.mark.parametrize("verifier", ["greedy", "sample"])
 @pytest.mark.parametrize("wrong", [1, 2])
-def test_tree_oracle_takes_the_right_sibling_and_respects_the_budget(tiny, wrong):
-    """Trees deeper than k and than the budget (the engine prunes them), the right branch last."""
+def test_tree_oracle_takes_the_right_sibling_and_respects_the_budget(tiny, wrong, verifier):
+    """Trees deeper than k and than the budget (the engine prunes them), the right branch last. The
+    oracle's siblings are certain drafts without p_draft rows (as the heads' greedy trees are): ``sample``
+    at temperature 0 must take them as greedy does."""
     model = tiny[2]
     prompt = random_prompt(7, 5)
     ref = plain(model, prompt, 40)
     for n_new in (1, 2, 3, 9, 40):
         for corrupt in (0.0, 0.3):
             drafter = TreeOracle(len(prompt), ref.token_ids, depth=8, wrong=wrong, corrupt=corrupt, seed=n_new)
-            out = SpeculativeDecoder(model, drafter, "greedy", k=3).generate(prompt, max_new_tokens=n_new)
+            out = SpeculativeDecoder(model, drafter, verifier, k=3).generate(prompt, max_new_tokens=n_new)
             assert out.token_ids == ref.token_ids[:n_new]
             assert out.stats.new_tokens == n_new and out.finish_reason == "length"
             # The engine prunes a tree only to the budget (k is the drafter's to respect): depth 8, or
@@ -306,6 +309,10 @@ def test_draft_within_prunes_deep_nodes_and_reindexes():
     assert len(draft.within(0)) == 0 and draft.within(0).parents == []
     chain = Draft(torch.tensor([1, 2, 3]))
     assert chain.within(2).tokens.tolist() == [1, 2] and chain.within(2).parents is None and chain.depth == 3
+    # The other fields stay: a copy not sized by k is still one when the budget cuts it.
+    copy = Draft(torch.tensor([1, 2, 3]), from_k=False)
+    assert copy.within(2).from_k is False and len(copy.within(2)) == 2
+    assert Draft(torch.tensor([1, 2]), None, [-1, 0], replacement=True).within(1).replacement is True
 
 
 def test_stats_record_a_tree_by_depth():

@@ -225,7 +225,8 @@ class SpeculativeDecoder:
                 drafter.update(len(path), verdict.next_token, path)
             if drafter.wants_hidden:  # self-drafting heads continue from the target's own features
                 drafter.observe(kv.hidden[rows])
-            policy.update(draft.depth, len(path))
+            if draft.from_k:  # (model+lookup's copies say nothing about the draft model's acceptance)
+                policy.update(draft.depth, len(path))
             stats.record(len(draft), len(path), draft.depth)
             for token in draft.tokens[path].tolist() + [verdict.next_token]:
                 tokens.append(token)
@@ -243,8 +244,10 @@ def _verify(verifier: Verifier, draft, logits: torch.Tensor, sampling: Sampling,
         draft_probs = draft.probs if draft.probs is not None else one_hot(draft.tokens, logits.shape[-1])
     if draft.parents is not None:
         target_probs, sample_probs = (logits.softmax(-1), warped) if verifier.raw_target else (warped, None)
+        # Certain drafts (no p_draft rows: the heads' greedy trees, lookup's nodes) are each their own
+        # draw, independent of their siblings: the with-replacement rule is the exact one for them.
         return verify_tree(verifier, draft.tokens, draft.parents, draft_probs, target_probs, state, generator,
-                           sample_probs, replacement=draft.replacement)
+                           sample_probs, replacement=draft.replacement or draft.probs is None)
     if verifier.raw_target:
         return verifier.verify(draft.tokens, draft_probs, logits.softmax(-1), state, generator, warped)
     return verifier.verify(draft.tokens, draft_probs, warped, state, generator)

@@ -12,7 +12,7 @@ committed token, else the index of node i's parent. A tree is verified in one ta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,6 +28,8 @@ class Draft:
     parents: list[int] | None = None  # None: a chain; else each node's parent (-1: the last committed token)
     replacement: bool = False  # tree only: siblings drawn i.i.d. WITH replacement (else without); the
     #                            lossless sampling rule differs (verifiers/tree.py, tree_sample)
+    from_k: bool = True  # False: its length was not the round's k (model+lookup's copies), so --k auto,
+    #                      which sizes the draft model's rounds, learns no acceptance rate from it
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -56,13 +58,14 @@ class Draft:
         if self.depth <= max_depth:
             return self
         if self.parents is None:  # a chain: its first max_depth tokens
-            return Draft(self.tokens[:max_depth], None if self.probs is None else self.probs[:max_depth])
+            return replace(self, tokens=self.tokens[:max_depth],
+                           probs=None if self.probs is None else self.probs[:max_depth])
         keep = [i for i, d in enumerate(self.node_depths()) if d <= max_depth]
         index = torch.tensor(keep, dtype=torch.long)
         probs = None if self.probs is None else self.probs[index]
         new_index = {old: new for new, old in enumerate(keep)}
         parents = [-1 if self.parents[i] < 0 else new_index[self.parents[i]] for i in keep]
-        return Draft(self.tokens[index], probs, parents, self.replacement)
+        return replace(self, tokens=self.tokens[index], probs=probs, parents=parents)
 
 
 class Drafter:

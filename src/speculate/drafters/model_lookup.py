@@ -26,6 +26,8 @@ restated docstring line is accepted whole, and lookup drafts it for nothing.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..errors import SpeculateError
 from .base import Drafter
 from .lookup import MAX_COPY, LookupDrafter
@@ -70,8 +72,8 @@ class ModelWithLookup(Drafter):
     def propose(self, tokens, k):
         found = self.lookup.match(tokens) if k else None
         self.copied = found is not None and found[0] >= self.min_match
-        if self.copied:
-            return self.lookup.copy(tokens, found[1], self.lookup_k or k)
+        if self.copied:  # a copy's length is lookup's own (not k): --k auto learns nothing from it
+            return replace(self.lookup.copy(tokens, found[1], self.lookup_k or k), from_k=False)
         return self.drafter.propose(tokens, k)
 
     def update(self, n_accepted, next_token):
