@@ -11,10 +11,12 @@ from .model import ModelDrafter
 from .model_lookup import ModelWithLookup
 from .model_tree import ModelTreeDrafter
 from .none import NoDrafter
+from .retrieval import RetrievalDrafter
 
 # The drafters with a draft model; ``model+lookup`` lets lookup draft the rounds it can copy (model_lookup.py).
 MODEL_DRAFTERS = {"model": ModelDrafter, "model-tree": ModelTreeDrafter, "model+lookup": ModelWithLookup}
-DRAFTERS = {"none": NoDrafter, "lookup": LookupDrafter, **MODEL_DRAFTERS}
+# ``retrieval`` also takes the target: it drafts from an n-gram table of the target's own answers (retrieval.py).
+DRAFTERS = {"none": NoDrafter, "lookup": LookupDrafter, "retrieval": RetrievalDrafter, **MODEL_DRAFTERS}
 NEEDS_MODEL_DRAFTER = "--draft-model needs --drafter " + ", ".join(MODEL_DRAFTERS)  # the CLI's and server's error
 
 
@@ -61,6 +63,7 @@ ALL_DRAFTERS = (*DRAFTERS, *SELF_DRAFTERS)  # every name get_drafter takes
 _EAGLE_OPTIONS = {"heads": str, "topk": int, "budget": int, "depth": int, "min_confidence": float}
 OPTIONS: dict[str, dict[str, type]] = {
     "none": {}, "lookup": {"max_ngram": int, "min_ngram": int, "max_copy": int}, "model": {},
+    "retrieval": {"store": str, "min_context": int, "min_share": float, "max_ngram": int, "max_copy": int},
     "model+lookup": {"min_match": int, "lookup_k": int, "max_copy": int},
     "model-tree": {"branch": int, "spread": int}, "medusa": {"heads": str}, "medusa-chain": {"heads": str},
     "eagle": _EAGLE_OPTIONS, "eagle-chain": {"heads": str, "min_confidence": float}, "layerskip": {"layers": int},
@@ -107,6 +110,8 @@ def get_drafter(name: str, draft_model=None, target=None, **params) -> Drafter:
         return MODEL_DRAFTERS[name](draft_model, target, **params)
     if draft_model is not None:
         raise SpeculateError(f"drafter '{name}' takes no draft model; use --drafter {', '.join(MODEL_DRAFTERS)}")
+    if name == "retrieval":
+        return RetrievalDrafter(target, **params)
     return DRAFTERS[name](**params)
 
 

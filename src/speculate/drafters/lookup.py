@@ -55,8 +55,12 @@ class LookupDrafter(Drafter):
         return max(k, self.max_copy)
 
     def propose(self, tokens, k):
-        found = self.match(tokens)
         self.copied = 0
+        return self.from_match(tokens, k, self.match(tokens))
+
+    def from_match(self, tokens, k, found) -> Draft:
+        """The draft for :meth:`match`'s answer ``found``: a copy (growing) on a full match, else
+        min(k, 2^(n-1)) tokens; nothing without a match."""
         if found is None:
             return Draft(EMPTY)
         n, start = found

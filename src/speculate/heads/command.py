@@ -27,7 +27,9 @@ DEFAULTS = {"prompts": 2048, "max_new_tokens": 160, "batch": 16, "medusa_steps":
 def add_arguments(parser) -> None:
     from ..models import ALIASES, DEFAULT_MODEL
 
-    parser.add_argument("--kind", required=True, choices=("medusa", "eagle"), help="which heads to train")
+    parser.add_argument("--kind", required=True, choices=("medusa", "eagle", "answers"),
+                        help="which heads to train; answers: no training, the answer store of the retrieval drafter "
+                             "(the data's answers, written to --out/answers.safetensors)")
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"target model: an alias ({', '.join(ALIASES)}) or a local Hugging Face folder "
                              f"(default {DEFAULT_MODEL})")
@@ -90,12 +92,19 @@ def run(args) -> int:
     progress = not args.quiet
     out = Path(args.out)
     data_dir = Path(args.data_dir) if args.data_dir else out
+    for flag, folder in (("--out", out), ("--data-dir", data_dir)):
+        try:  # before the model loads: an unwritable folder is a one-line error, not a traceback later
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SpeculateError(f"{flag} {folder}: cannot create the folder ({e.strerror or e})") from None
 
     def log(msg):
         print(f"speculate: {msg}", file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
     target = load_model(args.model, progress=progress)
+    if args.kind == "answers":
+        return _answer_store(target, args, data_dir, out, progress, log)
     check_feature_layers(feature_layers, target, "--feature-layers")
     data = build_data(target, data_dir, args.prompts, args.max_new_tokens, args.gen_batch, progress=progress,
                       feature_layers=feature_layers)
@@ -121,6 +130,20 @@ def run(args) -> int:
     save_heads(out, heads, target.name, vocab_size, meta, torch.float32 if args.fp32 else torch.float16)
     log(f"saved {args.kind} heads to {out} (held-out top-1: {meta.get('heldout_top1')}, vocabulary coverage "
         f"{meta['vocab_coverage']:.1%}) in {meta['train_seconds_total']:.0f} s")
+    return 0
+
+
+def _answer_store(target, args, data_dir: Path, out: Path, progress: bool, log) -> int:
+    """``--kind answers``: the data's answers (generated unless cached) as the retrieval drafter's store."""
+    from ..drafters.answer_store import FILE, save_store
+    from .data import build_answers
+
+    answers = build_answers(target, data_dir, args.prompts, args.max_new_tokens, args.gen_batch, progress)
+    meta = {"model": target.name, "vocab_size": int(target.model.get_output_embeddings().out_features),
+            "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+            "answer_tokens": sum(len(a) for a in answers)}
+    save_store(out / FILE, answers, meta)
+    log(f"saved the answer store ({len(answers)} answers, {meta['answer_tokens']} tokens) to {out / FILE}")
     return 0
 
 

@@ -355,9 +355,7 @@ def build_data(loaded, out_dir: Path, n_prompts: int, max_new_tokens: int, batch
                prompts: list[str] | None = None, progress: bool = True, feature_layers=()) -> DistillData:
     """The cached data in ``out_dir/data-<prompts>x<tokens>.safetensors``, built first when missing (or
     extended, :func:`with_taps`, when it lacks some of ``feature_layers``)."""
-    path = Path(out_dir) / f"data-{n_prompts}x{max_new_tokens}.safetensors"
-    key = {"model": loaded.name, "prompts": n_prompts, "max_new_tokens": max_new_tokens,
-           "hidden_size": int(loaded.model.config.hidden_size)}
+    path, key = _data_file(loaded, out_dir, n_prompts, max_new_tokens)
     data = load_data(path)
     if data is not None and all(data.meta.get(k) == v for k, v in key.items()):
         extended = with_taps(loaded, data, feature_layers, progress)
@@ -376,6 +374,35 @@ def build_data(loaded, out_dir: Path, n_prompts: int, max_new_tokens: int, batch
     partial.unlink(missing_ok=True)
     path.with_suffix(".prompts.json").unlink(missing_ok=True)
     return data
+
+
+def build_answers(loaded, out_dir: Path, n_prompts: int, max_new_tokens: int, batch_size: int = 16,
+                  progress: bool = True) -> list[list[int]]:
+    """The answers of :func:`build_data`'s data, without its hidden states (for the answer store,
+    drafters/answer_store.py): read from the data file when it is built, else generated — resumable, and
+    the answers stay cached in ``out_dir`` for a later :func:`build_data` to reuse."""
+    from safetensors import safe_open
+
+    path, key = _data_file(loaded, out_dir, n_prompts, max_new_tokens)
+    try:
+        with safe_open(path, "pt") as f:
+            meta = json.loads(f.metadata()["meta"])
+            ids, starts, lengths, prompt_lengths = (f.get_tensor(name).tolist() for name in
+                                                    ("ids", "starts", "lengths", "prompt_lengths"))
+        if all(meta.get(k) == v for k, v in key.items()):
+            return [ids[s + p: s + n] for s, n, p in zip(starts, lengths, prompt_lengths)]
+    except Exception:  # missing, truncated or another version's: generate
+        pass
+    prompts = _cached_prompts(loaded, path.with_suffix(".prompts.json"), n_prompts, progress)
+    pairs = generate_answers(loaded, prompts, max_new_tokens, batch_size, progress, path.with_suffix(".answers.json"))
+    return [answer for _, answer in pairs]
+
+
+def _data_file(loaded, out_dir: Path, n_prompts: int, max_new_tokens: int) -> tuple[Path, dict]:
+    """Where the data of ``n_prompts`` answers of up to ``max_new_tokens`` lives, and the metadata it must have."""
+    key = {"model": loaded.name, "prompts": n_prompts, "max_new_tokens": max_new_tokens,
+           "hidden_size": int(loaded.model.config.hidden_size)}
+    return Path(out_dir) / f"data-{n_prompts}x{max_new_tokens}.safetensors", key
 
 
 def _cached_prompts(loaded, file: Path, n_prompts: int, progress: bool) -> list[str]:

@@ -90,13 +90,14 @@ def load_heads(folder: str | Path, kind: str | None = None) -> tuple[MedusaHeads
     return heads, config
 
 
-def shipped_folder(model_name: str, kind: str):
-    """The heads shipped with the package for ``model_name`` (an alias), or None."""
+def shipped_folder(model_name: str, kind: str, marker: str = CONFIG):
+    """The heads (or the answer store: ``kind`` "answers", ``marker`` its file) shipped with the package for
+    ``model_name`` (an alias), or None."""
     from importlib.resources import files
 
     safe = model_name.replace("/", "_")
     path = files("speculate.heads").joinpath("shipped", safe, kind)
-    return Path(str(path)) if path.joinpath(CONFIG).is_file() else None
+    return Path(str(path)) if path.joinpath(marker).is_file() else None
 
 
 def check_target(config: dict, loaded, folder) -> None:
