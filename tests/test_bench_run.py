@@ -203,11 +203,32 @@ def test_predictions_use_the_profile_and_the_fitted_alpha():
     (["--config", "/no/such.toml"], "no such file"),
     (["--limit", "0"], "--limit"),
     (["--skip", "-1"], "--skip"),
+    (["--config", "."], "cannot read it"),  # a folder
+    (["--config", "LIMIT_LIST"], "--limit"),  # limit = [1, 2] in the file
+    (["--config", "LIMIT_BOOL"], "--limit"),  # limit = true
+    (["--config", "TURNS_5"], "--turns"),
+    (["--sandbox-timeout", "-5"], "--sandbox-timeout"),
+    (["--verifiers", "consultant", "--eps=-1"], "eps"),  # checked before any model loads
+    (["--method", "verifier=consultant,eps=-3"], "eps"),
+    (["--verifiers", "consultant", "--beta", "5"], "beta"),
+    (["--datasets", "nope"], "nope"),
 ])
 def test_bench_bad_input_is_one_line(capsys, args, message, tmp_path):
+    files = {"LIMIT_LIST": "limit = [1, 2]\n", "LIMIT_BOOL": "limit = true\n", "TURNS_5": "turns = 5\n"}
+    if args[-1] in files:
+        (tmp_path / "c.toml").write_text(files[args[-1]])
+        args = [*args[:-1], str(tmp_path / "c.toml")]
     assert main(["bench", *args, "--out", str(tmp_path / "x")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
+    assert not (tmp_path / "x").exists()  # a refused run leaves no folder behind
+
+
+def test_bench_out_that_cannot_be_a_folder_is_one_line(capsys, tmp_path):
+    (tmp_path / "file.txt").write_text("not a folder")
+    assert main(["bench", "--datasets", "copy", "--limit", "1", "--out", str(tmp_path / "file.txt" / "sub")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "cannot create the folder" in lines[0], lines
 
 
 def test_greedy_at_a_temperature_leaves_only_the_baselines(tmp_path):

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,3 +135,36 @@ def test_train_heads_end_to_end(tiny_folders, tmp_path, capsys):
         assert main(bad) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and flag in err[0], err
+
+
+def test_unwritable_outputs_are_one_line_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    """train-heads with an --out that cannot be a folder, and calc --from-results on a damaged run: one line,
+    exit 2; calc only reads a results folder (a torn last line stays for the run that resumes to repair)."""
+    import speculate.models as models
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model should not load")
+
+    monkeypatch.setattr(models, "load_model", no_loading)
+    (tmp_path / "file.txt").write_text("not a folder")
+    assert main(["train-heads", "--kind", "medusa", "--out", str(tmp_path / "file.txt" / "sub")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--out" in lines[0] and "cannot create the folder" in lines[0], lines
+    run = tmp_path / "run"
+    run.mkdir()
+    real = Path(__file__).parent.parent / "docs" / "runs" / "retrieval-int8" / "samples.jsonl"
+    plain = next(line for line in real.read_text().splitlines() if '"method": "plain"' in line)
+    (run / "samples.jsonl").write_text(plain + '\n{"meth')  # a record of a real run, then a torn line
+    for content in ("not json", "[]", "{}"):
+        (run / "run.json").write_text(content)
+        assert main(["calc", "--from-results", str(run)]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "damaged" in lines[0], lines
+    (run / "run.json").write_text((real.parent / "run.json").read_text())
+    before = (run / "samples.jsonl").read_bytes()
+    assert main(["calc", "--from-results", str(run)]) == 2  # nothing it can predict: one line
+    assert "no speculative method" in capsys.readouterr().err
+    assert (run / "samples.jsonl").read_bytes() == before
+    (run / "samples.jsonl").write_text('{"method": 5}\n')
+    assert main(["calc", "--from-results", str(run)]) == 2
+    assert "not a result record" in capsys.readouterr().err

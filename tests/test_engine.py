@@ -221,6 +221,14 @@ def test_speculative_sampling_end_to_end_matches_the_target(tiny):
     assert 0 < st.accepted_draft_tokens < st.drafted_tokens
 
 
+def test_a_seed_out_of_torchs_range_is_refused(tiny):
+    decoder = SpeculativeDecoder(tiny[0], "lookup")
+    for seed in (2**64, -(2**63) - 1, 1.5, True):
+        with pytest.raises(SpeculateError, match="seed must be an integer"):
+            decoder.generate("abc", max_new_tokens=2, seed=seed)
+    assert decoder.generate("abc", max_new_tokens=2, seed=2**64 - 1).stats.new_tokens == 2
+
+
 def test_seeded_runs_reproduce(tiny):
     decoder = SpeculativeDecoder(tiny[1], get_drafter("model", noisy_copy(tiny[1], 0.1), tiny[1]), "sample", k=4)
     prompt = random_prompt(4, 6)

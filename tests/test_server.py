@@ -229,6 +229,16 @@ BAD = [  # (body for /v1/completions unless "path" is given, status, param, code
      "messages", "context_length_exceeded"),
     ({"path": "/v1/chat/completions", "model": "M", "messages": MESSAGES, "max_completion_tokens": 5000}, 400,
      "max_completion_tokens", "invalid_value"),
+    # What the engine cannot honour is refused, not ignored:
+    ({"model": "M", "prompt": "hi", "logprobs": 0}, 400, "logprobs", "unsupported_parameter"),
+    ({"path": "/v1/chat/completions", "model": "M", "messages": MESSAGES, "response_format": {"type": "json_object"}},
+     400, "response_format", "unsupported_parameter"),
+    ({"path": "/v1/chat/completions", "model": "M", "messages": MESSAGES, "tool_choice": "required"}, 400,
+     "tool_choice", "unsupported_parameter"),
+    ({"path": "/v1/chat/completions", "model": "M", "messages": MESSAGES, "functions": [{"name": "f"}]}, 400,
+     "functions", "unsupported_parameter"),
+    ({"path": "/v1/chat/completions", "model": "M", "messages": MESSAGES, "modalities": ["text", "audio"]}, 400,
+     "modalities", "unsupported_parameter"),
 ]
 
 
@@ -250,6 +260,7 @@ def test_bad_inputs_get_4xx_with_an_openai_error_object(served):
         (b"[1, 2]", {}, 400, "invalid_json"),
         (b"", {}, 400, "invalid_json"),
         (b"\xff\xfe", {}, 400, "invalid_json"),
+        (b'{"model": ' + b"[" * 100000 + b"]" * 100000 + b"}", {}, 400, "invalid_json"),  # nested too deeply
         (json.dumps({"model": served.model, "prompt": "y" * (1 << 20)}).encode(), {}, 413, "request_too_large"),
         (b'{"model": "x", "prompt": "hi"}', {"Authorization": "Bearer wrong"}, 401, "invalid_api_key"),
         (b'{"model": "x", "prompt": "hi"}', {"Authorization": ""}, 401, "invalid_api_key"),
@@ -284,7 +295,7 @@ def test_bad_inputs_get_4xx_with_an_openai_error_object(served):
                    metric(before, "speculate_requests_total", endpoint=e, status=status)
                    for e in ("/v1/completions", "/v1/chat/completions", "/v1/models", "other"))
 
-    assert delta("400") == sum(1 for _, s, _, _ in BAD if s == 400) + 4
+    assert delta("400") == sum(1 for _, s, _, _ in BAD if s == 400) + 5
     assert (delta("401"), delta("404"), delta("405"), delta("413"), delta("415"), delta("500")) == (2, 2, 1, 2, 3, 0)
     assert httpx.get(served.url + "/health").status_code == 200
     ok = post(served, "/v1/completions", {"model": served.model, "prompt": "hi", "max_tokens": 3, "temperature": 0})

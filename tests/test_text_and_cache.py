@@ -67,8 +67,20 @@ def test_cache_detects_corruption_and_truncation(tmp_path):
     assert not verified(folder)
     (folder / "weights.bin").write_bytes(b"x" * 999)  # truncated
     assert not verified(folder)
+    for shape in ("[]", '{"files": {"config.json": 5}}', '{"files": []}'):  # JSON, but not a manifest
+        (folder / "manifest.json").write_text(shape)
+        assert not verified(folder)
     (folder / "manifest.json").unlink()
     assert not verified(folder)
+
+
+def test_an_unwritable_cache_is_one_clear_error(tmp_path):
+    from speculate import SpeculateError
+
+    (tmp_path / "file").write_text("a file, not a folder")
+    with pytest.raises(SpeculateError, match="SPECULATE_CACHE"):
+        with building(tmp_path / "file" / "models" / "m"):
+            pass
 
 
 def test_failed_build_leaves_nothing_and_keeps_the_old_folder(tmp_path):

@@ -26,16 +26,22 @@ def _drafter_opt_help() -> str:
 def _k_arg(value: str):
     from .calc.auto import parse_auto
 
-    k = parse_auto(value, int, "--k")
+    try:
+        k = parse_auto(value, int, "--k")
+    except SpeculateError as e:  # argparse shows an ArgumentTypeError's own message (others: "invalid _k_arg")
+        raise argparse.ArgumentTypeError(str(e)) from None
     if k != "auto" and k < 1:
-        raise SpeculateError(f"--k must be >= 1 or 'auto', got {k}")
+        raise argparse.ArgumentTypeError(f"--k must be >= 1 or 'auto', got {k}")
     return k
 
 
 def _eps_arg(value: str):
     from .calc.auto import parse_auto
 
-    return parse_auto(value, float, "--eps")
+    try:
+        return parse_auto(value, float, "--eps")
+    except SpeculateError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class _Parser(argparse.ArgumentParser):

@@ -154,6 +154,8 @@ class SpeculativeDecoder:
             raise SpeculateError(f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) "
                                  f"exceeds the model's context window of {window} tokens")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64):
+            raise SpeculateError(f"seed must be an integer in [-2^63, 2^64), got {seed}")  # torch's seed range
         generator = torch.Generator()
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
         stream = Stream(iter(()))

@@ -75,8 +75,10 @@ def _convert(key: str, value):
             if not isinstance(value, bool):
                 raise ValueError(value)
             return value
+        if isinstance(value, (bool, list, dict)):  # TOML's true, [..] and {..} are no number nor name
+            raise ValueError(value)
         return kind(value)
-    except ValueError:
+    except (ValueError, TypeError):
         raise SpeculateError(f"--{key.replace('_', '-')}: {value!r} is not a valid value") from None
 
 
@@ -88,6 +90,8 @@ def settings(args) -> dict:
             raw = tomllib.loads(Path(args.config).read_text())
         except FileNotFoundError:
             raise SpeculateError(f"--config: no such file: {args.config}") from None
+        except (OSError, UnicodeDecodeError) as e:  # a folder, unreadable, not UTF-8
+            raise SpeculateError(f"--config {args.config}: cannot read it ({e.__class__.__name__}: {e})") from None
         except tomllib.TOMLDecodeError as e:
             raise SpeculateError(f"--config {args.config}: {e}") from None
         unknown = sorted(set(raw) - set(LIST_KEYS) - set(SCALAR_KEYS))
@@ -127,6 +131,16 @@ def build_config(args):
     for key, low in (("limit", 1), ("skip", 0), ("shots", 0), ("max_new_tokens", 1)):
         if key in s and s[key] < low:
             raise SpeculateError(f"--{key.replace('_', '-')} must be >= {low}, got {s[key]}")
+    from .datasets import DATASETS
+
+    for name in s.get("datasets", []):
+        if name not in DATASETS:
+            raise SpeculateError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")
+    if s.get("turns", 2) not in (1, 2):
+        raise SpeculateError(f"--turns must be 1 or 2, got {s['turns']}")
+    timeout = s.get("sandbox_timeout", 10.0)
+    if not 0 < timeout < float("inf"):
+        raise SpeculateError(f"--sandbox-timeout must be a number of seconds > 0, got {timeout}")
     model = s.get("model", DEFAULT_MODEL)
     out = Path(s.get("out") or Path("bench-runs") / Path(model).name)
     return BenchConfig(model=model, out=out, methods=methods, datasets=s.get("datasets", ["humaneval", "gsm8k", "mt_bench"]),
@@ -139,10 +153,7 @@ def build_config(args):
 def run(args) -> int:
     from .runner import run_bench
 
-    cfg = build_config(args)
-    print(f"speculate bench: {len(cfg.methods) + 1} methods (plain included) × {', '.join(cfg.datasets)} → {cfg.out}",
-          file=sys.stderr)
-    out = run_bench(cfg)
+    out = run_bench(build_config(args))
     print((out / "summary.md").read_text())
     print(f"results: {out}/samples.jsonl, summary.md, summary.csv, *.png", file=sys.stderr)
     return 0

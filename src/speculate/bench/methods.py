@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, fields
 from ..calc.auto import is_auto, parse_auto
 from ..drafters import ALL_DRAFTERS, MODEL_DRAFTERS, parse_options
 from ..errors import SpeculateError
-from ..verifiers import VERIFIERS
+from ..verifiers import VERIFIERS, get_verifier
 
 BASELINES = ("plain", "hf_generate", "hf_assisted", "hf_lookup")
 METHOD_KEYS = ("drafter", "verifier", "k", "temperature", "eps", "beta", "D")  # the rest: the drafter's options
@@ -102,6 +102,10 @@ def engine_method(drafter: str, verifier: str, k, temperature: float = 0.0, eps=
         raise SpeculateError("eps 'auto' is for the consultant verifier")
     takes = VERIFIER_PARAMS[verifier]
     params = {key: value for key, value in (("eps", eps), ("beta", beta), ("D", D)) if key in takes}
+    try:  # the values' ranges now, not after the model has loaded and run.json is written
+        get_verifier(verifier, **{key: value for key, value in params.items() if not is_auto(value)})
+    except (ValueError, TypeError) as e:
+        raise SpeculateError(f"method {drafter}/{verifier}: {e}") from None
     options = tuple(sorted(parse_options(drafter, options or {}).items()))
     return Method("engine", drafter, verifier, "auto" if is_auto(k) else k, temperature=float(temperature),
                   options=options, **params)

@@ -264,7 +264,7 @@ def write_report(out: Path) -> list[dict]:
 
     out = Path(out)
     run = json.loads((out / RUN_FILE).read_text()) if (out / RUN_FILE).is_file() else {}
-    rows = summarise(read_records(out / SAMPLES_FILE))
+    rows = summarise(read_records(out / SAMPLES_FILE, repair=False))  # the run repairs before it appends
     atomic_write_text(out / "summary.md", to_markdown(rows, run))
     atomic_write_text(out / "summary.csv", to_csv(rows))
     atomic_write_text(out / "summary.json", json.dumps(rows, indent=1) + "\n")

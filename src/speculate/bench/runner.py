@@ -207,22 +207,31 @@ def run_sample(runner: Runner, sample: Sample, cfg: BenchConfig) -> dict:
 
 # --- the results file --------------------------------------------------------------------------------------
 
-def read_records(path: Path) -> list[dict]:
-    """The records of ``samples.jsonl``. A torn last line (a run killed mid-write) is dropped, and the
-    file rewritten without it so that appends continue on a clean line."""
+def read_records(path: Path, repair: bool = True) -> list[dict]:
+    """The records of ``samples.jsonl``. A torn last line (a run killed mid-write) is dropped, and with
+    ``repair`` (a run about to append) the file rewritten without it so that appends continue on a clean
+    line; readers that only analyse (``speculate calc --from-results``) leave the file as it is."""
     path = Path(path)
     if not path.is_file():
         return []
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpeculateError(f"{path}: cannot read it ({e.__class__.__name__})") from None
     records, good = [], []
     for i, line in enumerate(lines):
         try:
-            records.append(json.loads(line))
-            good.append(line if line.endswith("\n") else line + "\n")
+            record = json.loads(line)
         except json.JSONDecodeError:
             if i != len(lines) - 1:
                 raise SpeculateError(f"{path}: line {i + 1} is not JSON; the file is damaged") from None
-    if len(good) != len(lines) or (lines and not lines[-1].endswith("\n")):
+            continue
+        if not (isinstance(record, dict) and all(isinstance(record.get(k), str) for k in ("method", "dataset", "id"))
+                and isinstance(record.get("turns"), list) and isinstance(record.get("quality"), dict)):
+            raise SpeculateError(f"{path}: line {i + 1} is not a result record; the file is damaged")
+        records.append(record)
+        good.append(line if line.endswith("\n") else line + "\n")
+    if repair and (len(good) != len(lines) or (lines and not lines[-1].endswith("\n"))):
         atomic_write_text(path, "".join(good))
     return records
 
@@ -237,7 +246,12 @@ def append_record(path: Path, record: dict) -> None:
 def _check_run_file(out: Path, cfg: BenchConfig) -> dict:
     path = out / RUN_FILE
     if path.is_file():
-        old = json.loads(path.read_text())
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, ValueError):
+            old = None
+        if not isinstance(old, dict):
+            raise SpeculateError(f"{path} is unreadable or damaged; use another --out")
         differ = [k for k in FIXED if old.get("settings", {}).get(k) != cfg.fixed()[k]]
         if differ:
             raise SpeculateError(f"{out} holds a run with other settings ({', '.join(differ)}); use another --out "
@@ -255,7 +269,6 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
     from .report import write_report
 
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     previous = _check_run_file(out, cfg)
     end = None if cfg.limit is None else cfg.skip + cfg.limit
     samples = [s for name in cfg.datasets for s in load_dataset(name, end, cfg.shots, cfg.data_dir)[cfg.skip:]]
@@ -263,6 +276,13 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
     needs_draft = any(m.needs_draft_model for m in methods)
     if needs_draft and not cfg.draft_model:
         raise SpeculateError("a method drafts with a model (drafter model or hf_assisted): give --draft-model")
+    try:  # after the checks above (a refused run leaves no empty folder), before the models load
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpeculateError(f"--out {out}: cannot create the folder ({e.strerror or e})") from None
+    if progress:  # (after the checks: a refused run prints its one error line only)
+        print(f"speculate bench: {len(methods)} methods (plain included) × {', '.join(cfg.datasets)} → {out}",
+              file=sys.stderr)
     target = load_model(cfg.model, dtype=cfg.dtype)
     draft = load_model(cfg.draft_model, dtype=cfg.draft_dtype or cfg.dtype) if cfg.draft_model else None
     profile = profile_for(target, draft, progress=progress)

@@ -309,8 +309,13 @@ def _from_results(args) -> int:
     if not (folder / RUN_FILE).is_file() or not (folder / SAMPLES_FILE).is_file():
         raise SpeculateError(f"--from-results: {folder} is not a `speculate bench` output folder "
                              f"(no {RUN_FILE} / {SAMPLES_FILE})")
-    run = json.loads((folder / RUN_FILE).read_text())
-    preds = predictions(run, summarise(read_records(folder / SAMPLES_FILE), n_resamples=200))
+    try:
+        run = json.loads((folder / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        run = None
+    if not isinstance(run, dict) or not isinstance(run.get("profile"), dict) or not isinstance(run.get("methods"), dict):
+        raise SpeculateError(f"--from-results: {folder / RUN_FILE} is unreadable or damaged")
+    preds = predictions(run, summarise(read_records(folder / SAMPLES_FILE, repair=False), n_resamples=200))
     if not preds:
         raise SpeculateError(f"--from-results: {folder} has no speculative method with finished samples"
                              f" that the model describes (it leaves out {', '.join(UNMODELLED)})")

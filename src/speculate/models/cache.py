@@ -17,6 +17,8 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..errors import SpeculateError
+
 MANIFEST = "manifest.json"
 
 
@@ -45,13 +47,13 @@ def verified(folder: Path) -> bool:
     """True when ``folder`` holds a complete manifest and every listed file matches it."""
     try:
         files = json.loads((folder / MANIFEST).read_text())["files"]
-    except (OSError, ValueError, KeyError):
+        for name, meta in files.items():
+            path = folder / name
+            # Size first: a truncated file is caught without reading it.
+            if not path.is_file() or path.stat().st_size != meta["size"] or sha256_file(path) != meta["sha256"]:
+                return False
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # missing, or not a manifest's shape
         return False
-    for name, meta in files.items():
-        path = folder / name
-        # Size first: a truncated file is caught without reading it.
-        if not path.is_file() or path.stat().st_size != meta["size"] or sha256_file(path) != meta["sha256"]:
-            return False
     return bool(files)
 
 
@@ -59,8 +61,12 @@ def verified(folder: Path) -> bool:
 def building(folder: Path):
     """Yield a temporary folder beside ``folder``; on success it becomes ``folder`` atomically
     (with its manifest), on any error it is removed. A stale or corrupted ``folder`` is replaced."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    except OSError as e:  # e.g. $SPECULATE_CACHE names a file or an unwritable place
+        raise SpeculateError(f"cannot write the cache in {folder.parent} ({e.strerror or e}); set SPECULATE_CACHE "
+                             f"to a writable folder") from None
     try:
         yield tmp
         write_manifest(tmp)

@@ -47,6 +47,8 @@ async def read_json(request: Request, limit: int) -> dict:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:  # arrays or objects nested deeper than the parser goes
+        raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     return data

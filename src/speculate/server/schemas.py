@@ -91,7 +91,7 @@ class CompletionRequest(_Common):
         super().check_supported()
         if self.echo:
             raise APIError(400, "echo is not supported", "echo", "unsupported_parameter")
-        if self.logprobs:
+        if self.logprobs is not None:  # (0 asks for the chosen tokens' logprobs)
             raise APIError(400, "logprobs is not supported", "logprobs", "unsupported_parameter")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of: only 1 is supported", "best_of", "unsupported_parameter")
@@ -131,6 +131,11 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    response_format: dict | None = None
+    modalities: list[str] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -138,6 +143,16 @@ class ChatCompletionRequest(_Common):
             raise APIError(400, "logprobs is not supported", "logprobs", "unsupported_parameter")
         if self.tools:
             raise APIError(400, "tools are not supported", "tools", "unsupported_parameter")
+        if self.tool_choice not in (None, "none", "auto"):  # a forced call with no tools to call
+            raise APIError(400, "tool_choice: tools are not supported", "tool_choice", "unsupported_parameter")
+        for name in ("functions", "function_call"):
+            if getattr(self, name) not in (None, [], "none", "auto"):
+                raise APIError(400, f"{name} is not supported", name, "unsupported_parameter")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise APIError(400, "response_format: only {\"type\": \"text\"} is supported (no JSON mode or schema)",
+                           "response_format", "unsupported_parameter")
+        if self.modalities not in (None, ["text"]):
+            raise APIError(400, "modalities: only [\"text\"] is supported", "modalities", "unsupported_parameter")
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
