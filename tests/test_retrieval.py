@@ -190,3 +190,24 @@ def test_the_shipped_store_drafts_for_the_default_model(default_model):
     lookup = SpeculativeDecoder(default_model, "lookup", "greedy", k=6).generate(question, max_new_tokens=64)
     assert out.token_ids == ref.token_ids
     assert drafter.from_store > 5 and out.stats.target_calls < lookup.stats.target_calls
+
+
+def test_auto_is_retrieval_where_a_store_ships_else_lookup(default_model, tiny, capsys):
+    from speculate.drafters import resolve
+
+    assert resolve("auto", default_model) == "retrieval" and resolve("auto", tiny[0]) == "lookup"
+    assert resolve("eagle", default_model) == "eagle"
+    assert SpeculativeDecoder(default_model).drafter.name == "retrieval"  # the library's default
+    assert SpeculativeDecoder(tiny[0]).drafter.name == "lookup"
+    assert get_drafter("auto", None, tiny[0]).name == "lookup"
+    assert resolve("auto", "smollm2-135m-instruct") == "retrieval"  # by name too (the server's flags)
+    assert main(["generate", "Name three colours.", "--max-new-tokens", "8"]) == 0  # the command line's default
+    assert "[retrieval/greedy k=6]" in capsys.readouterr().err
+    # Options reach the drafter auto stands for: retrieval's here, lookup's on a model without a store.
+    assert main(["generate", "Name three colours.", "--max-new-tokens", "8", "--drafter-opt", "min_share=0.9"]) == 0
+    capsys.readouterr()
+    from speculate.server.config import ServerConfig
+
+    assert ServerConfig(model="smollm2-135m-instruct", drafter_options={"min_share": 0.9}).drafter == "retrieval"
+    with pytest.raises(SpeculateError, match="takes: max_ngram"):
+        ServerConfig(model="/some/folder", drafter_options={"min_share": 0.9})

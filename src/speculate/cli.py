@@ -62,9 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"target model: an alias ({', '.join(ALIASES)}) or a local Hugging Face folder "
                         f"(default {DEFAULT_MODEL})")
-    g.add_argument("--drafter", default="lookup", choices=list(ALL_DRAFTERS),
-                   help="default lookup (prompt lookup); medusa / eagle draft trees with heads trained on the "
-                        "target (shipped for the default model; -chain variants draft chains)")
+    g.add_argument("--drafter", default="auto", choices=list(ALL_DRAFTERS),
+                   help="default auto: retrieval (prompt lookup, then the target's own past answers) where an "
+                        "answer store ships for the model, else lookup (prompt lookup); medusa / eagle draft trees "
+                        "with heads trained on the target (shipped for the default model; -chain variants draft "
+                        "chains)")
     g.add_argument("--heads", metavar="DIR", help="heads folder for medusa / eagle (default: the shipped ones)")
     g.add_argument("--drafter-opt", action="append", metavar="KEY=VALUE", help=_drafter_opt_help())
     g.add_argument("--draft-model", help="draft model for --drafter model, model-tree or model+lookup: an alias or a "
@@ -94,8 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"target model: an alias ({', '.join(ALIASES)}) or a local Hugging Face folder "
                         f"(default {DEFAULT_MODEL}); also the model id clients must send")
-    s.add_argument("--drafter", default="lookup", choices=list(ALL_DRAFTERS),
-                   help="default drafter for requests (default lookup)")
+    s.add_argument("--drafter", default="auto", choices=list(ALL_DRAFTERS),
+                   help="default drafter for requests (default auto: retrieval where an answer store ships for the "
+                        "model, else lookup)")
     s.add_argument("--draft-model", help="draft model for --drafter model, model-tree or model+lookup (loaded once, "
                                          "shared by requests)")
     s.add_argument("--drafter-opt", action="append", metavar="KEY=VALUE", help=_drafter_opt_help())
@@ -147,9 +150,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _generate(args) -> int:
-    from .drafters import HEAD_DRAFTERS, MODEL_DRAFTERS, NEEDS_MODEL_DRAFTER, get_drafter, parse_options
+    from .drafters import HEAD_DRAFTERS, MODEL_DRAFTERS, NEEDS_MODEL_DRAFTER, get_drafter, parse_options, resolve
     from .engine import SpeculativeDecoder
     from .models import load_model
+
+    args.drafter = resolve(args.drafter, args.model)
 
     if args.max_new_tokens < 0:
         raise SpeculateError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -157,6 +162,8 @@ def _generate(args) -> int:
         raise SpeculateError("the prompt is empty")
     if args.draft_model and args.drafter not in MODEL_DRAFTERS:
         raise SpeculateError(NEEDS_MODEL_DRAFTER)
+    if args.draft_dtype and not args.draft_model:
+        raise SpeculateError("--draft-dtype is the draft model's precision: it needs --draft-model")
     target = load_model(args.model, dtype=args.dtype)
     draft = load_model(args.draft_model, dtype=args.draft_dtype or args.dtype) if args.draft_model else None
     options = parse_options(args.drafter, args.drafter_opt or [])

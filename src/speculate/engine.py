@@ -72,7 +72,7 @@ class SpeculativeDecoder:
     read the target's features (the heads observe every prompt row).
     """
 
-    def __init__(self, target: LoadedModel, drafter: Drafter | str = "lookup", verifier: Verifier | str | None = None,
+    def __init__(self, target: LoadedModel, drafter: Drafter | str = "auto", verifier: Verifier | str | None = None,
                  k: int | str = 6, draft_model: LoadedModel | None = None, prefix_cache: bool = False,
                  **verifier_params):
         if not is_auto(k) and (not isinstance(k, int) or k < 1):

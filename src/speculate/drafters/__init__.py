@@ -54,7 +54,20 @@ def _with_lookup(name, make_base, default_base_k, target, base_k=_DEFAULT, **par
 SELF_DRAFTERS = ("medusa", "medusa-chain", "eagle", "eagle-chain", "layerskip",
                  "eagle+lookup", "eagle-chain+lookup", "medusa+lookup", "medusa-chain+lookup")
 HEAD_DRAFTERS = tuple(name for name in SELF_DRAFTERS if name != "layerskip")  # the ones that take ``heads``
-ALL_DRAFTERS = (*DRAFTERS, *SELF_DRAFTERS)  # every name get_drafter takes
+# ``auto``: the fastest drafter that needs nothing more from the user (:func:`resolve`).
+ALL_DRAFTERS = ("auto", *DRAFTERS, *SELF_DRAFTERS)  # every name get_drafter takes
+
+
+def resolve(name: str, target=None) -> str:
+    """``auto`` → ``retrieval`` where an answer store ships for the target (a LoadedModel or its alias; the
+    default model: 1.25-1.67× plain int8 decoding against lookup's 1.21-1.35×, docs/benchmarks.md §7), else
+    ``lookup``; any other name is itself. Resolved before options are parsed, so that ``--drafter-opt``
+    reaches the drafter ``auto`` stands for."""
+    if name != "auto":
+        return name
+    from .answer_store import shipped_store
+
+    return "retrieval" if target is not None and shipped_store(target) is not None else "lookup"
 
 
 # The options each drafter takes by name from the command line (``--drafter-opt KEY=VALUE``) and in bench
@@ -95,6 +108,7 @@ def get_drafter(name: str, draft_model=None, target=None, **params) -> Drafter:
     """A drafter by name. ``model``, ``model-tree`` and ``model+lookup`` need ``draft_model`` (a
     LoadedModel sharing the target's tokenizer); ``model-tree`` takes ``branch`` and ``spread``
     (drafters/model_tree.py), ``model+lookup`` ``min_match`` and ``lookup_k`` (drafters/model_lookup.py)."""
+    name = resolve(name, target)
     if name in SELF_DRAFTERS:
         if draft_model is not None:
             raise SpeculateError(f"drafter '{name}' drafts with heads on the target itself; it takes no draft model")
@@ -116,4 +130,4 @@ def get_drafter(name: str, draft_model=None, target=None, **params) -> Drafter:
 
 
 __all__ = ["ALL_DRAFTERS", "DRAFTERS", "HEAD_DRAFTERS", "MODEL_DRAFTERS", "NEEDS_MODEL_DRAFTER", "OPTIONS", "SELF_DRAFTERS", "Draft", "Drafter",
-           "get_drafter", "parse_options"]
+           "get_drafter", "parse_options", "resolve"]

@@ -143,13 +143,18 @@ def _table(stream: torch.Tensor, seq: torch.Tensor, max_n: int, min_count: int, 
 _LOADED: dict = {}  # (file, settings) → AnswerStore: a server builds a decoder per request's settings
 
 
+def shipped_store(target) -> Path | None:
+    """The folder of the answer store shipped for ``target`` (a LoadedModel, or a model name), or None."""
+    from ..heads.io import shipped_folder
+
+    return shipped_folder(target if isinstance(target, str) else target.name, "answers", marker=FILE)
+
+
 def find_store(target, path: str | Path | None = None, **settings) -> AnswerStore:
     """The answer store for ``target`` (a LoadedModel): ``path`` (the file, or a folder holding it), else
     the one shipped for its alias. Refused when its answers were written with another vocabulary."""
     if path is None:
-        from ..heads.io import shipped_folder
-
-        folder = shipped_folder(target.name, "answers", marker=FILE)
+        folder = shipped_store(target)
         if folder is None:
             raise SpeculateError(f"no answer store ships for '{target.name}'; build one with `speculate train-heads "
                                  f"--kind answers --model {target.name} --out DIR` and pass store=DIR")

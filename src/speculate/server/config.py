@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..drafters import MODEL_DRAFTERS, NEEDS_MODEL_DRAFTER, parse_options
+from ..drafters import MODEL_DRAFTERS, NEEDS_MODEL_DRAFTER, parse_options, resolve
 from ..errors import SpeculateError
 
 MiB = 1 << 20
@@ -13,7 +13,7 @@ MiB = 1 << 20
 @dataclass(frozen=True)
 class ServerConfig:
     model: str  # the target: an alias or a local Hugging Face folder; also the served model id
-    drafter: str = "lookup"
+    drafter: str = "auto"
     draft_model: str | None = None
     verifier: str | None = None  # None: greedy at temperature 0, sample otherwise
     k: int = 6
@@ -47,6 +47,7 @@ class ServerConfig:
             raise SpeculateError(NEEDS_MODEL_DRAFTER)
         if self.api_key is not None and not self.api_key:
             raise SpeculateError("--api-key must not be empty")
+        object.__setattr__(self, "drafter", resolve(self.drafter, self.model))  # auto: by the model's name
         object.__setattr__(self, "drafter_options", parse_options(self.drafter, self.drafter_options))
 
     @property
