@@ -51,6 +51,8 @@ def test_stream_prints_the_same_text(tiny_folders):
     (["--verifier", "consultant", "--beta", "1"], "beta"),
     (["--verifier", "consultant", "--beta", "-0.1"], "beta"),
     (["--temperature", "-1"], "temperature"),
+    (["--temperature", "inf"], "finite"),
+    (["--draft-dtype", "int8"], "needs --draft-model"),
     (["--top-p", "0"], "top_p"),
     (["--top-p", "1.5"], "top_p"),
     (["--max-new-tokens", "-3"], "max-new-tokens"),

@@ -475,13 +475,20 @@ def test_queue_full_then_disconnects_free_the_slot(served, slow_forward):
         one.stop()
 
 
-def test_cli_serve_flags_and_a_real_subprocess(tiny_folders):
+def test_cli_serve_flags_and_a_real_subprocess(tiny_folders, capsys):
     args = _parser().parse_args(["serve", "--model", "m"])
     assert (args.host, args.port, args.max_concurrency, args.api_key) == ("127.0.0.1", 8000, 1, None)
     assert args.no_prefix_cache is False and _parser().parse_args(["serve", "--model", "m", "--no-prefix-cache"]).no_prefix_cache
     assert main(["serve", "--model", str(tiny_folders[0]), "--max-concurrency", "0"]) == 2
     assert main(["serve", "--model", str(tiny_folders[0]), "--verifier", "consultant", "--eps", "-1",
-                 "--port", "1"]) == 2  # refused at load time, before binding anything
+                 "--port", "1"]) == 2  # refused before serving anything
+    with socket.socket() as busy:  # a port another process listens on: one line, before the models load
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        capsys.readouterr()
+        assert main(["serve", "--model", "/no/such/model", "--port", str(busy.getsockname()[1])]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "cannot listen on 127.0.0.1" in lines[0], lines
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,8 +21,8 @@ class Sampling:
     top_k: int = 0  # 0 = off
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise SpeculateError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # (inf would warp every row to uniform)
+            raise SpeculateError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise SpeculateError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 
 from ..errors import SpeculateError
 from .config import ServerConfig
@@ -27,11 +28,24 @@ def load_models(config: ServerConfig):
     return target, draft
 
 
+def _check_address(host: str, port: int) -> None:
+    """Refuse an address this process cannot listen on (taken, or not a local address). A port freed later
+    or taken in between is uvicorn's to report, as before."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as e:  # (socket.gaierror is one)
+        raise SpeculateError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+
+
 def serve(config: ServerConfig, log_level: str = "info") -> None:
     import uvicorn
 
     from .app import create_app
 
+    _check_address(config.host, config.port)  # before the models load: a busy port is one line, at once
     target, draft = load_models(config)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):

@@ -49,7 +49,8 @@ def get_verifier(name: str, **params) -> Verifier:
     allowed = _accepted_params(cls)
     unknown = sorted(set(params) - set(allowed))
     if unknown:
-        takes = f"it takes: {', '.join(allowed)}" if allowed else "it takes no parameters"
+        shown = [n for n in allowed if n != "greedy"]  # (set by the engine from the temperature, not by users)
+        takes = f"it takes: {', '.join(shown)}" if shown else "it takes no parameters"
         raise ValueError(f"verifier {name!r} does not take {', '.join(unknown)}; {takes}")
     return cls(**params)
 

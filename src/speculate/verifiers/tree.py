@@ -454,8 +454,8 @@ def verify_tree(
 
 
 def tree_rule_missing(verifier: Verifier) -> str:
-    return (f"verifier '{verifier.name}' has no tree rule: tree drafts (drafter 'model-tree') can be verified "
-            f"by {', '.join(cls.name for cls in TREE_RULES)}")
+    return (f"verifier '{verifier.name}' has no tree rule: tree drafts (model-tree, medusa, eagle, the +lookup "
+            f"merges) can be verified by {', '.join(cls.name for cls in TREE_RULES)}")
 
 
 __all__ = [
