@@ -28,7 +28,7 @@ from speculate import SpeculativeDecoder, load_model
 from speculate.bench.datasets import load_dataset
 from speculate.drafters import get_drafter
 from speculate.drafters import retrieval as retrieval_module
-from speculate.drafters.answer_store import FILE, AnswerStore
+from speculate.drafters.answer_store import FILE, AnswerStore, shipped_store
 from speculate.sampling import Sampling
 from speculate.text import encode_prompt
 
@@ -87,11 +87,23 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--answers", default="retrieval-replay-answers.json")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (the replay itself is deterministic)")
+    parser.add_argument("--store-sizes", default="",
+                        help="instead of the settings grid: the default settings with stores of the first N answers "
+                             "of the shipped one, e.g. 256,512,1024,2048 (how τ grows with the store)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     records = answers(Path(args.answers))
     target = load_model("smollm2-135m-instruct", dtype="int8")
     print("lookup k=6", replay(get_drafter("lookup"), records, 6))
+    if args.store_sizes:
+        drafter = get_drafter("retrieval", None, target)
+        shipped = _answers(target)
+        for n in (int(x) for x in args.store_sizes.split(",")):
+            drafter.store = AnswerStore(shipped[:n], max_n=retrieval_module.MAX_N, min_count=retrieval_module.MIN_COUNT,
+                                        min_n=retrieval_module.MIN_N)
+            print(f"retrieval k=6, a store of {n} answers ({len(drafter.store.table)} n-grams)",
+                  replay(drafter, records, 6), flush=True)
+        return
     for min_count in (1, 2):  # the shipped store's answers, counted into tables of each setting
         for min_n in (1, 2):
             drafter = get_drafter("retrieval", None, target)
@@ -105,10 +117,17 @@ def main():
 
 
 def _store(target, min_count, min_n) -> AnswerStore:
-    from importlib.resources import files
+    return AnswerStore(_answers(target), max_n=retrieval_module.MAX_N, min_count=min_count, min_n=min_n)
 
-    path = Path(str(files("speculate.heads").joinpath("shipped", target.name, "answers", FILE)))
-    return AnswerStore.load(path, max_n=retrieval_module.MAX_N, min_count=min_count, min_n=min_n)
+
+def _answers(target) -> list[list[int]]:
+    """The shipped store's answers, in the order of their prompts (slots of four: a GSM8K question, two chat
+    questions, a rewrite task), so that the first N are a balanced subset."""
+    from safetensors import safe_open
+
+    with safe_open(str(shipped_store(target) / FILE), "pt") as f:
+        tokens, starts = f.get_tensor("tokens").tolist(), f.get_tensor("starts").tolist()
+    return [tokens[a:b] for a, b in zip(starts, starts[1:])]
 
 
 if __name__ == "__main__":
