@@ -221,6 +221,13 @@ def test_speculative_sampling_end_to_end_matches_the_target(tiny):
     assert 0 < st.accepted_draft_tokens < st.drafted_tokens
 
 
+def test_a_prompt_of_the_wrong_shape_is_refused(tiny):
+    decoder = SpeculativeDecoder(tiny[0], "lookup")
+    for prompt in (5, [{"role": "wizard", "content": "hi"}], [{"role": "user", "content": 5}], [], ["a", "b"]):
+        with pytest.raises(SpeculateError, match="the prompt must be|the prompt is empty"):
+            decoder.generate(prompt, max_new_tokens=2)
+
+
 def test_a_seed_out_of_torchs_range_is_refused(tiny):
     decoder = SpeculativeDecoder(tiny[0], "lookup")
     for seed in (2**64, -(2**63) - 1, 1.5, True):

@@ -168,6 +168,10 @@ def test_greedy_output_equals_the_engine(served, client, tiny):
     chat = client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=25, temperature=0)
     engine = SpeculativeDecoder(tiny[0], "lookup", "greedy", k=3).generate(MESSAGES, max_new_tokens=25)
     assert chat.choices[0].message.content == engine.text
+    # top_k (an extension, as vLLM's): at top_k = 1 sampling at temperature 1 can only take the argmax.
+    sampled = client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=25, temperature=1.0,
+                                             seed=3, extra_body={"top_k": 1})
+    assert sampled.choices[0].message.content == engine.text
     assert chat.usage.prompt_tokens == engine.prompt_tokens
 
     # stop: the server stops where the engine does

@@ -5,6 +5,9 @@ from __future__ import annotations
 from .errors import SpeculateError
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")  # the chat roles (the server's schema takes the same)
+
+
 def encode_prompt(tokenizer, prompt, chat: bool | None = None) -> list[int]:
     """A string or a list of chat messages → prompt token ids.
 
@@ -22,8 +25,10 @@ def encode_prompt(tokenizer, prompt, chat: bool | None = None) -> list[int]:
         if not has_template:
             raise SpeculateError("this model's tokenizer has no chat template; send the raw prompt (--no-chat)")
         prompt = [{"role": "user", "content": prompt}]
-    if not prompt or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in prompt):
-        raise SpeculateError("messages must be a non-empty list of {'role', 'content'} objects")
+    if not isinstance(prompt, list) or not prompt or not all(
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in prompt):
+        raise SpeculateError(f"the prompt must be a string, token ids, or a non-empty list of {{'role', 'content'}} "
+                             f"messages with a role in {', '.join(ROLES)} and text content")
     if not getattr(tokenizer, "chat_template", None):
         raise SpeculateError("this model's tokenizer has no chat template; send a plain prompt")
     ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)

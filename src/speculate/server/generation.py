@@ -89,7 +89,7 @@ def prepare(config: ServerConfig, target: LoadedModel, decoders: Decoders,
     decoder = decoders.take(settings, ids)
     try:
         stream = decoder.stream(ids, max_new_tokens=budget, temperature=req.temperature, top_p=req.top_p,
-                                seed=req.seed, stop=stops)
+                                top_k=req.top_k, seed=req.seed, stop=stops)
     except SpeculateError as e:
         decoders.give_back(settings, decoder)  # nothing ran: it is as it was
         raise APIError(400, str(e), None, "invalid_value") from None

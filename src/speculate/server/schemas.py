@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..drafters import ALL_DRAFTERS
+from ..text import ROLES
 from ..verifiers import VERIFIERS
 from .errors import APIError
 
@@ -48,6 +49,7 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # not OpenAI's; vLLM's and llama.cpp's servers take it too (0: off)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     n: int = 1
@@ -118,7 +120,7 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal[ROLES]
     content: str | list[TextPart]
 
     def text(self) -> str:
