@@ -118,3 +118,20 @@ def test_incremental_decoding_equals_decoding_everything(tok):
 
     rng = random.Random(0)
     assert_incremental_equals_full(tok, [rng.randrange(3, len(tok)) for _ in range(300)])
+
+
+def test_atomic_writes_get_ordinary_permissions_and_leave_nothing_on_failure(tmp_path):
+    """Files and cache folders get what a plain open()/mkdir() would (temporary files are 0600, folders
+    0700 while they are written); a failed write leaves neither the file nor its temporary."""
+    from speculate.models.cache import _UMASK, atomic_path, atomic_write_text
+
+    atomic_write_text(tmp_path / "a.txt", "x")
+    assert (tmp_path / "a.txt").stat().st_mode & 0o777 == 0o666 & ~_UMASK
+    with pytest.raises(RuntimeError):
+        with atomic_path(tmp_path / "b.bin") as tmp:
+            tmp.write_bytes(b"half")
+            raise RuntimeError("interrupted")
+    assert not (tmp_path / "b.bin").exists() and not list(tmp_path.glob(".*"))
+    with building(tmp_path / "m") as tmp:
+        (tmp / "f").write_text("1")
+    assert (tmp_path / "m").stat().st_mode & 0o777 == 0o777 & ~_UMASK

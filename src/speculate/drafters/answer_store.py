@@ -15,8 +15,6 @@ and the table is counted from them when loaded, with tensor ops (well under a se
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -80,18 +78,12 @@ def save_store(path: str | Path, answers: list[list[int]], meta: dict) -> None:
     """An answer store's file: the answers (the table is counted when loaded), written atomically."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    from ..models.cache import atomic_path
+
     tokens = torch.tensor([t for a in answers for t in a], dtype=torch.int32)
     starts = torch.tensor([0] + [len(a) for a in answers], dtype=torch.int64).cumsum(0)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({"tokens": tokens, "starts": starts}, tmp, metadata={"meta": json.dumps(meta)})
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        save_file({"tokens": tokens, "starts": starts}, str(tmp), metadata={"meta": json.dumps(meta)})
 
 
 def _table(stream: torch.Tensor, seq: torch.Tensor, max_n: int, min_count: int, min_n: int = 1) -> dict:

@@ -21,10 +21,8 @@ Sizes: rows are stored in fp16; N sequences of ~L tokens take N·L·H·2 bytes (
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -324,19 +322,14 @@ def with_taps(loaded, data: DistillData, feature_layers, progress: bool = True) 
 def save_data(path: Path, data: DistillData) -> None:
     from safetensors.torch import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        tensors = {"ids": data.ids, "hidden": data.hidden, "starts": data.starts, "lengths": data.lengths,
-                   "prompt_lengths": data.prompt_lengths}
-        if data.taps is not None:
-            tensors["taps"] = data.taps
-        save_file(tensors, tmp, metadata={"meta": json.dumps(data.meta)})
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from ..models.cache import atomic_path
+
+    tensors = {"ids": data.ids, "hidden": data.hidden, "starts": data.starts, "lengths": data.lengths,
+               "prompt_lengths": data.prompt_lengths}
+    if data.taps is not None:
+        tensors["taps"] = data.taps
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"meta": json.dumps(data.meta)})
 
 
 def load_data(path: Path) -> DistillData | None:

@@ -8,15 +8,13 @@ never saved: the heads always use the target's own (frozen) ones.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..errors import SpeculateError
-from ..models.cache import atomic_write_text
+from ..models.cache import atomic_path, atomic_write_text
 from ..models.quantize import weight_bytes
 from .eagle import EagleHead
 from .medusa import MedusaHeads
@@ -39,14 +37,8 @@ def save_heads(folder: str | Path, heads: MedusaHeads | EagleHead, target: str, 
                if name != "vocab"}
     if heads.vocab is not None:
         tensors["vocab"] = heads.vocab.contiguous().clone()
-    fd, tmp = tempfile.mkstemp(prefix=f".{WEIGHTS}.", dir=folder)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp)
-        os.replace(tmp, folder / WEIGHTS)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(folder / WEIGHTS) as tmp:
+        save_file(tensors, str(tmp))
     config = {"format": FORMAT, **heads.config(), "target": target, "vocab_size": vocab_size,
               "weights_dtype": str(dtype).replace("torch.", ""), "training": meta or {}}
     atomic_write_text(folder / CONFIG, json.dumps(config, indent=1))

@@ -23,8 +23,6 @@ and the heads of the best measurement are the ones returned: an earlier shipped 
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -349,15 +347,11 @@ def save_checkpoint(path: Path, heads, optim, step: int, gen, settings, seconds:
                     curve=()) -> None:
     """``seconds``: time spent in the training loop so far, over every run that led here; ``best`` and
     ``curve``: the held-out measurements so far (see :func:`_measure`)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
+    from ..models.cache import atomic_path
+
+    with atomic_path(path) as tmp:
         torch.save({"heads": heads.state_dict(), "optim": optim.state_dict(), "step": step, "rng": gen.get_state(),
                     "settings": settings, "seconds": seconds, "best": best, "curve": list(curve)}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def read_checkpoint_step(out_dir: Path) -> int | None:

@@ -70,6 +70,7 @@ def building(folder: Path):
     try:
         yield tmp
         write_manifest(tmp)
+        os.chmod(tmp, 0o777 & ~_UMASK)
         if folder.exists():
             # rename() cannot replace a non-empty folder: move the old one aside first.
             old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
@@ -81,17 +82,32 @@ def building(folder: Path):
         raise
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a small file so that readers see the old content or the new, never a half."""
+# The process's umask, read once at import (reading it means setting it): atomic writes give their files the
+# permissions a plain open() would (mkstemp's own are 0600, mkdtemp's 0700).
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
+@contextmanager
+def atomic_path(path: Path):
+    """Yield a temporary path beside ``path`` to write; on success it replaces ``path`` atomically (readers
+    see the old file or the new, never a half), on any error it is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a small file atomically (:func:`atomic_path`), synced to disk first."""
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
