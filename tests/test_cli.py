@@ -53,6 +53,7 @@ def test_stream_prints_the_same_text(tiny_folders):
     (["--temperature", "-1"], "temperature"),
     (["--temperature", "inf"], "finite"),
     (["--draft-dtype", "int8"], "needs --draft-model"),
+    (["--stream", "--json"], "choose one"),
     (["--top-p", "0"], "top_p"),
     (["--top-p", "1.5"], "top_p"),
     (["--max-new-tokens", "-3"], "max-new-tokens"),

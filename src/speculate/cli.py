@@ -162,6 +162,8 @@ def _generate(args) -> int:
         raise SpeculateError("the prompt is empty")
     if args.draft_model and args.drafter not in MODEL_DRAFTERS:
         raise SpeculateError(NEEDS_MODEL_DRAFTER)
+    if args.stream and args.json:  # one JSON object at the end cannot also be a stream of text
+        raise SpeculateError("--stream and --json: choose one")
     if args.draft_dtype and not args.draft_model:
         raise SpeculateError("--draft-dtype is the draft model's precision: it needs --draft-model")
     target = load_model(args.model, dtype=args.dtype)
@@ -178,7 +180,7 @@ def _generate(args) -> int:
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
                             chat=False if args.no_chat else None)
     for piece in stream:
-        if args.stream and not args.json:
+        if args.stream:
             print(piece, end="", flush=True)
     gen = stream.generation
     if args.json:
