@@ -207,6 +207,7 @@ def test_predictions_use_the_profile_and_the_fitted_alpha():
     (["--config", "LIMIT_LIST"], "--limit"),  # limit = [1, 2] in the file
     (["--config", "LIMIT_BOOL"], "--limit"),  # limit = true
     (["--config", "TURNS_5"], "--turns"),
+    (["--config", "LIMIT_FLOAT"], "--limit"),  # limit = 2.7 (not silently 2)
     (["--sandbox-timeout", "-5"], "--sandbox-timeout"),
     (["--verifiers", "consultant", "--eps=-1"], "eps"),  # checked before any model loads
     (["--method", "verifier=consultant,eps=-3"], "eps"),
@@ -214,7 +215,8 @@ def test_predictions_use_the_profile_and_the_fitted_alpha():
     (["--datasets", "nope"], "nope"),
 ])
 def test_bench_bad_input_is_one_line(capsys, args, message, tmp_path):
-    files = {"LIMIT_LIST": "limit = [1, 2]\n", "LIMIT_BOOL": "limit = true\n", "TURNS_5": "turns = 5\n"}
+    files = {"LIMIT_LIST": "limit = [1, 2]\n", "LIMIT_BOOL": "limit = true\n", "TURNS_5": "turns = 5\n",
+             "LIMIT_FLOAT": "limit = 2.7\n"}
     if args[-1] in files:
         (tmp_path / "c.toml").write_text(files[args[-1]])
         args = [*args[:-1], str(tmp_path / "c.toml")]

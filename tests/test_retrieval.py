@@ -70,6 +70,9 @@ def test_save_load_and_find(tiny, tmp_path):
     save_store(tmp_path / "other" / FILE, answers, {"model": "big", "vocab_size": vocab + 1})
     with pytest.raises(SpeculateError, match="vocabulary"):
         find_store(tiny[0], tmp_path / "other")
+    save_store(tmp_path / "big" / FILE, [[vocab + 5, 1, 2]] * 2, {})  # hand-made: no vocab_size, ids too large
+    with pytest.raises(SpeculateError, match="vocabulary"):
+        find_store(tiny[0], tmp_path / "big")
     with pytest.raises(SpeculateError, match="no answer store ships for"):
         find_store(tiny[0])
     with pytest.raises(SpeculateError, match="cannot read the answer store"):
@@ -211,3 +214,49 @@ def test_auto_is_retrieval_where_a_store_ships_else_lookup(default_model, tiny, 
     assert ServerConfig(model="smollm2-135m-instruct", drafter_options={"min_share": 0.9}).drafter == "retrieval"
     with pytest.raises(SpeculateError, match="takes: max_ngram"):
         ServerConfig(model="/some/folder", drafter_options={"min_share": 0.9})
+
+
+def test_concurrent_first_uses_load_a_store_once(tiny, tmp_path, monkeypatch):
+    """Server workers building their first decoders at once share one table, loaded once; a rewritten file
+    is loaded again."""
+    import os
+    import threading
+    import time
+
+    vocab = int(tiny[0].model.get_output_embeddings().out_features)
+    save_store(tmp_path / FILE, [[5, 6, 7, 8]] * 3, {"vocab_size": vocab})
+    loads = []
+    original = AnswerStore.load.__func__
+
+    def counted(cls, path, **settings):
+        loads.append(path)
+        time.sleep(0.05)  # a load takes a while: without the lock the other threads would load it too
+        return original(cls, path, **settings)
+
+    monkeypatch.setattr(AnswerStore, "load", classmethod(counted))
+    found = []
+    threads = [threading.Thread(target=lambda: found.append(find_store(tiny[0], tmp_path))) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(loads) == 1 and len({id(s) for s in found}) == 1
+
+    save_store(tmp_path / FILE, [[5, 6, 7, 9]] * 3, {"vocab_size": vocab})
+    os.utime(tmp_path / FILE, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))  # a later mtime, surely
+    assert find_store(tiny[0], tmp_path).next([6, 7]) == (9, 1.0) and len(loads) == 2
+
+
+def test_auto_takes_the_options_of_either_drafter_it_may_stand_for(default_model, tiny):
+    """auto is retrieval on the default model and lookup elsewhere: lookup's options work with both."""
+    from speculate.server.config import ServerConfig
+    from speculate.server.generation import merge_settings
+    from speculate.server.schemas import SpeculativeSettings
+
+    for model in ("smollm2-135m-instruct", "/some/folder"):
+        config = ServerConfig(model=model, drafter_options={"min_ngram": 2, "max_copy": 8})
+        assert config.drafter_options == {"min_ngram": 2, "max_copy": 8}
+        # A request naming auto gets the server's own settings (and so its decoders and their prefix caches).
+        assert merge_settings(config, SpeculativeSettings(drafter="auto")) == merge_settings(config, None)
+    drafter = get_drafter("auto", None, default_model, min_ngram=2)
+    assert drafter.name == "retrieval" and drafter.min_ngram == 2

@@ -172,6 +172,10 @@ def test_greedy_output_equals_the_engine(served, client, tiny):
     sampled = client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=25, temperature=1.0,
                                              seed=3, extra_body={"top_k": 1})
     assert sampled.choices[0].message.content == engine.text
+    for off in (-1, None, 0):  # how vLLM's and llama.cpp's clients say "no top-k"
+        r = client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=5, temperature=0,
+                                           extra_body={"top_k": off})
+        assert r.choices[0].message.content == engine.text[:len(r.choices[0].message.content)]
     assert chat.usage.prompt_tokens == engine.prompt_tokens
 
     # stop: the server stops where the engine does

@@ -77,6 +77,8 @@ def _convert(key: str, value):
             return value
         if isinstance(value, (bool, list, dict)):  # TOML's true, [..] and {..} are no number nor name
             raise ValueError(value)
+        if kind is int and isinstance(value, float) and not value.is_integer():  # int(2.7) would be 2
+            raise ValueError(value)
         return kind(value)
     except (ValueError, TypeError):
         raise SpeculateError(f"--{key.replace('_', '-')}: {value!r} is not a valid value") from None

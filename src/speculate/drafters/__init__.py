@@ -76,7 +76,8 @@ def resolve(name: str, target=None) -> str:
 _EAGLE_OPTIONS = {"heads": str, "topk": int, "budget": int, "depth": int, "min_confidence": float}
 OPTIONS: dict[str, dict[str, type]] = {
     "none": {}, "lookup": {"max_ngram": int, "min_ngram": int, "max_copy": int}, "model": {},
-    "retrieval": {"store": str, "min_context": int, "min_share": float, "max_ngram": int, "max_copy": int},
+    "retrieval": {"store": str, "min_context": int, "min_share": float, "max_ngram": int, "min_ngram": int,
+                  "max_copy": int},  # lookup's options too: auto may stand for either
     "model+lookup": {"min_match": int, "lookup_k": int, "max_copy": int},
     "model-tree": {"branch": int, "spread": int}, "medusa": {"heads": str}, "medusa-chain": {"heads": str},
     "eagle": _EAGLE_OPTIONS, "eagle-chain": {"heads": str, "min_confidence": float}, "layerskip": {"layers": int},

@@ -15,6 +15,7 @@ and the table is counted from them when loaded, with tensor ops (well under a se
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ class AnswerStore:
         seq = torch.repeat_interleave(torch.arange(len(answers)), torch.tensor([len(a) for a in answers],
                                                                                dtype=torch.long))
         self.table = _table(stream, seq, max_n, min_count, min_n)
+        self.max_token = int(stream.max()) if stream.numel() else -1  # checked against the target's vocabulary
 
     def next(self, tokens: list[int], min_n: int = 1) -> tuple[int, float] | None:
         """(token, share) the table predicts after ``tokens``, by their longest suffix in the table (at
@@ -132,7 +134,8 @@ def _table(stream: torch.Tensor, seq: torch.Tensor, max_n: int, min_count: int, 
     return table
 
 
-_LOADED: dict = {}  # (file, settings) → AnswerStore: a server builds a decoder per request's settings
+_LOADED: dict = {}  # (file, settings) → (its mtime, AnswerStore): a server builds a decoder per request's settings
+_LOADING = threading.Lock()  # one load per file, also when several server workers ask at once
 
 
 def shipped_store(target) -> Path | None:
@@ -154,12 +157,16 @@ def find_store(target, path: str | Path | None = None, **settings) -> AnswerStor
     path = Path(path)
     if path.is_dir():
         path = path / FILE
-    key = (str(path.resolve()), path.stat().st_mtime_ns if path.exists() else 0, tuple(sorted(settings.items())))
-    store = _LOADED.get(key)
-    if store is None:
-        store = _LOADED[key] = AnswerStore.load(path, **settings)
+    key = (str(path.resolve()), tuple(sorted(settings.items())))
+    mtime = path.stat().st_mtime_ns if path.exists() else 0
+    with _LOADING:
+        held = _LOADED.get(key)
+        if held is None or held[0] != mtime:  # (a rewritten file replaces its old table)
+            held = _LOADED[key] = (mtime, AnswerStore.load(path, **settings))
+    store = held[1]
     vocab = int(target.model.get_output_embeddings().out_features)
-    if store.meta.get("vocab_size", vocab) != vocab:
-        raise SpeculateError(f"the answer store {path} was written for a vocabulary of {store.meta['vocab_size']} "
-                             f"tokens ({store.meta.get('model')}), the target has {vocab}")
+    if store.meta.get("vocab_size", vocab) != vocab or store.max_token >= vocab:
+        raise SpeculateError(f"the answer store {path} was written for a vocabulary of "
+                             f"{store.meta.get('vocab_size', store.max_token + 1)} tokens ({store.meta.get('model')}), "
+                             f"the target has {vocab}")
     return store

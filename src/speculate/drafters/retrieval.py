@@ -32,15 +32,15 @@ class RetrievalDrafter(LookupDrafter):
     name = "retrieval"
 
     def __init__(self, target, store: str | None = None, min_context: int = 2, min_share: float = 0.5,
-                 max_ngram: int = 3, max_copy: int = MAX_COPY):
+                 max_ngram: int = 3, min_ngram: int = 1, max_copy: int = MAX_COPY):
         """``store``: an answer store (file or folder; default: the one shipped for the target);
         ``min_context``: the shortest context match that lookup drafts from instead of the store;
         ``min_share``: the store drafts a token only when it followed the matched n-gram at least this
-        often (0-1); ``max_ngram`` and ``max_copy``: lookup's (drafters/lookup.py)."""
-        super().__init__(max_ngram=max_ngram, max_copy=max_copy)
-        if not 1 <= min_context <= max_ngram + 1:
-            raise SpeculateError(f"retrieval: min_context must be 1..{max_ngram + 1} (above max_ngram: never lookup "
-                                 f"before the store), got {min_context}")
+        often (0-1); ``max_ngram``, ``min_ngram`` and ``max_copy``: lookup's (drafters/lookup.py)."""
+        super().__init__(max_ngram=max_ngram, min_ngram=min_ngram, max_copy=max_copy)
+        if not min_ngram <= min_context <= max_ngram + 1:
+            raise SpeculateError(f"retrieval: min_context must be {min_ngram}..{max_ngram + 1} (above max_ngram: "
+                                 f"never lookup before the store), got {min_context}")
         if not 0.0 <= min_share <= 1.0:
             raise SpeculateError(f"retrieval: min_share must be in [0, 1], got {min_share}")
         if target is None:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..drafters import MODEL_DRAFTERS, get_drafter
+from ..drafters import MODEL_DRAFTERS, get_drafter, resolve
 from ..engine import Generation, SpeculativeDecoder, Stream
 from ..errors import SpeculateError
 from ..models.loader import LoadedModel
@@ -89,7 +89,7 @@ def prepare(config: ServerConfig, target: LoadedModel, decoders: Decoders,
     decoder = decoders.take(settings, ids)
     try:
         stream = decoder.stream(ids, max_new_tokens=budget, temperature=req.temperature, top_p=req.top_p,
-                                top_k=req.top_k, seed=req.seed, stop=stops)
+                                top_k=max(req.top_k or 0, 0), seed=req.seed, stop=stops)
     except SpeculateError as e:
         decoders.give_back(settings, decoder)  # nothing ran: it is as it was
         raise APIError(400, str(e), None, "invalid_value") from None
@@ -111,7 +111,7 @@ def merge_settings(config: ServerConfig, spec: SpeculativeSettings | None) -> di
         params = spec.verifier_params()
     else:
         params = {**config.verifier_params, **spec.verifier_params()}
-    drafter = spec.drafter or config.drafter
+    drafter = resolve(spec.drafter, config.model) if spec.drafter else config.drafter  # (config's is resolved)
     return {"drafter": drafter, "drafter_options": config.drafter_options if drafter == config.drafter else {},
             "verifier": spec.verifier if spec.verifier is not None else config.verifier,
             "k": spec.k if spec.k is not None else config.k,

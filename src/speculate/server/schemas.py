@@ -49,7 +49,7 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # not OpenAI's; vLLM's and llama.cpp's servers take it too (0: off)
+    top_k: int | None = None  # not OpenAI's; vLLM's and llama.cpp's servers take it too (None, 0 or -1: off)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     n: int = 1
