@@ -32,12 +32,19 @@ def _check_address(host: str, port: int) -> None:
     """Refuse an address this process cannot listen on (taken, or not a local address). A port freed later
     or taken in between is uvicorn's to report, as before."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-            probe.bind(address)
-    except OSError as e:  # (socket.gaierror is one)
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:  # socket.gaierror: not a host name or address
         raise SpeculateError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+    error = None
+    for family, kind, proto, _, address in addresses:  # like the server: one that binds is enough
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+                probe.bind(address)
+            return
+        except OSError as e:
+            error = error or e
+    raise SpeculateError(f"cannot listen on {host}:{port} ({error.strerror or error})")
 
 
 def serve(config: ServerConfig, log_level: str = "info") -> None:
