@@ -30,7 +30,7 @@ from ..drafters import get_drafter
 from ..engine import SpeculativeDecoder
 from ..errors import SpeculateError
 from ..models import load_model
-from ..models.cache import atomic_write_text
+from ..models.cache import atomic_write_text, make_folder
 from ..text import Detokenizer, encode_prompt, eos_ids
 from . import machine
 from .datasets import Sample, load_dataset
@@ -243,14 +243,20 @@ def append_record(path: Path, record: dict) -> None:
         os.fsync(f.fileno())
 
 
+def read_run_file(folder: Path) -> dict | None:
+    """``run.json`` of a results folder as a dict; None when it is unreadable or not a JSON object."""
+    try:
+        run = json.loads((Path(folder) / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return run if isinstance(run, dict) else None
+
+
 def _check_run_file(out: Path, cfg: BenchConfig) -> dict:
     path = out / RUN_FILE
     if path.is_file():
-        try:
-            old = json.loads(path.read_text())
-        except (OSError, ValueError):
-            old = None
-        if not isinstance(old, dict):
+        old = read_run_file(out)
+        if old is None:
             raise SpeculateError(f"{path} is unreadable or damaged; use another --out")
         differ = [k for k in FIXED if old.get("settings", {}).get(k) != cfg.fixed()[k]]
         if differ:
@@ -276,10 +282,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
     needs_draft = any(m.needs_draft_model for m in methods)
     if needs_draft and not cfg.draft_model:
         raise SpeculateError("a method drafts with a model (drafter model or hf_assisted): give --draft-model")
-    try:  # after the checks above (a refused run leaves no empty folder), before the models load
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise SpeculateError(f"--out {out}: cannot create the folder ({e.strerror or e})") from None
+    make_folder(out, "--out")  # after the checks above (a refused run leaves no empty folder), before loading
     if progress:  # (after the checks: a refused run prints its one error line only)
         print(f"speculate bench: {len(methods)} methods (plain included) × {', '.join(cfg.datasets)} → {out}",
               file=sys.stderr)

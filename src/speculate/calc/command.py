@@ -299,21 +299,17 @@ def predictions(run: dict, rows: list[dict]) -> list[dict]:
 
 
 def _from_results(args) -> int:
-    import json
     from pathlib import Path
 
     from ..bench.report import summarise
-    from ..bench.runner import RUN_FILE, SAMPLES_FILE, read_records
+    from ..bench.runner import RUN_FILE, SAMPLES_FILE, read_records, read_run_file
 
     folder = Path(args.from_results)
     if not (folder / RUN_FILE).is_file() or not (folder / SAMPLES_FILE).is_file():
         raise SpeculateError(f"--from-results: {folder} is not a `speculate bench` output folder "
                              f"(no {RUN_FILE} / {SAMPLES_FILE})")
-    try:
-        run = json.loads((folder / RUN_FILE).read_text())
-    except (OSError, ValueError):
-        run = None
-    if not isinstance(run, dict) or not isinstance(run.get("profile"), dict) or not isinstance(run.get("methods"), dict):
+    run = read_run_file(folder)
+    if run is None or not isinstance(run.get("profile"), dict) or not isinstance(run.get("methods"), dict):
         raise SpeculateError(f"--from-results: {folder / RUN_FILE} is unreadable or damaged")
     preds = predictions(run, summarise(read_records(folder / SAMPLES_FILE, repair=False), n_resamples=200))
     if not preds:

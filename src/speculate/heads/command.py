@@ -71,6 +71,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from ..models import load_model
+    from ..models.cache import make_folder
     from .data import build_data
     from .io import check_feature_layers, save_heads
     from .train import train_heads
@@ -93,10 +94,7 @@ def run(args) -> int:
     out = Path(args.out)
     data_dir = Path(args.data_dir) if args.data_dir else out
     for flag, folder in (("--out", out), ("--data-dir", data_dir)):
-        try:  # before the model loads: an unwritable folder is a one-line error, not a traceback later
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise SpeculateError(f"{flag} {folder}: cannot create the folder ({e.strerror or e})") from None
+        make_folder(folder, flag)  # before the model loads: one line, not a traceback later
 
     def log(msg):
         print(f"speculate: {msg}", file=sys.stderr, flush=True)

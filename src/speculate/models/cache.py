@@ -57,6 +57,14 @@ def verified(folder: Path) -> bool:
     return bool(files)
 
 
+def make_folder(folder: Path, flag: str) -> None:
+    """Create ``folder`` (and its parents) for the command-line option ``flag``, or one clear error."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpeculateError(f"{flag} {folder}: cannot create the folder ({e.strerror or e})") from None
+
+
 @contextmanager
 def building(folder: Path):
     """Yield a temporary folder beside ``folder``; on success it becomes ``folder`` atomically
