@@ -146,6 +146,8 @@ class FastKVModel:
             k[:, :, : self.length] = self.k_cache[:, :, : self.length]
             v[:, :, : self.length] = self.v_cache[:, :, : self.length]
         self.k_cache, self.v_cache = k, v
+        # Per-layer views, made once per buffer: indexing the 4-D buffer by layer costs an op per access.
+        self.k_layers, self.v_layers = list(k.unbind(0)), list(v.unbind(0))
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, last: int = 0, tree_parents: list[int] | None = None) -> torch.Tensor:
@@ -173,12 +175,12 @@ class FastKVModel:
             out = qkv(F.rms_norm(x, (self.hidden_size,), ln1, self.eps))
             qk = out[:, : (nh + nkv) * hd].view(n, nh + nkv, hd)  # q and k are adjacent: rotate them together
             qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)
-            self.k_cache[i, :, start:end] = qk[:, nh:].transpose(0, 1)
-            self.v_cache[i, :, start:end] = out[:, (nh + nkv) * hd:].view(n, nkv, hd).transpose(0, 1)
+            self.k_layers[i][:, start:end] = qk[:, nh:].transpose(0, 1)
+            self.v_layers[i][:, start:end] = out[:, (nh + nkv) * hd:].view(n, nkv, hd).transpose(0, 1)
             x = o_proj(x, attend(i, qk[:, :nh]))  # x + o_proj(attention)
             # MLP: one fused gate/up matmul.
             gate, up = gate_up(F.rms_norm(x, (self.hidden_size,), ln2, self.eps)).chunk(2, dim=-1)
-            x = down(x, F.silu(gate) * up)  # x + down_proj(...)
+            x = down(x, F.silu(gate).mul_(up))  # x + down_proj(...)
             if i in self.taps:  # a fused EAGLE head also reads this layer's output (a new tensor: no copy)
                 tapped.append(x)
         self.length = end
@@ -207,7 +209,7 @@ class FastKVModel:
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], self.k_cache[i, :, :end][None], self.v_cache[i, :, :end][None],
+                q.transpose(0, 1)[None], self.k_layers[i][:, :end][None], self.v_layers[i][:, :end][None],
                 attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads)
             return out[0].transpose(0, 1).reshape(n, -1)
 
@@ -254,9 +256,9 @@ class FastKVModel:
             outs = []
             for a, b, length, mask in groups:
                 # [rows, nh, hd] → [nkv, rows · rep, hd]: the query rows of each KV head, one matmul per head.
-                qg = q[a:b].reshape(b - a, nkv, rep, hd).transpose(0, 1).reshape(nkv, -1, hd)
-                scores = torch.baddbmm(mask, qg, self.k_cache[i, :, :length].transpose(1, 2), alpha=self.scaling)
-                out = torch.bmm(scores.softmax(dim=-1), self.v_cache[i, :, :length])
+                qg = (q if b - a == n else q[a:b]).reshape(b - a, nkv, rep, hd).transpose(0, 1).reshape(nkv, -1, hd)
+                scores = torch.baddbmm(mask, qg, self.k_layers[i][:, :length].transpose(1, 2), alpha=self.scaling)
+                out = torch.bmm(scores.softmax(dim=-1), self.v_layers[i][:, :length])
                 outs.append(out.view(nkv, b - a, rep, hd).transpose(0, 1).reshape(b - a, nh * hd))
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -298,13 +300,13 @@ class FastKVModel:
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             qg = q.reshape(n, nkv, rep, hd).transpose(0, 1).reshape(nkv, n * rep, hd)
-            scores = torch.baddbmm(tree_mask, qg, self.k_cache[i, :, :width].transpose(1, 2), alpha=self.scaling)
+            scores = torch.baddbmm(tree_mask, qg, self.k_layers[i][:, :width].transpose(1, 2), alpha=self.scaling)
             scores[..., start:end] = scores[..., start:end].gather(-1, order)  # into plain decoding's layout
             weights = scores.softmax(dim=-1)
             # Back to the tree's slots (the masked columns' weights are exact zeros wherever they go).
             weights[..., start:end] = torch.empty_like(weights[..., start:end]).scatter_(
                 -1, order, weights[..., start:end])
-            out = torch.bmm(weights, self.v_cache[i, :, :width])  # [nkv, n · rep, hd]
+            out = torch.bmm(weights, self.v_layers[i][:, :width])  # [nkv, n · rep, hd]
             return out.view(nkv, n, rep, hd).transpose(0, 1).reshape(n, nh * hd)
 
         return attend
