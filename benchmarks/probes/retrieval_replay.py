@@ -15,9 +15,17 @@ defaults were chosen).
 
 Prints τ and the estimated speedup per dataset for lookup and each setting. Results in
 docs/benchmarks.md section 7.
+
+``--trees``: instead, draft trees from the store where the chain drafts a chain — each node's children the
+top ``m`` continuations of its longest matching 2-4-token suffix (seen twice or more), expanded best-first
+by the product of their shares down to ``min_conf``, up to ``budget`` nodes and ``depth`` levels (what the
+EAGLE drafter's dynamic tree does with a head's probabilities); greedy verification keeps the longest path
+the answer follows, and a round costs T(nodes + 1). Lookup's rounds are as in the chain.
 """
 
 import argparse
+import collections
+import heapq
 import json
 import sys
 from pathlib import Path
@@ -83,6 +91,87 @@ def replay(drafter, records, k) -> dict:
     return result
 
 
+def _continuations(answers: list[list[int]]) -> dict:
+    """{n-gram of 2-4 tokens: [(next token, share), ...] most frequent first}, continuations seen twice or more."""
+    counts = collections.defaultdict(collections.Counter)
+    for a in answers:
+        for i in range(1, len(a) - 1):
+            for n in range(2, min(4, i + 1) + 1):
+                counts[tuple(a[i - n + 1: i + 1])][a[i + 1]] += 1
+    table = {}
+    for gram, after in counts.items():
+        total = sum(after.values())
+        top = [(t, c / total) for t, c in after.most_common() if c >= 2]
+        if top:
+            table[gram] = top
+    return table
+
+
+def _tree(table, context, m, budget, depth, min_conf, min_share) -> list[tuple[int, int]]:
+    """(token, parent) nodes, best-first by the product of shares; nothing when the root's top continuation has
+    a share below ``min_share`` (where the chain drafts nothing from the store either)."""
+    def children(seq):
+        for n in (4, 3, 2):
+            hit = table.get(tuple(seq[-n:])) if len(seq) >= n else None
+            if hit is not None:
+                return hit[:m]
+        return []
+
+    first = children(context)
+    if not first or first[0][1] < min_share:
+        return []
+    nodes, heap = [], [(-share, j, tok, -1, [tok]) for j, (tok, share) in enumerate(first) if share >= min_conf]
+    heapq.heapify(heap)
+    tick = len(heap)
+    while heap and len(nodes) < budget:
+        conf, _, tok, parent, path = heapq.heappop(heap)
+        nodes.append((tok, parent))
+        if len(path) < depth:
+            for child, share in children(context + path):
+                if -conf * share >= min_conf:
+                    tick += 1
+                    heapq.heappush(heap, (conf * share, tick, child, len(nodes) - 1, path + [child]))
+    return nodes
+
+
+def replay_trees(drafter, table, records, m, budget, depth, min_conf) -> dict:
+    """:func:`replay` with the store's chains replaced by :func:`_tree`'s trees (lookup's rounds unchanged)."""
+    result = {}
+    for name, _, _ in HELD_OUT:
+        tokens = rounds = units = 0
+        for r in (r for r in records if r["dataset"] == name):
+            committed, answer = list(r["prompt_ids"]), r["token_ids"]
+            drafter.begin(list(committed), Sampling(), None)
+            done = 0
+            while done < len(answer):
+                left = len(answer) - done - 1
+                drafter.copied = 0
+                found = drafter.match(committed)
+                nodes = []
+                if left and (found is None or found[0] < drafter.min_context):
+                    nodes = _tree(table, committed, m, budget, min(depth, left), min_conf, drafter.min_share)
+                if nodes:  # greedy: follow the child the answer takes, as long as there is one
+                    kept, at = 0, -1
+                    while done + kept < len(answer) - 1:
+                        nxt = [i for i, (t, p) in enumerate(nodes) if p == at and t == answer[done + kept]]
+                        if not nxt:
+                            break
+                        at, kept = nxt[0], kept + 1
+                    rows = len(nodes)
+                else:  # lookup (or the chain's one-token fallback), as the drafter proposes it
+                    draft = drafter.from_match(committed, min(6, left), found).tokens.tolist()[:left]
+                    kept = 0
+                    while kept < len(draft) and draft[kept] == answer[done + kept]:
+                        kept += 1
+                    drafter.update(kept, answer[done + kept])
+                    rows = len(draft)
+                committed += answer[done: done + kept + 1]
+                done += kept + 1
+                tokens, rounds, units = tokens + kept + 1, rounds + 1, units + cost(rows + 1)
+        result[name] = f"τ {tokens / rounds:.2f}, est. {tokens / units:.2f}x"
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--answers", default="retrieval-replay-answers.json")
@@ -90,11 +179,21 @@ def main():
     parser.add_argument("--store-sizes", default="",
                         help="instead of the settings grid: the default settings with stores of the first N answers "
                              "of the shipped one, e.g. 256,512,1024,2048 (how τ grows with the store)")
+    parser.add_argument("--trees", action="store_true", help="store trees against the default chain (see above)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     records = answers(Path(args.answers))
     target = load_model("smollm2-135m-instruct", dtype="int8")
     print("lookup k=6", replay(get_drafter("lookup"), records, 6))
+    if args.trees:
+        print("retrieval k=6 (the default chain)", replay(get_drafter("retrieval", None, target), records, 6))
+        table = _continuations(_answers(target))
+        for m, budget, depth, min_conf in ((1, 6, 6, 0.0), (2, 4, 4, 0.1), (2, 6, 6, 0.1), (2, 6, 6, 0.2), (2, 8, 6, 0.1),
+                                           (3, 8, 6, 0.05), (2, 10, 8, 0.1), (4, 12, 8, 0.02)):
+            drafter = get_drafter("retrieval", None, target)
+            print(f"retrieval tree m={m} budget={budget} depth={depth} min_conf={min_conf}",
+                  replay_trees(drafter, table, records, m, budget, depth, min_conf), flush=True)
+        return
     if args.store_sizes:
         drafter = get_drafter("retrieval", None, target)
         shipped = _answers(target)
