@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 import torch
 
 from speculate import load_model
+from speculate.models.loader import int8_cache_folder
 from speculate.models.tiny import save_tiny_model
 
 
 @pytest.fixture(scope="session")
 def tiny_folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    return {seed: save_tiny_model(root / f"seed{seed}", seed=seed) for seed in (0, 1, 2)}
+    folders = {seed: save_tiny_model(root / f"seed{seed}", seed=seed) for seed in (0, 1, 2)}
+    yield folders
+    # Tests that load these at int8 without a cache of their own quantize into the user's cache, under this
+    # session's temporary paths: remove those entries, or every run would leave new ones behind.
+    for folder in folders.values():
+        shutil.rmtree(int8_cache_folder(str(folder), folder), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

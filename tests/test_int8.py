@@ -231,6 +231,23 @@ def test_int8_loads_from_the_cache(tiny_folders, cache, monkeypatch):
     assert torch.equal(logits(first, ids), logits(second, ids))
 
 
+def test_int8_cache_of_a_changed_folder_is_rebuilt_in_place(tmp_path, cache, monkeypatch):
+    """A local folder keeps one cache entry: new weights under the same path are quantized again into it, not
+    loaded stale and not cached beside the old entry."""
+    from speculate.models.tiny import save_tiny_model
+
+    calls = count_quantize(monkeypatch)
+    folder = save_tiny_model(tmp_path / "model", seed=1)
+    first = load_model(str(folder), dtype="int8")
+    save_tiny_model(folder, seed=2)  # fine-tuned in place
+    second = load_model(str(folder), dtype="int8")
+    assert len(calls) == 2 and len(list(cache.glob("*.int8"))) == 1
+    ids = random_prompt(9, 30)
+    assert not torch.equal(logits(first, ids), logits(second, ids))
+    fresh = load_model(str(save_tiny_model(tmp_path / "other", seed=2)), dtype="int8")
+    assert torch.equal(logits(second, ids), logits(fresh, ids))  # the new weights' quantization, not the old
+
+
 def test_corrupted_int8_cache_is_rebuilt(tiny_folders, cache, monkeypatch):
     calls = count_quantize(monkeypatch)
     first = load_model(str(tiny_folders[2]), dtype="int8")

@@ -76,17 +76,11 @@ def _to_int8(loaded: LoadedModel, name: str) -> None:
 
     from . import quantize
 
-    if name in ALIASES:
-        key = name
-    else:  # a local folder: key on its path and its weight files' sizes and times
-        h = hashlib.sha256(str(loaded.path.resolve()).encode())
-        for f in sorted(loaded.path.glob("*.safetensors")) + sorted(loaded.path.glob("*.bin")):
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-        key = f"{loaded.path.name}-{h.hexdigest()[:16]}"
-    folder = cache_root() / f"{key}.int8"
+    folder = int8_cache_folder(name, loaded.path)
     file = folder / "int8.safetensors"
     meta = quantize.settings()
+    if name not in ALIASES:  # a local folder: its weights may change under the same path; rebuild then
+        meta["source"] = ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in _weight_files(loaded.path))
     tensors = None
     if verified(folder):
         try:
@@ -101,6 +95,19 @@ def _to_int8(loaded: LoadedModel, name: str) -> None:
         with building(folder) as tmp:
             save_file(tensors, tmp / "int8.safetensors", metadata=meta)
     quantize.apply(loaded.model, tensors)
+
+
+def int8_cache_folder(name: str, path: Path) -> Path:
+    """Where a model's int8 tensors are cached: by alias, or one entry per local folder (by its resolved path;
+    rebuilt in place when the folder's weight files change, so a fine-tuned folder leaves no stale copies)."""
+    if name in ALIASES:
+        return cache_root() / f"{name}.int8"
+    digest = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:16]
+    return cache_root() / f"{Path(path).name}-{digest}.int8"
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin"))
 
 
 def _load_folder(folder: Path, name: str, dtype: torch.dtype) -> LoadedModel:
