@@ -218,6 +218,9 @@ BAD = [  # (body for /v1/completions unless "path" is given, status, param, code
     ({"model": "M", "prompt": "hi", "speculative": {"drafter": "magic"}}, 400, "speculative.drafter", "invalid_value"),
     ({"model": "M", "prompt": "hi", "speculative": {"k": 0}}, 400, "speculative.k", "invalid_value"),
     ({"model": "M", "prompt": "hi", "speculative": {"k": "6"}}, 400, "speculative.k", "invalid_value"),
+    ({"model": "M", "prompt": "hi", "speculative": {"k": "fast"}}, 400, "speculative.k", "invalid_value"),
+    ({"model": "M", "prompt": "hi", "speculative": {"verifier": "greedy", "eps": "auto"}}, 400, "speculative",
+     "invalid_value"),
     ({"model": "M", "prompt": "hi", "speculative": {"verifier": "consultant", "eps": -1}}, 400, "speculative",
      "invalid_value"),
     ({"model": "M", "prompt": "hi", "speculative": {"verifier": "greedy", "tol": 1}}, 400, "speculative",
@@ -541,6 +544,31 @@ def test_the_servers_drafter_options_apply_to_its_drafter_only(tiny):
     assert other["drafter_options"] == {} and build_decoder(tiny[0], None, other).drafter.name == "none"
     with pytest.raises(SpeculateError, match="no option 'base_k'"):
         ServerConfig(model="m", drafter="lookup", drafter_options=["base_k=2"])
+
+
+def test_k_and_eps_auto_in_the_server(served, client, tiny, tmp_path, monkeypatch):
+    """`serve --k auto --eps auto` and a request's "k": "auto" / "eps": "auto", as `generate` takes them: the
+    engine sizes each round, Consultant Decoding's ε is the target's calibrated NLL; greedy output stays plain
+    decoding's."""
+    from speculate.calc.auto import calibrate_eps
+    from speculate.cli import _parser
+    from speculate.errors import SpeculateError
+    from speculate.server.generation import build_decoder, merge_settings
+
+    monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path))  # the cost profile that k = auto measures once
+    args = _parser().parse_args(["serve", "--k", "auto", "--eps", "auto", "--verifier", "consultant"])
+    config = ServerConfig(model="m", drafter="lookup", k=args.k, eps=args.eps, verifier=args.verifier)
+    decoder = build_decoder(tiny[0], None, merge_settings(config, None))
+    assert decoder.k == "auto" and decoder.verifier_params["eps"] == calibrate_eps(tiny[0])
+    for bad in ("fast", 0, True):
+        with pytest.raises(SpeculateError, match="--k must be"):
+            ServerConfig(model="m", k=bad)
+
+    prompt = "abc abc abc abc"
+    r = client.completions.create(model=served.model, prompt=prompt, max_tokens=30, temperature=0,
+                                  extra_body={"speculative": {"drafter": "lookup", "k": "auto"}})
+    plain = SpeculativeDecoder(tiny[0], "none").generate(prompt, max_new_tokens=30, chat=False)
+    assert r.choices[0].text == plain.text and r.to_dict()["speculative_stats"]["k"] == "auto"
 
 
 def _fail(*args):

@@ -104,8 +104,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--drafter-opt", action="append", metavar="KEY=VALUE", help=_drafter_opt_help())
     s.add_argument("--verifier", choices=list(VERIFIERS),
                    help="default verifier; default greedy at temperature 0, sample (lossless) otherwise")
-    s.add_argument("--k", type=int, default=6, help=K_HELP)
-    s.add_argument("--eps", type=float, help="default ε for consultant (NLL threshold) or typical")
+    s.add_argument("--k", type=_k_arg, default=6, help=K_AUTO_HELP)
+    s.add_argument("--eps", type=_eps_arg,
+                   help="default ε for consultant (NLL threshold; 'auto': the target's mean NLL on a calibration "
+                        "text) or typical")
     s.add_argument("--beta", type=float, help="default β for consultant (EMA decay, in [0, 1))")
     s.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="weight precision (default fp32)")
     s.add_argument("--host", default="127.0.0.1",

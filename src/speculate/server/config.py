@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..calc.auto import is_auto
 from ..drafters import MODEL_DRAFTERS, NEEDS_MODEL_DRAFTER, parse_options, resolve
 from ..errors import SpeculateError
 
@@ -16,8 +17,8 @@ class ServerConfig:
     drafter: str = "auto"
     draft_model: str | None = None
     verifier: str | None = None  # None: greedy at temperature 0, sample otherwise
-    k: int = 6
-    eps: float | None = None
+    k: int | str = 6  # or "auto" (the engine sizes each round)
+    eps: float | str | None = None  # or "auto" (consultant: the target's calibrated NLL)
     beta: float | None = None
     dtype: str = "fp32"
     host: str = "127.0.0.1"
@@ -33,8 +34,8 @@ class ServerConfig:
     drafter_options: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if not isinstance(self.k, int) or self.k < 1:
-            raise SpeculateError(f"--k must be an integer >= 1, got {self.k}")
+        if not is_auto(self.k) and (not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1):
+            raise SpeculateError(f"--k must be an integer >= 1 or 'auto', got {self.k}")
         if self.max_concurrency < 1:
             raise SpeculateError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
         if self.max_queue < 0:

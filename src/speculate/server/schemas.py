@@ -5,7 +5,7 @@ extra ``speculative`` object is strict: an unknown key there is a 400."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,8 +25,8 @@ class SpeculativeSettings(BaseModel):
 
     drafter: Literal[tuple(ALL_DRAFTERS)] | None = None
     verifier: Literal[tuple(VERIFIERS)] | None = None
-    k: int | None = Field(None, ge=1, le=MAX_K)
-    eps: float | None = None  # consultant: NLL threshold; typical: probability threshold
+    k: Annotated[int, Field(ge=1, le=MAX_K)] | Literal["auto"] | None = None  # auto: sized per round (calc/auto.py)
+    eps: float | Literal["auto"] | None = None  # consultant: NLL threshold (auto: calibrated); typical: probability
     beta: float | None = None  # consultant: EMA decay
     delta: float | None = None  # typical
     D: float | None = None  # mentored: KL budget
