@@ -646,3 +646,40 @@ def test_idle_decoders_are_kept_per_settings_and_matched_by_prefix(tiny):
     job = FakeJob()
     produce(job, Failing(), release=lambda: released.append(1))
     assert job.events == ["error"] and released == []
+
+
+def test_serve_loads_its_models_on_a_generation_worker(tiny_folders, tiny, monkeypatch):
+    """`speculate serve` loads its models (and checks its settings) on a generation worker, not on the main
+    thread: with GNU OpenMP, a second thread holding a team of OpenMP threads made every forward 1.47x slower
+    (pool.py, WorkerPool.call). The app then serves with that pool; a load that fails is one error and leaves
+    no worker behind."""
+    from speculate.errors import SpeculateError
+    from speculate.server import main as server_main
+
+    threads = []
+    real = server_main.load_models
+
+    def spy(config):
+        threads.append(threading.current_thread().name)
+        return real(config)
+
+    monkeypatch.setattr(server_main, "load_models", spy)
+
+    def workers_started_since(before):
+        return [t for t in set(threading.enumerate()) - before if t.name.startswith("speculate-worker")]
+
+    before = set(threading.enumerate())
+    app = server_main.build_app(ServerConfig(model=str(tiny_folders[0]), drafter="lookup"))
+    assert threads == ["speculate-worker-0"] and app.state.pool.started
+    server = BackgroundServer(app)
+    try:
+        body = {"model": str(tiny_folders[0]), "prompt": "abc abc abc", "max_tokens": 12, "temperature": 0}
+        text = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    finally:
+        server.stop()
+    assert text == SpeculativeDecoder(tiny[0], "none").generate("abc abc abc", max_new_tokens=12, chat=False).text
+    assert workers_started_since(before) == []  # stopped with the server
+
+    with pytest.raises(SpeculateError, match="unknown model"):
+        server_main.build_app(ServerConfig(model=str(tiny_folders[0]) + "-missing", drafter="lookup"))
+    assert workers_started_since(before) == []

@@ -8,6 +8,6 @@ that notices disconnects), metrics (Prometheus), app (routes), main (load models
 
 from .app import create_app
 from .config import ServerConfig
-from .main import load_models, serve
+from .main import build_app, load_models, serve
 
-__all__ = ["ServerConfig", "create_app", "load_models", "serve"]
+__all__ = ["ServerConfig", "build_app", "create_app", "load_models", "serve"]

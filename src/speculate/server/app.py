@@ -35,9 +35,14 @@ log = logging.getLogger("speculate.server")
 RETRY_AFTER_SECONDS = 1
 
 
-def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | None = None) -> FastAPI:
+def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | None = None,
+               pool: WorkerPool | None = None) -> FastAPI:
+    """``pool``: the generation workers, when the models were loaded on one of them (server/main.py,
+    build_app); by default a new pool."""
     metrics = Metrics()
-    pool = WorkerPool(config.max_concurrency, config.max_queue, on_change=metrics.set_load)
+    if pool is None:
+        pool = WorkerPool(config.max_concurrency, config.max_queue)
+    pool.on_change = metrics.set_load
     # Idle decoders between requests (prefix reuse): one per worker, each holding its KV buffers.
     decoders = Decoders(lambda s: build_decoder(target, draft, s, config.prefix_cache), keep=config.max_concurrency)
     model_id = config.model

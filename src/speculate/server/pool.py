@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from typing import Callable
 
 log = logging.getLogger("speculate.server")
@@ -47,6 +48,19 @@ class Job:
         self.cancelled.set()
 
 
+class _Call:
+    """:meth:`WorkerPool.call`'s work item: a function whose result (or exception) goes to a future."""
+
+    def __init__(self, fn: Callable[[], object]):
+        self.fn, self.future = fn, Future()
+
+    def run(self) -> None:
+        try:
+            self.future.set_result(self.fn())
+        except BaseException as e:
+            self.future.set_exception(e)
+
+
 class WorkerPool:
     def __init__(self, workers: int, max_queue: int, on_change: Callable[[int, int], None] | None = None):
         if workers < 1 or max_queue < 0:
@@ -68,6 +82,8 @@ class WorkerPool:
         return bool(self._threads) and all(t.is_alive() for t in self._threads)
 
     def start(self) -> None:
+        if self._threads:  # (started early by call())
+            return
         for i in range(self.workers):
             t = threading.Thread(target=self._loop, name=f"speculate-worker-{i}", daemon=True)
             t.start()
@@ -79,6 +95,20 @@ class WorkerPool:
         for t in self._threads:
             t.join(timeout)
         self._threads.clear()
+
+    def call(self, fn: Callable[[], object]):
+        """Run ``fn()`` on a worker thread (starting the workers) and return its result, or raise its exception.
+
+        The server loads its models this way (server/main.py, build_app): with the GNU OpenMP runtime that
+        PyTorch uses, every thread that runs a parallel op keeps a team of OpenMP threads, and once the process
+        holds more of them than cores, all teams stop spinning between parallel regions and sleep instead;
+        a decode step opens ~250 regions, and a worker's forwards ran 1.47x slower once the main thread had
+        loaded a model (docs/benchmarks.md section 3). Model work on the workers only keeps one team per
+        worker."""
+        self.start()
+        call = _Call(fn)
+        self._queue.put(call)
+        return call.future.result()
 
     def submit(self, job: Job) -> None:
         with self._lock:
@@ -96,6 +126,9 @@ class WorkerPool:
             job = self._queue.get()
             if job is None:
                 return
+            if isinstance(job, _Call):  # not a request: no admission, no load accounting
+                job.run()
+                continue
             with self._lock:
                 self.running += 1
                 self._changed()
