@@ -1,0 +1,60 @@
+"""Probe: the default model's step cost T(n) at fp32 and int8, interleaved in one process (docs/benchmarks.md
+sections 2 and 4: the verification curve T(n)/T(1) and int8 against fp32).
+
+    python benchmarks/probes/step_curve.py [--threads 2] [--rounds 10]
+
+Both precisions through the lean decoder (FastKVModel, what the engine uses), a 200-token random context
+prefilled once; each round times, for each precision (their order alternating by round) and each n, 15
+forwards over n new tokens (every row's logits, as a verification) and keeps the median; the table gives the
+median over rounds. ``speculate calc --profile`` measures one precision's curve the same way, for --k auto.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from speculate.models.fast import FastKVModel
+from speculate.models.loader import load_model
+
+ROWS = (1, 2, 4, 8, 16)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=10)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    context = torch.randint(0, 40000, (200,), generator=torch.Generator().manual_seed(0))
+    models = {dtype: FastKVModel(load_model("smollm2-135m-instruct", dtype=dtype, progress=False))
+              for dtype in ("fp32", "int8")}
+    for kv in models.values():
+        kv.reset(512)
+        kv.forward(context)
+    times = {(dtype, n): [] for dtype in models for n in ROWS}
+    for r in range(args.rounds):
+        for dtype in (list(models) if r % 2 == 0 else list(models)[::-1]):
+            kv = models[dtype]
+            for n in ROWS:
+                ts = []
+                for _ in range(15):
+                    kv.keep(200)
+                    t = time.perf_counter()
+                    kv.forward(context[:n])
+                    ts.append(time.perf_counter() - t)
+                times[dtype, n].append(statistics.median(ts))
+    med = {key: statistics.median(v) for key, v in times.items()}
+    print(f"{args.threads} threads, {args.rounds} rounds; T(1) and T(n)/T(1):")
+    print("| | T(1) | " + " | ".join(f"T({n})/T(1)" for n in ROWS[1:]) + " |")
+    for dtype in models:
+        print(f"| {dtype} | {1e3 * med[dtype, 1]:.1f} ms | "
+              + " | ".join(f"{med[dtype, n] / med[dtype, 1]:.2f}" for n in ROWS[1:]) + " |")
+    ratios = sorted(a / b for a, b in zip(times["fp32", 1], times["int8", 1]))
+    print(f"int8 over fp32 at one row: {med['fp32', 1] / med['int8', 1]:.2f}x "
+          f"(per round {ratios[0]:.2f}-{ratios[-1]:.2f})")
+
+
+if __name__ == "__main__":
+    main()
