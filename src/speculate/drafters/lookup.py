@@ -5,8 +5,8 @@ For n from ``max_ngram`` down to ``min_ngram``, find the most recent earlier occ
 tokens in prompt + output and propose the tokens that followed it. The draft is certain: p_draft is
 one-hot. How many tokens: a match of the full ``max_ngram`` tokens proposes k; a shorter match of n
 tokens proposes min(k, 2^(n-1)) (1, 2, 4, ...). A one-token match is a weak hint, and on these CPUs a
-target forward over 4+ tokens costs ~1.8x one over 1-3 (docs/benchmarks.md), so a long draft on a weak
-match mostly buys a slower round; measured on the benchmark prompts this beats a fixed k. An index from each n-gram to where its latest occurrence was followed is kept up to
+target forward over 4 tokens at fp32 costs ~1.6x one over 1 and 3 tokens ~1.2x (docs/benchmarks.md §2), so a
+long draft on a weak match mostly buys a slower round; measured on the benchmark prompts this beats a fixed k. An index from each n-gram to where its latest occurrence was followed is kept up to
 date as tokens arrive, so a proposal costs O(max_ngram) dictionary look-ups, not a scan of the context.
 
 Copies that grow (``max_copy``): a generation that copies a passage verbatim accepts every full-match copy

@@ -38,8 +38,8 @@ def build_app(config: ServerConfig):
     pool = WorkerPool(config.max_concurrency, config.max_queue)
     try:
         target, draft = pool.call(lambda: load_models(config))
-    except BaseException:
-        pool.stop()
+    except BaseException:  # a load that failed leaves an idle worker; Ctrl-C mid-load, a busy daemon one
+        pool.stop(timeout=1)
         raise
     return create_app(config, target, draft, pool)
 
