@@ -225,6 +225,11 @@ BAD = [  # (body for /v1/completions unless "path" is given, status, param, code
      "invalid_value"),
     ({"model": "M", "prompt": "hi", "speculative": {"verifier": "greedy", "tol": 1}}, 400, "speculative",
      "invalid_value"),
+    # Settings the engine refuses are found on the worker (generation.run_job): a stream still gets the 400.
+    ({"model": "M", "prompt": "hi", "stream": True, "speculative": {"verifier": "consultant", "eps": -1}}, 400,
+     "speculative", "invalid_value"),
+    ({"model": "M", "prompt": "hi", "stream": True, "temperature": 0.7, "speculative": {"verifier": "greedy"}}, 400,
+     None, "invalid_value"),
     ({"model": "M", "prompt": "hi", "speculative": {"drafter": "model"}}, 400, "speculative", "invalid_value"),
     ({"model": "M", "prompt": "hi", "temperature": 0.7, "speculative": {"verifier": "greedy"}}, 400, None,
      "invalid_value"),
@@ -564,11 +569,25 @@ def test_k_and_eps_auto_in_the_server(served, client, tiny, tmp_path, monkeypatc
         with pytest.raises(SpeculateError, match="--k must be"):
             ServerConfig(model="m", k=bad)
 
+    # A request's own "auto" measures the cost profile / calibrates ε on the generation worker that runs it
+    # (generation.run_job), not in the thread that prepared it: that thread would keep a second OpenMP team.
+    import speculate.engine as engine_module
+
     prompt = "abc abc abc abc"
+    plain = SpeculativeDecoder(tiny[0], "none").generate(prompt, max_new_tokens=30, chat=False)
+    consultant = SpeculativeDecoder(tiny[0], "lookup", "consultant", k=3, eps="auto", beta=0.2)
+    threads = []
+    for name in ("profile_for", "calibrate_eps"):
+        real = getattr(engine_module, name)
+        monkeypatch.setattr(engine_module, name, lambda *a, _real=real: threads.append(
+            threading.current_thread().name) or _real(*a))
     r = client.completions.create(model=served.model, prompt=prompt, max_tokens=30, temperature=0,
                                   extra_body={"speculative": {"drafter": "lookup", "k": "auto"}})
-    plain = SpeculativeDecoder(tiny[0], "none").generate(prompt, max_new_tokens=30, chat=False)
     assert r.choices[0].text == plain.text and r.to_dict()["speculative_stats"]["k"] == "auto"
+    r = client.completions.create(model=served.model, prompt=prompt, max_tokens=30, temperature=0, extra_body={
+        "speculative": {"drafter": "lookup", "verifier": "consultant", "eps": "auto", "beta": 0.2, "k": 3}})
+    assert r.choices[0].text == consultant.generate(prompt, max_new_tokens=30, chat=False).text
+    assert len(threads) == 2 and all(name.startswith("speculate-worker") for name in threads), threads
 
 
 def _fail(*args):

@@ -9,8 +9,8 @@ import sys
 from .errors import SpeculateError
 
 K_HELP = ("draft length per round (default 6: on these CPUs a target forward over 7 tokens costs about "
-          "1.5x one over a single token, and lookup drafts are free, so long drafts pay; a draft model "
-          "costs a forward per drafted token, so try 2-4 there)")
+          "2x one over a single token at fp32 and 1.4x at int8, and lookup drafts are free, so long drafts "
+          "pay; a draft model costs a forward per drafted token, so try 2-4 there)")
 K_AUTO_HELP = K_HELP[:-1] + ("; 'auto': per round, the k with the best predicted speedup on this machine's "
                              "measured cost curve at the acceptance rate seen so far)")
 

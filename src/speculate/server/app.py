@@ -24,7 +24,7 @@ from .body import read_json
 from .config import ServerConfig
 from .errors import APIError, error_body, install_error_handlers, validation_error
 from .decoders import Decoders
-from .generation import Outcome, build_decoder, prepare, produce
+from .generation import Outcome, build_decoder, prepare, run_job
 from .metrics import OUTCOME_KEY, Metrics, StatusCounter
 from .pool import Job, QueueFull, WorkerPool
 from .responses import DONE, Shaper, sse
@@ -100,8 +100,8 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
         if req.model != model_id:
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{model_id}'",
                            "model", "model_not_found")
-        prepared = await anyio.to_thread.run_sync(prepare, config, target, decoders, req)
-        job = Job(partial(produce, stream=prepared.stream, release=prepared.release), asyncio.get_running_loop())
+        prepared = await anyio.to_thread.run_sync(prepare, config, target, req)
+        job = Job(partial(run_job, prepared=prepared, decoders=decoders), asyncio.get_running_loop())
         try:
             pool.submit(job)
         except QueueFull:
@@ -111,6 +111,17 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
         shaper = Shaper(kind, model_id, prepared.settings)
         outcome = request.scope.get(OUTCOME_KEY, {})
         if req.stream:
+            # Wait for the worker to open the stream: settings the engine refuses are still a 400, not an
+            # error event inside a 200 stream.
+            kind_, value = await wait_or_disconnect(job, request, until_ready=True)
+            if kind_ == "error":
+                job.finished = True
+                raise as_api_error(value)
+            if kind_ != "ready":  # the client left while the request was queued
+                job.cancel()
+                outcome["status"] = "499"
+                return Response(status_code=499)
+
             def on_close():
                 if not job.finished:
                     job.cancel()
@@ -166,12 +177,13 @@ def as_api_error(value) -> APIError:
     return APIError(500, f"generation failed: {type(value).__name__}: {value}", code="generation_failed")
 
 
-async def wait_or_disconnect(job: Job, request: Request):
-    """The job's final event ('done', 'error', 'cancelled'), or ('disconnected', None) if the client left."""
+async def wait_or_disconnect(job: Job, request: Request, until_ready: bool = False):
+    """The job's final event ('done', 'error', 'cancelled') — or, ``until_ready``, its first one ('ready' when
+    its stream is open) — or ('disconnected', None) if the client left."""
     async def final():
         while True:
             event, value = await job.events.get()
-            if event != "piece":
+            if event not in ("piece", "ready") or (until_ready and event == "ready"):
                 return event, value
 
     async def disconnect():

@@ -1,13 +1,19 @@
-"""From a validated request to a ready-to-run engine stream, and the work a generation worker does with it.
+"""From a validated request to a running generation: the checks made before a request is queued, and the work
+a generation worker does with it.
 
-:func:`prepare` runs every check that needs the tokenizer or the engine (prompt length against the
-context window, speculative settings) *before* the request is queued, so a bad request is a 400 and never
-takes a worker. It takes a :class:`SpeculativeDecoder` for the request's settings from the server's
+:func:`prepare` runs the checks that need the tokenizer (prompt length against the context window) and merges
+the speculative settings, off the event loop, *before* the request is queued: a bad prompt is a 400 and never
+takes a worker. Everything that touches the models happens on the generation worker that runs the request
+(:func:`run_job`): it takes a :class:`SpeculativeDecoder` for the request's settings from the server's
 :class:`~speculate.server.decoders.Decoders` (an idle one whose cache shares the longest prefix with the
-prompt, or a new one): a decoder holds per-generation KV state and is not thread-safe, while the model
-weights it points to are shared by all of them. :func:`produce` is the worker side: iterate the engine's
-stream, hand each piece to the request handler, stop at once when the client has gone, then give the
-decoder back.
+prompt, or a new one — which may load an answer store or heads, measure a cost profile, calibrate ε) and
+opens its stream. Why there: every thread that runs a parallel torch op keeps its own OpenMP team, and once
+the process holds more OpenMP threads than cores every forward slows ~1.5× (server/pool.py, WorkerPool.call;
+docs/benchmarks.md §3) — a store loaded in the request-preparing thread pool did that to every later request.
+Settings the engine refuses are reported as the job's first event, before any text, so the client still
+gets a 400 (streamed or not). A decoder holds per-generation KV state and is not thread-safe, while the
+model weights it points to are shared by all of them. :func:`produce` iterates the engine's stream, hands
+each piece to the request handler, stops at once when the client has gone, then gives the decoder back.
 """
 
 from __future__ import annotations
@@ -32,11 +38,14 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; cha
 
 @dataclass
 class Prepared:
-    stream: Stream
-    prompt_tokens: int
+    ids: list[int]  # the prompt's tokens
     max_tokens: int
     settings: dict  # the speculative settings in force: drafter, verifier, k, params
-    release: Callable[[], None] = lambda: None  # gives the decoder back once its generation has ended
+    sampling: dict  # the engine's stream() arguments besides the prompt and max_new_tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.ids)
 
 
 @dataclass
@@ -45,9 +54,8 @@ class Outcome:
     first_piece_at: float | None  # perf_counter time of the first text piece
 
 
-def prepare(config: ServerConfig, target: LoadedModel, decoders: Decoders,
-            req: CompletionRequest | ChatCompletionRequest) -> Prepared:
-    """Check and set up one request (called off the event loop: it tokenizes). Raises APIError (4xx)."""
+def prepare(config: ServerConfig, target: LoadedModel, req: CompletionRequest | ChatCompletionRequest) -> Prepared:
+    """Check one request (called off the event loop: it tokenizes; it never runs the models). Raises APIError."""
     req.check_supported()
     stops = req.stops()
     window = target.context_window
@@ -86,14 +94,32 @@ def prepare(config: ServerConfig, target: LoadedModel, decoders: Decoders,
     settings = merge_settings(config, req.speculative)
     if settings["verifier"] is None:  # the engine's own default, named so that the stats can report it
         settings["verifier"] = "greedy" if req.temperature == 0 else "sample"
-    decoder = decoders.take(settings, ids)
+    return Prepared(ids, budget, settings, {"temperature": req.temperature, "top_p": req.top_p,
+                                            "top_k": max(req.top_k or 0, 0), "seed": req.seed, "stop": stops})
+
+
+def open_stream(prepared: Prepared, decoders: Decoders) -> tuple[Stream, Callable[[], None]]:
+    """On the worker: a decoder for the request's settings and its stream, and the function that gives the
+    decoder back once the generation has ended. Raises APIError (400) for settings the engine refuses."""
+    decoder = decoders.take(prepared.settings, prepared.ids)  # build_decoder: SpeculateError → APIError 400
     try:
-        stream = decoder.stream(ids, max_new_tokens=budget, temperature=req.temperature, top_p=req.top_p,
-                                top_k=max(req.top_k or 0, 0), seed=req.seed, stop=stops)
+        stream = decoder.stream(prepared.ids, max_new_tokens=prepared.max_tokens, **prepared.sampling)
     except SpeculateError as e:
-        decoders.give_back(settings, decoder)  # nothing ran: it is as it was
+        decoders.give_back(prepared.settings, decoder)  # nothing ran: it is as it was
         raise APIError(400, str(e), None, "invalid_value") from None
-    return Prepared(stream, len(ids), budget, settings, lambda: decoders.give_back(settings, decoder))
+    return stream, lambda: decoders.give_back(prepared.settings, decoder)
+
+
+def run_job(job: Job, prepared: Prepared, decoders: Decoders) -> None:
+    """Worker side of a request: open its stream (the job's first event: 'ready', or 'error' with the 4xx),
+    then :func:`produce`. Never raises."""
+    try:
+        stream, release = open_stream(prepared, decoders)
+    except Exception as e:  # noqa: BLE001 — an APIError is the client's 4xx; anything else a 500
+        job.emit("error", e)
+        return
+    job.emit("ready")
+    produce(job, stream, release)
 
 
 def _encode(fn, param: str) -> list[int]:

@@ -105,6 +105,8 @@ class WorkerPool:
         a decode step opens ~250 regions, and a worker's forwards ran 1.47x slower once the main thread had
         loaded a model (docs/benchmarks.md section 3). Model work on the workers only keeps one team per
         worker."""
+        if threading.current_thread() in self._threads:  # it would wait for itself
+            raise RuntimeError("WorkerPool.call from one of its own workers")
         self.start()
         call = _Call(fn)
         self._queue.put(call)
