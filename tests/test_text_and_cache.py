@@ -135,3 +135,24 @@ def test_atomic_writes_get_ordinary_permissions_and_leave_nothing_on_failure(tmp
     with building(tmp_path / "m") as tmp:
         (tmp / "f").write_text("1")
     assert (tmp_path / "m").stat().st_mode & 0o777 == 0o777 & ~_UMASK
+
+
+def test_a_build_removes_what_dead_builds_left(tmp_path):
+    """A build killed mid-way (or abandoned at exit in a daemon thread) leaves its temporary folder; the next
+    build of that folder removes it — but not a live process's, nor another host's (a shared cache)."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    host = socket.gethostname()
+    folder = tmp_path / "m"
+    left = [tmp_path / f".m.{host}.{dead}.abc", tmp_path / f".m.{host}.{dead}.old.def"]
+    kept = [tmp_path / f".m.{host}.1.xyz", tmp_path / f".m.another-host.{dead}.xyz", tmp_path / f".mm.{host}.{dead}.x"]
+    for d in left + kept:
+        d.mkdir()
+        (d / "part").write_bytes(b"x")
+    with building(folder) as tmp:
+        (tmp / "a.txt").write_text("a")
+    assert verified(folder) and not any(d.exists() for d in left) and all(d.exists() for d in kept)

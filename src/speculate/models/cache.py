@@ -9,10 +9,12 @@ truncated or corrupted cache is detected and rebuilt, never loaded.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,13 +67,37 @@ def make_folder(folder: Path, flag: str) -> None:
         raise SpeculateError(f"{flag} {folder}: cannot create the folder ({e.strerror or e})") from None
 
 
+def _scratch_prefix(folder: Path, pid: int | None = None) -> str:
+    """The name prefix of this host's and process's temporary folders beside ``folder``."""
+    return f".{folder.name}.{socket.gethostname()}.{os.getpid() if pid is None else pid}."
+
+
+def _sweep(folder: Path) -> None:
+    """Remove the temporary folders that dead processes of this host left beside ``folder``: a build that was
+    killed, or abandoned in a daemon thread at exit (Ctrl-C while `serve` loads), cannot clean up after itself.
+    Another host's (a shared cache) or a live process's are left alone."""
+    host = f".{folder.name}.{socket.gethostname()}."
+    for entry in folder.parent.glob(f"{glob.escape(host)}*"):
+        pid = entry.name[len(host):].split(".", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry, ignore_errors=True)
+        except OSError:  # alive, another user's
+            pass
+
+
 @contextmanager
 def building(folder: Path):
     """Yield a temporary folder beside ``folder``; on success it becomes ``folder`` atomically
-    (with its manifest), on any error it is removed. A stale or corrupted ``folder`` is replaced."""
+    (with its manifest), on any error it is removed. A stale or corrupted ``folder`` is replaced, and the
+    temporary folders of dead earlier builds are removed (:func:`_sweep`)."""
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        _sweep(folder)
+        tmp = Path(tempfile.mkdtemp(prefix=_scratch_prefix(folder), dir=folder.parent))
     except OSError as e:  # e.g. $SPECULATE_CACHE names a file or an unwritable place
         raise SpeculateError(f"cannot write the cache in {folder.parent} ({e.strerror or e}); set SPECULATE_CACHE "
                              f"to a writable folder") from None
@@ -81,7 +107,7 @@ def building(folder: Path):
         os.chmod(tmp, 0o777 & ~_UMASK)
         if folder.exists():
             # rename() cannot replace a non-empty folder: move the old one aside first.
-            old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
+            old = Path(tempfile.mkdtemp(prefix=_scratch_prefix(folder) + "old.", dir=folder.parent))
             os.replace(folder, old / "x")
             shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, folder)
