@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 
 from ..errors import SpeculateError
@@ -73,4 +74,10 @@ def serve(config: ServerConfig, log_level: str = "info") -> None:
         logging.getLogger("speculate.server").warning(
             "listening on %s without an API key: anyone who can reach this address can use the server "
             "(set --api-key or $SPECULATE_API_KEY)", config.host)
+    if config.max_concurrency > 1:
+        cores = os.cpu_count() or 1
+        logging.getLogger("speculate.server").warning(
+            "%d generation workers on %d cores: each keeps its own team of OpenMP threads, and on 2 cores two "
+            "workers were slower than one at every load (docs/benchmarks.md section 3); one worker is usually "
+            "fastest on a CPU", config.max_concurrency, cores)
     uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)
