@@ -308,3 +308,38 @@ def test_decoders_on_one_model_share_the_fused_weights(tiny):
     decoders = [SpeculativeDecoder(target, "lookup", "greedy", k=2) for _ in range(3)]
     assert {p.data_ptr() for p in target.model.parameters()} == ptrs
     assert all(d.generate("abc", max_new_tokens=8).token_ids == before for d in decoders)
+
+
+def test_generating_on_another_thread_than_the_loading_one_warns_once(tiny, monkeypatch):
+    """Several threads running torch keep several OpenMP teams and slow every forward (~1.5x measured,
+    docs/benchmarks.md section 3): generating on another thread than the loading one warns, once a process;
+    the loading thread, or one torch thread, does not."""
+    import threading
+    import warnings
+
+    from speculate.models import loader
+
+    monkeypatch.setattr(loader, "_WARNED_THREAD", False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    decoder = SpeculativeDecoder(tiny[0], "lookup", k=3)
+    caught = []
+
+    def generate():
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            decoder.generate([5, 6, 7], max_new_tokens=3)
+        caught.append([str(w.message) for w in seen if w.category is RuntimeWarning])
+
+    generate()  # the thread that loaded the tiny models (the test session's)
+    for _ in range(2):
+        thread = threading.Thread(target=generate)
+        thread.start()
+        thread.join()
+    assert caught[0] == [] and len(caught[1]) == 1 and "loaded on another thread" in caught[1][0]
+    assert caught[2] == []  # once
+    monkeypatch.setattr(loader, "_WARNED_THREAD", False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    thread = threading.Thread(target=generate)
+    thread.start()
+    thread.join()
+    assert caught[3] == []

@@ -28,6 +28,10 @@ from speculate.server import ServerConfig, create_app, load_models
 from speculate.server.background import BackgroundServer
 from speculate.server.errors import APIError
 
+# The shared server has two workers generating with one loaded model, which the engine warns about (several
+# threads running torch: models/loader.py check_thread); expected here.
+pytestmark = pytest.mark.filterwarnings("ignore:.*loaded on another thread:RuntimeWarning")
+
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hello hello hello"}]

@@ -30,7 +30,7 @@ from .drafters import Drafter, get_drafter
 from .drafters.none import NoDrafter
 from .errors import SpeculateError
 from .models.kv import KVModel, PrefixReuse
-from .models.loader import LoadedModel
+from .models.loader import LoadedModel, check_thread
 from .sampling import Sampling, one_hot, warp
 from .stats import Stats
 from .text import Detokenizer, encode_prompt, eos_ids
@@ -142,6 +142,7 @@ class SpeculativeDecoder:
                top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,
                chat: bool | None = None) -> Stream:
         """Like :meth:`generate`, as an iterator of text pieces (bad settings raise here, eagerly)."""
+        check_thread(self.target)  # (a warning, once: several threads running torch slow every forward)
         sampling = Sampling(temperature, top_p, top_k)
         verifier = self._verifier(sampling)
         prompt_ids = prompt if _is_token_ids(prompt) else encode_prompt(self.target.tokenizer, prompt, chat)

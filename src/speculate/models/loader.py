@@ -12,8 +12,9 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # Never contact a model hub: set before transformers is imported anywhere through us.
@@ -39,6 +40,9 @@ class LoadedModel:
     name: str
     path: Path
     dtype: str = "fp32"
+    # The thread that loaded it (check_thread): loading runs parallel torch ops, which give that thread an
+    # OpenMP team for as long as it lives.
+    thread: int = field(default_factory=threading.get_ident, compare=False, repr=False)
 
     def __iter__(self):
         return iter((self.model, self.tokenizer))
@@ -95,6 +99,24 @@ def _to_int8(loaded: LoadedModel, name: str) -> None:
         with building(folder) as tmp:
             save_file(tensors, tmp / "int8.safetensors", metadata=meta)
     quantize.apply(loaded.model, tensors)
+
+
+_WARNED_THREAD = False
+
+
+def check_thread(loaded: LoadedModel) -> None:
+    """Warn (once per process) when ``loaded`` runs on another thread than the one that loaded it, with more
+    than one torch thread: PyTorch's GNU OpenMP keeps a team of threads for every thread that has run a
+    parallel op, and once the process holds more of them than cores, all teams sleep between parallel regions
+    instead of spinning — every forward measured ~1.5× slower (docs/benchmarks.md §3). `speculate serve` loads
+    on its generation worker for this reason."""
+    global _WARNED_THREAD
+    if _WARNED_THREAD or threading.get_ident() == loaded.thread or torch.get_num_threads() < 2:
+        return
+    _WARNED_THREAD = True
+    warnings.warn(f"'{loaded.name}' was loaded on another thread than the one generating with it: with several "
+                  f"threads running torch, every forward can be ~1.5x slower; load and generate on one thread, or "
+                  f"set torch.set_num_threads(1) (docs/benchmarks.md section 3)", RuntimeWarning, stacklevel=3)
 
 
 def int8_cache_folder(name: str, path: Path) -> Path:
