@@ -310,7 +310,7 @@ def test_decoders_on_one_model_share_the_fused_weights(tiny):
     assert all(d.generate("abc", max_new_tokens=8).token_ids == before for d in decoders)
 
 
-def test_generating_on_another_thread_than_the_loading_one_warns_once(tiny, monkeypatch):
+def test_generating_on_another_thread_than_the_loading_one_warns_once(tiny, tiny_folders, monkeypatch):
     """Several threads running torch keep several OpenMP teams and slow every forward (~1.5x measured,
     docs/benchmarks.md section 3): generating on another thread than the loading one warns, once a process;
     the loading thread, or one torch thread, does not."""
@@ -343,3 +343,13 @@ def test_generating_on_another_thread_than_the_loading_one_warns_once(tiny, monk
     thread.start()
     thread.join()
     assert caught[3] == []
+    # A loading thread that has ended holds no OpenMP team any more: no warning.
+    monkeypatch.setattr(loader, "_WARNED_THREAD", False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    loaded = []
+    thread = threading.Thread(target=lambda: loaded.append(load_model(str(tiny_folders[1]))))
+    thread.start()
+    thread.join()
+    decoder = SpeculativeDecoder(loaded[0], "lookup", k=3)
+    generate()
+    assert caught[4] == []

@@ -138,21 +138,32 @@ def test_atomic_writes_get_ordinary_permissions_and_leave_nothing_on_failure(tmp
 
 
 def test_a_build_removes_what_dead_builds_left(tmp_path):
-    """A build killed mid-way (or abandoned at exit in a daemon thread) leaves its temporary folder; the next
-    build of that folder removes it — but not a live process's, nor another host's (a shared cache)."""
+    """A build killed mid-way (or abandoned at exit in a daemon thread) leaves its temporary folders; the next
+    build of that folder removes them once nothing was written in them for an hour — but not a live process's,
+    a recent one's (a process of another PID namespace looks dead), another host's (a shared cache), nor
+    names that are not its own."""
+    import os
     import socket
     import subprocess
     import sys
+    import time
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True).stdout.strip()
     host = socket.gethostname()
     folder = tmp_path / "m"
-    left = [tmp_path / f".m.{host}.{dead}.abc", tmp_path / f".m.{host}.{dead}.old.def"]
-    kept = [tmp_path / f".m.{host}.1.xyz", tmp_path / f".m.another-host.{dead}.xyz", tmp_path / f".mm.{host}.{dead}.x"]
-    for d in left + kept:
+    left = [tmp_path / f".m.{host}.{dead}.abc", tmp_path / f".m.{host}.{dead}.old.def",
+            tmp_path / f".m.{host}.{dead}.gguf.ghi"]
+    kept = [tmp_path / f".m.{host}.1.xyz", tmp_path / f".m.another-host.{dead}.xyz", tmp_path / f".mm.{host}.{dead}.x",
+            tmp_path / f".m.{host}.{dead}.9.x", tmp_path / f".m.{host}.99999999999.x"]
+    recent = tmp_path / f".m.{host}.{dead}.new"
+    hours_ago = time.time() - 2 * 3600
+    for d in left + kept + [recent]:
         d.mkdir()
         (d / "part").write_bytes(b"x")
+        if d is not recent:
+            os.utime(d / "part", (hours_ago, hours_ago))
+            os.utime(d, (hours_ago, hours_ago))
     with building(folder) as tmp:
         (tmp / "a.txt").write_text("a")
-    assert verified(folder) and not any(d.exists() for d in left) and all(d.exists() for d in kept)
+    assert verified(folder) and not any(d.exists() for d in left) and all(d.exists() for d in kept + [recent])

@@ -9,13 +9,14 @@ truncated or corrupted cache is detected and rebuilt, never loaded.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -67,26 +68,40 @@ def make_folder(folder: Path, flag: str) -> None:
         raise SpeculateError(f"{flag} {folder}: cannot create the folder ({e.strerror or e})") from None
 
 
-def _scratch_prefix(folder: Path, pid: int | None = None) -> str:
-    """The name prefix of this host's and process's temporary folders beside ``folder``."""
-    return f".{folder.name}.{socket.gethostname()}.{os.getpid() if pid is None else pid}."
+def scratch_prefix(folder: Path, kind: str = "") -> str:
+    """The name prefix of this host's and process's temporary folders beside ``folder`` (``kind``: "old.",
+    "gguf." for the other scratch folders a build makes; :func:`_sweep` knows them)."""
+    return f".{folder.name}.{socket.gethostname()}.{os.getpid()}.{kind}"
+
+
+STALE_AFTER = 3600.0  # seconds without a write before a dead process's scratch folder is removed
 
 
 def _sweep(folder: Path) -> None:
     """Remove the temporary folders that dead processes of this host left beside ``folder``: a build that was
     killed, or abandoned in a daemon thread at exit (Ctrl-C while `serve` loads), cannot clean up after itself.
-    Another host's (a shared cache) or a live process's are left alone."""
-    host = f".{folder.name}.{socket.gethostname()}."
-    for entry in folder.parent.glob(f"{glob.escape(host)}*"):
-        pid = entry.name[len(host):].split(".", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
+    Only folders named by :func:`scratch_prefix` for this host, whose process does not exist here and in
+    which nothing was written for an hour (a process of another PID namespace with the same host name, e.g. a
+    container sharing the cache, looks dead from here); another host's, a live process's, are left alone."""
+    name = re.compile(rf"{re.escape(f'.{folder.name}.{socket.gethostname()}.')}(\d{{1,9}})\.(?:old\.|gguf\.)?[^.]+", re.ASCII)
+    now = time.time()
+    for entry in folder.parent.iterdir():
+        match = name.fullmatch(entry.name)
+        if match is None or int(match[1]) == os.getpid():
             continue
         try:
-            os.kill(int(pid), 0)
+            os.kill(int(match[1]), 0)
+            continue  # alive
         except ProcessLookupError:
-            shutil.rmtree(entry, ignore_errors=True)
-        except OSError:  # alive, another user's
             pass
+        except (OSError, OverflowError):  # alive, another user's; or not a pid
+            continue
+        try:
+            newest = max([entry.stat().st_mtime] + [p.stat().st_mtime for p in entry.rglob("*")])
+        except OSError:
+            continue
+        if now - newest > STALE_AFTER:
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 @contextmanager
@@ -97,7 +112,7 @@ def building(folder: Path):
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         _sweep(folder)
-        tmp = Path(tempfile.mkdtemp(prefix=_scratch_prefix(folder), dir=folder.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=scratch_prefix(folder), dir=folder.parent))
     except OSError as e:  # e.g. $SPECULATE_CACHE names a file or an unwritable place
         raise SpeculateError(f"cannot write the cache in {folder.parent} ({e.strerror or e}); set SPECULATE_CACHE "
                              f"to a writable folder") from None
@@ -107,7 +122,7 @@ def building(folder: Path):
         os.chmod(tmp, 0o777 & ~_UMASK)
         if folder.exists():
             # rename() cannot replace a non-empty folder: move the old one aside first.
-            old = Path(tempfile.mkdtemp(prefix=_scratch_prefix(folder) + "old.", dir=folder.parent))
+            old = Path(tempfile.mkdtemp(prefix=scratch_prefix(folder, "old."), dir=folder.parent))
             os.replace(folder, old / "x")
             shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, folder)

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +25,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from ..errors import SpeculateError  # noqa: E402
-from .cache import building, cache_root, sha256_file, verified  # noqa: E402
+from .cache import building, cache_root, scratch_prefix, sha256_file, verified  # noqa: E402
 from .registry import ALIASES, DEFAULT_MODEL, GGUFSource  # noqa: E402
 
 # Weight precisions. int8 loads the fp32 weights, then swaps in smoothed int8 linear layers (quantize.py).
@@ -41,8 +42,9 @@ class LoadedModel:
     path: Path
     dtype: str = "fp32"
     # The thread that loaded it (check_thread): loading runs parallel torch ops, which give that thread an
-    # OpenMP team for as long as it lives.
-    thread: int = field(default_factory=threading.get_ident, compare=False, repr=False)
+    # OpenMP team for as long as it lives (a weak reference: the thread may end).
+    thread: weakref.ref = field(default_factory=lambda: weakref.ref(threading.current_thread()), compare=False,
+                                repr=False)
 
     def __iter__(self):
         return iter((self.model, self.tokenizer))
@@ -111,7 +113,9 @@ def check_thread(loaded: LoadedModel) -> None:
     instead of spinning — every forward measured ~1.5× slower (docs/benchmarks.md §3). `speculate serve` loads
     on its generation worker for this reason."""
     global _WARNED_THREAD
-    if _WARNED_THREAD or threading.get_ident() == loaded.thread or torch.get_num_threads() < 2:
+    loader = loaded.thread()
+    if _WARNED_THREAD or loader is None or loader is threading.current_thread() or not loader.is_alive() \
+            or torch.get_num_threads() < 2:
         return
     _WARNED_THREAD = True
     warnings.warn(f"'{loaded.name}' was loaded on another thread than the one generating with it: with several "
@@ -157,7 +161,8 @@ def ensure_converted(src: GGUFSource, progress: bool = True) -> Path:
     if progress:
         print(f"speculate: converting {src.alias} from GGUF into {folder} (once; later loads take seconds)",
               file=__import__("sys").stderr)
-    with building(folder) as tmp, tempfile.TemporaryDirectory(dir=folder.parent) as scratch:
+    with building(folder) as tmp, tempfile.TemporaryDirectory(prefix=scratch_prefix(folder, "gguf."),
+                                                                 dir=folder.parent) as scratch:
         gguf = _assemble(parts, Path(scratch), progress)
         got = sha256_file(gguf)
         if got != src.sha256:

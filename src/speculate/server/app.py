@@ -113,7 +113,7 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
         if req.stream:
             # Wait for the worker to open the stream: settings the engine refuses are still a 400, not an
             # error event inside a 200 stream.
-            kind_, value = await wait_or_disconnect(job, request, until_ready=True)
+            kind_, value = await wait_or_disconnect(job, request, until_ready=True)  # (cancels it if torn down)
             if kind_ == "error":
                 job.finished = True
                 raise as_api_error(value)
@@ -194,6 +194,9 @@ async def wait_or_disconnect(job: Job, request: Request, until_ready: bool = Fal
     tasks = [asyncio.ensure_future(final()), asyncio.ensure_future(disconnect())]
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the handler itself was cancelled (a forced shutdown): nobody will read the job
+        job.cancel()
+        raise
     finally:
         for t in tasks:
             t.cancel()

@@ -118,6 +118,10 @@ def run_job(job: Job, prepared: Prepared, decoders: Decoders) -> None:
     except Exception as e:  # noqa: BLE001 — an APIError is the client's 4xx; anything else a 500
         job.emit("error", e)
         return
+    if job.cancelled.is_set():  # the client left while the decoder was being built: no prefill for nobody
+        release()
+        job.emit("cancelled")
+        return
     job.emit("ready")
     produce(job, stream, release)
 
