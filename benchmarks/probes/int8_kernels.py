@@ -69,9 +69,9 @@ def whole_step(limit=2_000_000):
     from speculate.models.fast import FastKVModel
 
     m = load_model("smollm2-135m-instruct", dtype="int8")
-    small = [l for l in m.model.modules() if isinstance(l, Q.Int8Linear) and l.out_features * l.in_features <= limit]
-    kernels = {id(l): (l.matmul_2d, l.add_matmul_2d) for l in small}
-    weights = {id(l): (l.tensors()[0], l.tensors()[1].float()) for l in small}
+    small = [layer for layer in m.model.modules() if isinstance(layer, Q.Int8Linear) and layer.out_features * layer.in_features <= limit]
+    kernels = {id(layer): (layer.matmul_2d, layer.add_matmul_2d) for layer in small}
+    weights = {id(layer): (layer.tensors()[0], layer.tensors()[1].float()) for layer in small}
 
     def on_int_mm(layer):
         w, s = weights[id(layer)]
@@ -89,8 +89,8 @@ def whole_step(limit=2_000_000):
 
     models = {}
     for name in ("fbgemm", "int_mm"):
-        for l in small:  # FastKVModel binds the layers' callables when it is built
-            l.matmul_2d, l.add_matmul_2d = kernels[id(l)] if name == "fbgemm" else on_int_mm(l)
+        for layer in small:  # FastKVModel binds the layers' callables when it is built
+            layer.matmul_2d, layer.add_matmul_2d = kernels[id(layer)] if name == "fbgemm" else on_int_mm(layer)
         models[name] = FastKVModel(m)
     ctx = torch.randint(0, 30000, (200,))
 

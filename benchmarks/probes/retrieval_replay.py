@@ -28,6 +28,7 @@ import collections
 import heapq
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -69,7 +70,25 @@ def answers(path: Path) -> list[dict]:
     return out
 
 
-def replay(drafter, records, k) -> dict:
+def _kept(draft: list[int], answer: list[int], done: int) -> int:
+    """How many of ``draft`` greedy verification keeps: its prefix that the answer continues with."""
+    kept = 0
+    while kept < len(draft) and draft[kept] == answer[done + kept]:
+        kept += 1
+    return kept
+
+
+def chain_round(drafter, committed, answer, done, k) -> tuple[int, int]:
+    """One round of ``drafter`` as the engine runs it: (drafts kept, rows verified besides the last token's)."""
+    budget = len(answer) - done - 1  # as the engine prunes a draft to what the budget still takes
+    draft = drafter.propose(committed, min(k, budget)).tokens.tolist()[:budget]
+    kept = _kept(draft, answer, done)
+    drafter.update(kept, answer[done + kept])
+    return kept, len(draft)
+
+
+def replay(drafter, records, k, round_fn=chain_round) -> dict:
+    """τ and the estimated speedup per dataset, each round played by ``round_fn`` on the recorded answers."""
     result = {}
     for name, _, _ in HELD_OUT:
         tokens = rounds = units = 0
@@ -78,15 +97,10 @@ def replay(drafter, records, k) -> dict:
             drafter.begin(list(committed), Sampling(), None)
             done = 0
             while done < len(answer):
-                budget = len(answer) - done - 1  # as the engine prunes a draft to what the budget still takes
-                draft = drafter.propose(committed, min(k, budget)).tokens.tolist()[:budget]
-                kept = 0
-                while kept < len(draft) and draft[kept] == answer[done + kept]:
-                    kept += 1
-                drafter.update(kept, answer[done + kept])
+                kept, rows = round_fn(drafter, committed, answer, done, k)
                 committed += answer[done: done + kept + 1]
                 done += kept + 1
-                tokens, rounds, units = tokens + kept + 1, rounds + 1, units + cost(len(draft) + 1)
+                tokens, rounds, units = tokens + kept + 1, rounds + 1, units + cost(rows + 1)
         result[name] = f"τ {tokens / rounds:.2f}, est. {tokens / units:.2f}x"
     return result
 
@@ -134,42 +148,26 @@ def _tree(table, context, m, budget, depth, min_conf, min_share) -> list[tuple[i
     return nodes
 
 
-def replay_trees(drafter, table, records, m, budget, depth, min_conf) -> dict:
-    """:func:`replay` with the store's chains replaced by :func:`_tree`'s trees (lookup's rounds unchanged)."""
-    result = {}
-    for name, _, _ in HELD_OUT:
-        tokens = rounds = units = 0
-        for r in (r for r in records if r["dataset"] == name):
-            committed, answer = list(r["prompt_ids"]), r["token_ids"]
-            drafter.begin(list(committed), Sampling(), None)
-            done = 0
-            while done < len(answer):
-                left = len(answer) - done - 1
-                drafter.copied = 0
-                found = drafter.match(committed)
-                nodes = []
-                if left and (found is None or found[0] < drafter.min_context):
-                    nodes = _tree(table, committed, m, budget, min(depth, left), min_conf, drafter.min_share)
-                if nodes:  # greedy: follow the child the answer takes, as long as there is one
-                    kept, at = 0, -1
-                    while done + kept < len(answer) - 1:
-                        nxt = [i for i, (t, p) in enumerate(nodes) if p == at and t == answer[done + kept]]
-                        if not nxt:
-                            break
-                        at, kept = nxt[0], kept + 1
-                    rows = len(nodes)
-                else:  # lookup (or the chain's one-token fallback), as the drafter proposes it
-                    draft = drafter.from_match(committed, min(6, left), found).tokens.tolist()[:left]
-                    kept = 0
-                    while kept < len(draft) and draft[kept] == answer[done + kept]:
-                        kept += 1
-                    drafter.update(kept, answer[done + kept])
-                    rows = len(draft)
-                committed += answer[done: done + kept + 1]
-                done += kept + 1
-                tokens, rounds, units = tokens + kept + 1, rounds + 1, units + cost(rows + 1)
-        result[name] = f"τ {tokens / rounds:.2f}, est. {tokens / units:.2f}x"
-    return result
+def tree_round(table, m, budget, depth, min_conf, drafter, committed, answer, done, k) -> tuple[int, int]:
+    """:func:`chain_round` with the store's chains replaced by :func:`_tree`'s trees (lookup's rounds unchanged)."""
+    left = len(answer) - done - 1
+    drafter.copied = 0
+    found = drafter.match(committed)
+    nodes = []
+    if left and (found is None or found[0] < drafter.min_context):
+        nodes = _tree(table, committed, m, budget, min(depth, left), min_conf, drafter.min_share)
+    if not nodes:  # lookup (or the chain's one-token fallback), as the drafter proposes it
+        draft = drafter.from_match(committed, min(k, left), found).tokens.tolist()[:left]
+        kept = _kept(draft, answer, done)
+        drafter.update(kept, answer[done + kept])
+        return kept, len(draft)
+    kept, at = 0, -1  # greedy: follow the child the answer takes, as long as there is one
+    while done + kept < len(answer) - 1:
+        nxt = [i for i, (t, p) in enumerate(nodes) if p == at and t == answer[done + kept]]
+        if not nxt:
+            break
+        at, kept = nxt[0], kept + 1
+    return kept, len(nodes)
 
 
 def main():
@@ -192,7 +190,7 @@ def main():
                                            (3, 8, 6, 0.05), (2, 10, 8, 0.1), (4, 12, 8, 0.02)):
             drafter = get_drafter("retrieval", None, target)
             print(f"retrieval tree m={m} budget={budget} depth={depth} min_conf={min_conf}",
-                  replay_trees(drafter, table, records, m, budget, depth, min_conf), flush=True)
+                  replay(drafter, records, 6, partial(tree_round, table, m, budget, depth, min_conf)), flush=True)
         return
     if args.store_sizes:
         drafter = get_drafter("retrieval", None, target)

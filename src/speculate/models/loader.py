@@ -110,8 +110,9 @@ def check_thread(loaded: LoadedModel) -> None:
     """Warn (once per process) when ``loaded`` runs on another thread than the one that loaded it, with more
     than one torch thread: PyTorch's GNU OpenMP keeps a team of threads for every thread that has run a
     parallel op, and once the process holds more of them than cores, all teams sleep between parallel regions
-    instead of spinning — every forward measured ~1.5× slower (docs/benchmarks.md §3). `speculate serve` loads
-    on its generation worker for this reason."""
+    instead of spinning (a decode step opens ~250) — every forward measured ~1.5× slower (docs/benchmarks.md
+    §3, benchmarks/probes/omp_teams.py). `speculate serve` loads and builds decoders on its generation workers
+    for this reason (server/pool.py, WorkerPool.call; server/generation.py, run_job)."""
     global _WARNED_THREAD
     loader = loaded.thread()
     if _WARNED_THREAD or loader is None or loader is threading.current_thread() or not loader.is_alive() \

@@ -180,10 +180,12 @@ def as_api_error(value) -> APIError:
 async def wait_or_disconnect(job: Job, request: Request, until_ready: bool = False):
     """The job's final event ('done', 'error', 'cancelled') — or, ``until_ready``, its first one ('ready' when
     its stream is open) — or ('disconnected', None) if the client left."""
+    passing = ("piece",) if until_ready else ("piece", "ready")
+
     async def final():
         while True:
             event, value = await job.events.get()
-            if event not in ("piece", "ready") or (until_ready and event == "ready"):
+            if event not in passing:
                 return event, value
 
     async def disconnect():

@@ -7,9 +7,9 @@ takes a worker. Everything that touches the models happens on the generation wor
 (:func:`run_job`): it takes a :class:`SpeculativeDecoder` for the request's settings from the server's
 :class:`~speculate.server.decoders.Decoders` (an idle one whose cache shares the longest prefix with the
 prompt, or a new one — which may load an answer store or heads, measure a cost profile, calibrate ε) and
-opens its stream. Why there: every thread that runs a parallel torch op keeps its own OpenMP team, and once
-the process holds more OpenMP threads than cores every forward slows ~1.5× (server/pool.py, WorkerPool.call;
-docs/benchmarks.md §3) — a store loaded in the request-preparing thread pool did that to every later request.
+opens its stream. Why there: a thread that runs torch keeps an OpenMP team, and extra teams slow every
+forward (models/loader.py, check_thread) — a store loaded in the request-preparing thread pool did that to
+every later request.
 Settings the engine refuses are reported as the job's first event, before any text, so the client still
 gets a 400 (streamed or not). A decoder holds per-generation KV state and is not thread-safe, while the
 model weights it points to are shared by all of them. :func:`produce` iterates the engine's stream, hands

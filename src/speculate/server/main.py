@@ -31,8 +31,7 @@ def load_models(config: ServerConfig):
 
 def build_app(config: ServerConfig):
     """The app of ``speculate serve``: its models loaded (and the default settings checked) on a generation
-    worker thread, not on this one, so that one thread fewer keeps an OpenMP team (pool.py, WorkerPool.call:
-    generation measured 1.47x slower otherwise)."""
+    worker thread, not on this one (pool.py, WorkerPool.call)."""
     from .app import create_app
     from .pool import WorkerPool
 

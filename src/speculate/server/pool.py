@@ -99,12 +99,8 @@ class WorkerPool:
     def call(self, fn: Callable[[], object]):
         """Run ``fn()`` on a worker thread (starting the workers) and return its result, or raise its exception.
 
-        The server loads its models this way (server/main.py, build_app): with the GNU OpenMP runtime that
-        PyTorch uses, every thread that runs a parallel op keeps a team of OpenMP threads, and once the process
-        holds more of them than cores, all teams stop spinning between parallel regions and sleep instead;
-        a decode step opens ~250 regions, and a worker's forwards ran 1.47x slower once the main thread had
-        loaded a model (docs/benchmarks.md section 3). Model work on the workers only keeps one team per
-        worker."""
+        The server loads its models this way (server/main.py, build_app), so that only the workers, which
+        generate, keep OpenMP teams (models/loader.py, check_thread: extra teams slow every forward)."""
         if threading.current_thread() in self._threads:  # it would wait for itself
             raise RuntimeError("WorkerPool.call from one of its own workers")
         self.start()
