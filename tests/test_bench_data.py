@@ -8,14 +8,11 @@ import statistics
 import numpy as np
 import pytest
 
-from speculate.bench.datasets import (DATASETS, Sample, default_data_dir, extract_code, extract_number,
-                                      gsm8k_correct, load_dataset)
+from speculate.bench.datasets import (DATASETS, PACKAGED_DATA, Sample, default_data_dir, extract_code,
+                                      extract_number, gsm8k_correct, load_dataset)
 from speculate.bench.metrics import bootstrap_ci, bootstrap_ratio_ci, rouge_l
 from speculate.bench.sandbox import check_humaneval
 from speculate.errors import SpeculateError
-
-needs_data = pytest.mark.skipif(not (default_data_dir() / "gsm8k" / "test.jsonl").is_file(),
-                                reason="benchmark data not found (../shared/data or $SPECULATE_DATA)")
 
 
 # ------------------------------------------------------------------------------------------- rouge_l
@@ -102,7 +99,6 @@ def test_gsm8k_correct():
     assert not gsm8k_correct("I don't know", {"answer": "18"})
 
 
-@needs_data
 @pytest.mark.parametrize("shots", [0, 3, 8])
 def test_gsm8k_prompt(shots):
     samples = load_dataset("gsm8k", limit=3, shots=shots)
@@ -121,7 +117,6 @@ def test_gsm8k_prompt(shots):
 
 # -------------------------------------------------------------------------------------- load_dataset
 
-@needs_data
 def test_load_dataset_limits_order_and_ids():
     full = load_dataset("gsm8k", shots=0)
     assert len(full) == 1319
@@ -156,15 +151,48 @@ def test_load_dataset_errors(tmp_path):
     assert set(DATASETS) == {"humaneval", "gsm8k", "mt_bench", "copy"}
 
 
+def test_packaged_data_is_found_without_the_environment(monkeypatch):
+    """GSM8K and MT-Bench ship inside the package (speculate/data), with their licences: no folder beside
+    the repository, no $SPECULATE_DATA needed."""
+    monkeypatch.delenv("SPECULATE_DATA", raising=False)
+    assert default_data_dir() == PACKAGED_DATA and PACKAGED_DATA.parts[-2:] == ("speculate", "data")
+    for name in ("gsm8k/LICENSE", "mt_bench/LICENSE", "README.md"):
+        assert (PACKAGED_DATA / name).is_file(), name
+
+    def rows(name):
+        return (PACKAGED_DATA / name).read_text(encoding="utf-8").count("\n")
+
+    assert rows("gsm8k/test.jsonl") == 1319 and rows("gsm8k/train.jsonl") == 7473
+    assert len(load_dataset("gsm8k", shots=0)) == 1319 and len(load_dataset("mt_bench")) == 80
+    from speculate.heads.data import chat_slots
+    assert chat_slots(100) == 50  # the heads' prompt mix finds the packaged GSM8K train split too
+
+
 def test_data_dir_from_environment(monkeypatch, tmp_path):
+    """$SPECULATE_DATA (same layout) overrides the packaged data, and a file it lacks is an error that
+    names it, not a silent fall-back to the packaged copy."""
     (tmp_path / "mt_bench").mkdir()
     (tmp_path / "mt_bench" / "question.jsonl").write_text(
         '{"question_id": 7, "category": "math", "turns": ["a", "b"], "reference": ["1", "2"]}\n')
+    (tmp_path / "gsm8k").mkdir()
+    row = '{{"question": "{q}", "answer": "2 + 2 = <<2+2=4>>4\\n#### {a}"}}\n'
+    (tmp_path / "gsm8k" / "test.jsonl").write_text(row.format(q="What is 2 + 2?", a=4) + row.format(q="And 3?", a=3))
+    (tmp_path / "gsm8k" / "train.jsonl").write_text(row.format(q="Two and two?", a=4))
     monkeypatch.setenv("SPECULATE_DATA", str(tmp_path))
     assert default_data_dir() == tmp_path
     [s] = load_dataset("mt_bench")
     assert s.id == "mt_bench-7" and s.turns == ("a", "b")
     assert s.reference == {"category": "math", "question_id": 7, "reference_answers": ["1", "2"]}
+    gsm = load_dataset("gsm8k", shots=1)
+    assert [g.reference["answer"] for g in gsm] == ["4", "3"]
+    assert "Question: Two and two?" in gsm[0].turns[0] and gsm[0].turns[0].endswith("What is 2 + 2?\nAnswer:")
+    from speculate.heads.data import default_prompts
+    assert default_prompts(1) == ["Two and two?"]  # the heads' prompt mix reads $SPECULATE_DATA too
+    with pytest.raises(SpeculateError, match="more than the 1 GSM8K train"):
+        load_dataset("gsm8k", shots=2)
+    (tmp_path / "mt_bench" / "question.jsonl").unlink()
+    with pytest.raises(SpeculateError, match=r"question\.jsonl not found in the data directory .*FastChat"):
+        load_dataset("mt_bench")
 
 
 # ------------------------------------------------------------------------------------------ humaneval

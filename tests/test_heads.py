@@ -609,8 +609,6 @@ def test_drafters_of_one_target_share_their_heads_until_the_files_change(tiny, t
     assert not torch.equal(c.head.fc.weight, a.head.fc.weight)
 
 
-@pytest.mark.skipif(not (__import__("speculate.bench.datasets", fromlist=["x"]).default_data_dir()
-                         / "gsm8k" / "test.jsonl").is_file(), reason="needs ../shared/data")
 def test_tree_shape_bench_is_lossless_and_reports_every_shape(tiny, tmp_path):
     """python -m speculate.bench.trees: every shape and chain decodes exactly like plain greedy."""
     from speculate.bench import trees

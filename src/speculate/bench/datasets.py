@@ -10,8 +10,8 @@ Datasets (samples come in file order, so `limit=N` always means the same first N
   mt_bench   80 two-turn questions in 8 categories; open-ended: no gold answer (compare with the target's)
   copy       the copy/typo-fixing and paraphrase prompts of `speculate.bench.speed` (ids copy-i, paraphrase-i)
 
-GSM8K and MT-Bench are read from a data directory (see `default_data_dir`): `$SPECULATE_DATA`, else the
-`shared/data` folder next to the repository (`<repo>/../shared/data`), whose README gives their sources.
+GSM8K and MT-Bench are read from a data directory (see `default_data_dir`): `$SPECULATE_DATA` if set, else
+the copy that ships inside the package (`speculate/data/`, whose README gives their sources and licences).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ..errors import SpeculateError
 
 DATASETS = ("humaneval", "gsm8k", "mt_bench", "copy")
 DATA_ENV = "SPECULATE_DATA"
-_REPO_ROOT = Path(__file__).resolve().parents[3]  # src/speculate/bench/datasets.py → the repository
+PACKAGED_DATA = Path(__file__).resolve().parents[1] / "data"  # speculate/data: installed with the package
 
 
 @dataclass(frozen=True)
@@ -45,26 +45,26 @@ class Sample:
 # ----------------------------------------------------------------------------------------------- paths
 
 def default_data_dir() -> Path:
-    """The data directory: $SPECULATE_DATA if set, else the first existing `shared/data` next to the repo.
+    """The data directory: $SPECULATE_DATA if set, else the package's own `speculate/data`.
 
-    Candidates, in order: <cwd>/../shared/data (run from the repository root), <cwd>/shared/data (run
-    from the folder above it), <repo of this file>/../shared/data (run from anywhere, editable install).
-    When none exists the first candidate is returned, so error messages name a sensible place."""
+    Both have the same layout: gsm8k/test.jsonl, gsm8k/train.jsonl, mt_bench/question.jsonl. A set
+    $SPECULATE_DATA is used as it is, even when it lacks a file: explicit beats falling back behind the
+    user's back (the loaders then say which file is missing)."""
     env = os.environ.get(DATA_ENV)
-    if env:  # explicit beats guessing: never fall back behind the user's back
+    if env:
         return Path(env).expanduser()
-    cwd = Path.cwd()
-    candidates = [cwd.parent / "shared" / "data", cwd / "shared" / "data", _REPO_ROOT.parent / "shared" / "data"]
-    for c in candidates:
-        if c.is_dir():
-            return c.resolve()
-    return candidates[0]
+    return PACKAGED_DATA
 
 
-def _read_jsonl(path: Path, how_to_get: str) -> list[dict]:
-    """Rows of a JSON-lines file, or a SpeculateError saying where to get the file."""
+def _read_jsonl(root: Path, name: str, how_to_get: str) -> list[dict]:
+    """Rows of the JSON-lines file `root/name`, or a SpeculateError saying where to get the file."""
+    path = root / name
     if not path.is_file():
-        raise SpeculateError(f"{path} not found: {how_to_get} (or set ${DATA_ENV} to the data directory)")
+        if root.resolve() == PACKAGED_DATA:
+            raise SpeculateError(f"{path} not found: this install of speculate lacks the data it ships "
+                                 f"(reinstall it, or set ${DATA_ENV} to a folder with {name})")
+        raise SpeculateError(f"{path} not found in the data directory {root} (${DATA_ENV} or data_dir): "
+                             f"{how_to_get}, or unset ${DATA_ENV} to read the copy that ships with speculate")
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -122,7 +122,7 @@ def _load_humaneval(limit: int | None, shots: int, root: Path) -> list[Sample]:
 
 GSM8K_INSTRUCTION = "Solve the following grade-school math problem. Think step by step and end with 'The answer is N.'"
 GSM8K_HOW = ("GSM8K comes from github.com/openai/grade-school-math (grade_school_math/data/train.jsonl and "
-             "test.jsonl); put both in <data>/gsm8k/")
+             "test.jsonl); put both in its gsm8k/ folder")
 _CALCULATOR = re.compile(r"<<[^>]*>>")  # GSM8K's calculator annotations: "48/2 = <<48/2=24>>24"
 # A number: an optional minus (not after a word: "3-4" is 3 and 4) before or after an optional $, digits
 # with optional thousands commas (never a trailing one: "3, 4"), optional decimals.
@@ -185,8 +185,8 @@ def gsm8k_prompt(question: str, examples: list[dict]) -> str:
 
 def _load_gsm8k(limit: int | None, shots: int, root: Path) -> list[Sample]:
     """GSM8K test problems with the first `shots` train problems as chain-of-thought examples."""
-    test = _read_jsonl(root / "gsm8k" / "test.jsonl", GSM8K_HOW)[:limit]
-    train = _read_jsonl(root / "gsm8k" / "train.jsonl", GSM8K_HOW)[:shots] if shots else []
+    test = _read_jsonl(root, "gsm8k/test.jsonl", GSM8K_HOW)[:limit]
+    train = _read_jsonl(root, "gsm8k/train.jsonl", GSM8K_HOW)[:shots] if shots else []
     if len(train) < shots:
         raise SpeculateError(f"--shots {shots} is more than the {len(train)} GSM8K train examples")
     # A few-shot model tends to go on with the next "Question:" after its answer: stop there.
@@ -198,12 +198,12 @@ def _load_gsm8k(limit: int | None, shots: int, root: Path) -> list[Sample]:
 # -------------------------------------------------------------------------------------- mt_bench, copy
 
 MT_BENCH_HOW = ("MT-Bench's question.jsonl comes from FastChat (fastchat/llm_judge/data/mt_bench/question.jsonl); "
-                "put it in <data>/mt_bench/")
+                "put it in its mt_bench/ folder")
 
 
 def _load_mt_bench(limit: int | None, shots: int, root: Path) -> list[Sample]:
     """MT-Bench's two-turn questions; the reference carries the category (and reference answers if any)."""
-    rows = _read_jsonl(root / "mt_bench" / "question.jsonl", MT_BENCH_HOW)[:limit]
+    rows = _read_jsonl(root, "mt_bench/question.jsonl", MT_BENCH_HOW)[:limit]
     samples = []
     for row in rows:
         reference = {"category": row["category"], "question_id": row["question_id"]}

@@ -1,15 +1,16 @@
 """Self-distillation data for the draft heads: the target's own greedy answers to a prompt set, and
 its final-normed hidden states over prompt + answer (what the heads see at drafting time).
 
-Prompts (:func:`default_prompts`): GSM8K *train* questions (the benchmark uses the test split),
-chat questions — 40 written here (not MT-Bench's own), then ones the target writes itself
-(:func:`self_instruct_prompts`, Magpie: Xu et al. 2024) — and rewrite / summarize / explain tasks over
-GSM8K train solutions, interleaved 1:2:1. Answers are generated in batches with Hugging Face
-``generate`` (left padding, greedy), then one teacher-forced pass of the target (the KV model, one
-sequence at a time, no padding) gives the hidden rows. Everything lands in one safetensors file,
-written atomically, keyed by model, prompt count and answer length, so a rerun (or a resumed
-training) reuses it; the answers are also saved after every generation batch, so an interrupted
-generation resumes at the next batch.
+Prompts (:func:`default_prompts`): GSM8K *train* questions (the benchmark uses the test split; read
+from the package's ``speculate/data/gsm8k/train.jsonl`` or ``$SPECULATE_DATA``'s, see
+:func:`speculate.bench.datasets.default_data_dir`), chat questions — 40 written here (not MT-Bench's
+own), then ones the target writes itself (:func:`self_instruct_prompts`, Magpie: Xu et al. 2024) — and
+rewrite / summarize / explain tasks over GSM8K train solutions, interleaved 1:2:1. Answers are
+generated in batches with Hugging Face ``generate`` (left padding, greedy), then one teacher-forced
+pass of the target (the KV model, one sequence at a time, no padding) gives the hidden rows.
+Everything lands in one safetensors file, written atomically, keyed by model, prompt count and answer
+length, so a rerun (or a resumed training) reuses it; the answers are also saved after every
+generation batch, so an interrupted generation resumes at the next batch.
 
 For fused EAGLE heads the pass also keeps the outputs of some decoder layers (``taps``); a cached
 file without them gets one more teacher-forced pass over its sequences (:func:`with_taps`).
@@ -85,8 +86,9 @@ CHAT_SLOTS = (1, 2)  # of every four prompts: a GSM8K question (0), two chat que
 
 def default_prompts(n: int, seed: int = 0, data_dir: Path | None = None, chat: list[str] | None = None) -> list[str]:
     """``n`` prompts, in slots of four: a GSM8K train question, two chat questions, a rewrite/summarize
-    task (chat questions instead of GSM8K ones when its file is absent). Chat questions: the written
-    ones above, then ``chat`` (e.g. :func:`self_instruct_prompts`), then the written ones again, numbered."""
+    task (chat questions instead of GSM8K ones when the data directory, a ``$SPECULATE_DATA`` or
+    ``data_dir``, lacks gsm8k/train.jsonl). Chat questions: the written ones above, then ``chat`` (e.g.
+    :func:`self_instruct_prompts`), then the written ones again, numbered."""
     rng = random.Random(seed)
     path = _gsm8k_train(data_dir)
     rows = []
@@ -113,6 +115,7 @@ def default_prompts(n: int, seed: int = 0, data_dir: Path | None = None, chat: l
 
 
 def _gsm8k_train(data_dir: Path | None = None) -> Path:
+    """GSM8K's train split in ``data_dir``, else in the default data directory (the packaged copy)."""
     from ..bench.datasets import default_data_dir
 
     return (data_dir or default_data_dir()) / "gsm8k" / "train.jsonl"
