@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .errors import SpeculateError
+from .errors import SpeculateError, SpeculateWarning
 
 K_HELP = ("draft length per round (default 6: on these CPUs a target forward over 7 tokens costs about "
           "2x one over a single token at fp32 and 1.4x at int8, and lookup drafts are free, so long drafts "
@@ -233,11 +233,25 @@ def _bench(args) -> int:
     return run(args)
 
 
+def _one_line_warnings(show):
+    """``warnings.showwarning`` that prints our own warnings (SpeculateWarning) as one line, as errors are."""
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, SpeculateWarning):
+            print(f"speculate: warning: {message}", file=file or sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+    return showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
     try:
-        args = _parser().parse_args(argv)
-        return {"generate": _generate, "serve": _serve, "calc": _calc, "bench": _bench,
-                "train-heads": _train_heads}[args.command](args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warnings(warnings.showwarning)
+            args = _parser().parse_args(argv)
+            return {"generate": _generate, "serve": _serve, "calc": _calc, "bench": _bench,
+                    "train-heads": _train_heads}[args.command](args)
     except SpeculateError as e:
         print(f"speculate: error: {e}", file=sys.stderr)
         return 2

@@ -7,15 +7,14 @@ Helpers shared by the scripts live here."""
 from __future__ import annotations
 
 import json
-import os
-import platform
 
 
-def machine() -> str:
-    """What the numbers were measured on (architecture, cores, torch threads)."""
-    import torch
+def machine_header() -> dict:
+    """The machine fields of a run file's header: ``machine`` (one line) and ``machine_info`` (every field
+    of bench/machine.py's ``describe``). Every script and ``speculate bench`` record them."""
+    from .machine import header
 
-    return f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    return header()
 
 
 def emit(result: dict, out: str | None) -> int:

@@ -18,7 +18,7 @@ from datetime import date
 
 from ..calc.auto import teacher_forced
 from ..models import DEFAULT_MODEL, DTYPES, load_model
-from . import emit, machine, script
+from . import emit, machine_header, script
 from .datasets import default_data_dir
 
 
@@ -45,6 +45,7 @@ def held_out_texts(chars: int = 12000) -> dict[str, str]:
 
 
 def run(model: str, dtypes: list[str], tokens: int, window: int = 512) -> dict:
+    machine = machine_header()  # at the start: the threads and load as the run begins
     texts = held_out_texts()
     results = {}
     reference = {}
@@ -59,7 +60,7 @@ def run(model: str, dtypes: list[str], tokens: int, window: int = 512) -> dict:
                 "positions": len(argmax), "mean_nll": round(float(nll.mean()), 4),
                 f"argmax_agreement_with_{dtypes[0]}": round(float((argmax == reference[name]).float().mean()), 4)}
         del loaded
-    return {"date": date.today().isoformat(), "machine": machine(), "model": model, "dtypes": dtypes,
+    return {"date": date.today().isoformat(), **machine, "model": model, "dtypes": dtypes,
             "tokens_per_text": tokens, "window": window, "texts": results}
 
 

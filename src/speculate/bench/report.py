@@ -35,7 +35,8 @@ QUALITY = {"humaneval": "pass@1", "gsm8k": "accuracy", "mt_bench": "ROUGE-L vs t
 CSV_FIELDS = ["method", "dataset", "samples", "new_tokens", "seconds", "tokens_per_second", "speedup",
               "speedup_low", "speedup_high", "target_calls", "drafted_tokens", "llm_calls_ratio", "mean_accepted_length", "alpha",
               "acceptance_by_position", "quality_metric", "quality", "normalised_quality", "normalised_low",
-              "normalised_high", "target_nll", "identical_to_plain", "peak_rss_mb"]
+              "normalised_high", "target_nll", "identical_to_plain", "peak_rss_mb", "machine"]
+MARKDOWN_FIELDS = CSV_FIELDS[:-1]  # the machine is in the markdown's heading
 
 
 def _quality(record: dict, plain: dict | None) -> float:
@@ -135,6 +136,8 @@ def summarise(records: list[dict], n_resamples: int = 2000, seed: int = 0) -> li
                 "target_nll": round(float(np.mean(nll)), 4) if nll else None,
                 "identical_to_plain": f"{same}/{len(keys)}",
                 "peak_rss_mb": max(r.get("peak_rss_mb", 0) for r in recs),
+                # bench/machine.py's summary line; " | " between several (a run resumed elsewhere)
+                "machine": " | ".join(dict.fromkeys(r["machine"] for r in recs if r.get("machine"))),
             })
     return rows
 
@@ -152,13 +155,20 @@ def _table(rows: list[dict], value) -> str:
 
 def to_markdown(rows: list[dict], run: dict) -> str:
     s = run.get("settings", {})
+    # The machines the samples were measured on (each record names its own: run.json names the latest run's,
+    # which may only have rewritten the report), else run.json's (records written before they named it).
+    machines = list(dict.fromkeys(m for r in rows for m in (r.get("machine") or "").split(" | ") if m))
     lines = [f"# speculate bench: {s.get('model')}" + (f" ← {s['draft_model']}" if s.get("draft_model") else ""),
-             "", f"{run.get('machine', '')}; torch {run.get('torch', '')}; started {run.get('started', '')}; "
-                 f"precision {s.get('dtype')}; max_new_tokens {s.get('max_new_tokens')}; GSM8K shots "
-                 f"{s.get('shots')}; seed {s.get('seed')}.",
-             "", "Speedup: tokens/s over plain decoding in our engine, interleaved in this run [95 % bootstrap "
-                 "interval]. Normalised quality: quality ÷ the target's greedy quality (plain). MT-Bench and copy "
-                 "quality are proxies (ROUGE-L against the target's greedy answer), not a judge's score.", ""]
+             "", f"Machine: {' | '.join(machines) or run.get('machine') or 'not recorded'}.", "",
+             f"torch {run.get('torch', '')}; started {run.get('started', '')}; "
+             f"precision {s.get('dtype')}; max_new_tokens {s.get('max_new_tokens')}; GSM8K shots "
+             f"{s.get('shots')}; seed {s.get('seed')}."]
+    if len(machines) > 1:
+        lines += ["", "**The samples were measured on more than one machine** (a resumed run): "
+                  + " | ".join(machines) + ". Speedups compare methods across them."]
+    lines += ["", "Speedup: tokens/s over plain decoding in our engine, interleaved in this run [95 % bootstrap "
+                  "interval]. Normalised quality: quality ÷ the target's greedy quality (plain). MT-Bench and copy "
+                  "quality are proxies (ROUGE-L against the target's greedy answer), not a judge's score.", ""]
     if "eps_auto" in run:
         lines += [f"eps auto (the target's mean NLL on the calibration text): {run['eps_auto']}; the paper's "
                   f"Chinchilla estimate: " + (f"{run['eps_chinchilla']:.3f}" if run.get("eps_chinchilla") else "n/a"),
@@ -169,9 +179,9 @@ def to_markdown(rows: list[dict], run: dict) -> str:
               "## Mean acceptance length τ and LLM-calls ratio (Table 13)", "",
               _table(rows, lambda r: "" if r["mean_accepted_length"] is None else
                      f"τ {r['mean_accepted_length']:.2f}; calls {r['llm_calls_ratio']:.3f}"), "",
-              "## Every measure", "", "| " + " | ".join(CSV_FIELDS) + " |", "|---" * len(CSV_FIELDS) + "|"]
+              "## Every measure", "", "| " + " | ".join(MARKDOWN_FIELDS) + " |", "|---" * len(MARKDOWN_FIELDS) + "|"]
     for r in rows:
-        lines.append("| " + " | ".join("" if r[f] is None else str(r[f]) for f in CSV_FIELDS) + " |")
+        lines.append("| " + " | ".join("" if r[f] is None else str(r[f]) for f in MARKDOWN_FIELDS) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -32,7 +32,7 @@ from ..errors import SpeculateError
 from ..models import load_model
 from ..models.cache import atomic_write_text, make_folder
 from ..text import Detokenizer, encode_prompt, eos_ids
-from . import machine
+from . import machine_header
 from .datasets import Sample, load_dataset
 from .methods import Method, baseline
 
@@ -292,7 +292,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
 
     run_info = {"settings": {**cfg.fixed(), "datasets": cfg.datasets, "limit": cfg.limit, "skip": cfg.skip,
                              "turns": cfg.turns, "prefix_cache": cfg.prefix_cache},
-                "machine": machine(),
+                **machine_header(),
                 "torch": torch.__version__, "profile": profile.to_dict(),
                 "started": previous.get("started") or time.strftime("%Y-%m-%d %H:%M:%S"),
                 "methods": {m.name: m.to_dict() for m in methods}}
@@ -320,7 +320,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
         for name in order[rot:] + order[:rot]:
             if (name, sample.dataset, sample.id) in done:
                 continue
-            append_record(path, run_sample(runners[name], sample, cfg))
+            record = run_sample(runners[name], sample, cfg)
+            record["machine"] = run_info["machine"]  # each record: a run may be resumed on another machine
+            append_record(path, record)
             bar.update(1)
             bar.set_postfix_str(f"{sample.dataset} {sample.id} {name}", refresh=False)
     bar.close()

@@ -20,7 +20,7 @@ from datetime import date
 
 from ..drafters import ALL_DRAFTERS, MODEL_DRAFTERS
 from ..models import DEFAULT_MODEL, DTYPES
-from . import emit, machine, script
+from . import emit, machine_header, script
 from .speed import PROMPT_SETS
 
 
@@ -37,6 +37,7 @@ def _chat(client, url, model, prompt, drafter, max_tokens):
 
 def run(model: str, clients: list[int], requests: int, max_tokens: int, max_concurrency: int,
         drafters: list[str] = ("none", "lookup"), dtype: str = "fp32", prefix_cache: bool = True) -> dict:
+    machine = machine_header()  # at the start: the threads and load as the run begins
     import httpx
 
     from ..server import ServerConfig, build_app
@@ -66,7 +67,7 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, max_conc
                     print(f"  {rows[-1]}", file=sys.stderr)
     finally:
         server.stop()
-    return {"date": date.today().isoformat(), "machine": machine(),
+    return {"date": date.today().isoformat(), **machine,
             "model": model, "dtype": dtype, "prefix_cache": prefix_cache, "max_tokens": max_tokens,
             "max_concurrency": max_concurrency, "rows": rows}
 

@@ -31,7 +31,7 @@ import torch
 from ..engine import SpeculativeDecoder
 from ..models import DEFAULT_MODEL, load_model
 from ..text import encode_prompt
-from . import emit, machine, script
+from . import emit, machine_header, script
 
 PARAGRAPHS = [
     "The city council met on Tuesday evening to discuss the proposed changes to the public transport network. "
@@ -128,6 +128,7 @@ def run(model: str, max_new_tokens: int, repeats: int, k: int, dtypes: list[str]
         threads: list[int] | tuple = ()) -> dict:
     """``threads``: thread counts to compare, interleaved in this one process (our methods get a ``/Nt``
     suffix per count; HF's run at the largest); empty: as the process is set."""
+    machine = machine_header()  # at the start: the threads and load as the run begins
     original_threads = torch.get_num_threads()
     loaded = {d: load_model(model, dtype=d) for d in dtypes}
     ref = loaded[dtypes[0]]
@@ -176,7 +177,7 @@ def run(model: str, max_new_tokens: int, repeats: int, k: int, dtypes: list[str]
             done += 1
             print(f"  {done}/{repeats * len(jobs)} prompts", file=sys.stderr)
     result = {
-        "date": date.today().isoformat(), "machine": machine(), "torch": torch.__version__,
+        "date": date.today().isoformat(), **machine, "torch": torch.__version__,
         "model": model, "dtypes": list(dtypes), "threads": list(threads) or torch.get_num_threads(),
         "max_new_tokens": max_new_tokens, "repeats": repeats, "k": k,
         "identical_to_reference": {m: f"{same[m]}/{done}" for m in methods if m != "hf_generate"},

@@ -27,7 +27,7 @@ from ..drafters.eagle import EagleDrafter
 from ..drafters.medusa import MedusaDrafter
 from ..engine import SpeculativeDecoder
 from ..models import DEFAULT_MODEL, load_model
-from . import emit, machine, script
+from . import emit, machine_header, script
 from .datasets import default_data_dir
 
 #: (depth, top-k, budget) of the EAGLE trees tried.
@@ -76,6 +76,7 @@ def decoders(target, heads: str | None) -> dict[str, SpeculativeDecoder]:
 
 
 def run(model: str, dtype: str, heads: str | None, n_prompts: int, max_new_tokens: int) -> dict:
+    machine = machine_header()  # at the start: the threads and load as the run begins
     target = load_model(model, dtype=dtype)
     methods = decoders(target, heads)
     names = list(methods)
@@ -99,7 +100,7 @@ def run(model: str, dtype: str, heads: str | None, n_prompts: int, max_new_token
                 same[name] += outs[name] == outs["plain"]
             done += 1
             print(f"  {done}/{sum(map(len, sets.values()))} prompts", file=sys.stderr)
-    result = {"date": date.today().isoformat(), "machine": machine(), "torch": torch.__version__, "model": model,
+    result = {"date": date.today().isoformat(), **machine, "torch": torch.__version__, "model": model,
               "dtype": dtype, "heads": heads or "shipped", "max_new_tokens": max_new_tokens,
               "identical_to_plain": {m: f"{same[m]}/{done}" for m in names}, "sets": {}}
     for set_name in sets:

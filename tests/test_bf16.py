@@ -1,0 +1,74 @@
+"""bf16 on a CPU without a fast bf16 matmul: one warning line at load, decided by the CPU's flags and torch's
+own oneDNN check (models/loader.py, bf16_slow_reason)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from speculate.cli import main
+from speculate.models import loader
+from speculate.models.loader import SlowPrecisionWarning, bf16_slow_reason, load_model
+
+X86 = {"fpu", "sse2", "avx", "avx2", "fma"}
+AVX512 = X86 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+@pytest.mark.parametrize("flags, onednn, slow", [
+    (X86, True, "no AVX-512"),                                  # an AVX2-only x86 (or a VM hiding AVX-512)
+    (X86 | {"avx512f"}, None, "no AVX-512"),                    # avx512f alone is not oneDNN's avx512_core
+    (AVX512, True, None),                                       # avx512_core: oneDNN's bf16 (emulated)
+    (AVX512 | {"avx512_bf16", "amx_bf16"}, True, None),         # native bf16 (Zen 4, Sapphire Rapids)
+    (X86 | {"avx_ne_convert", "avx_vnni_int8"}, True, None),    # oneDNN's avx2_vnni_2
+    (AVX512, False, "oneDNN"),                                  # the flags are there, torch says no
+    ({"fp", "asimd"}, None, "Arm BF16"),
+    ({"fp", "asimd", "bf16"}, True, None),
+    (set(), None, None),                                        # nothing known: no warning
+    (set(), False, "oneDNN"),
+])
+def test_slow_reason_from_flags(flags, onednn, slow):
+    reason = bf16_slow_reason(flags=flags, onednn=onednn)
+    if slow is None:
+        assert reason is None
+    else:
+        assert slow in reason and "use fp32 or int8" in reason and "\n" not in reason
+
+
+def test_capped_onednn_names_the_variable(monkeypatch):
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in bf16_slow_reason(flags=AVX512, onednn=False)
+
+
+def test_load_warns_once_per_load_only_for_bf16(tiny_folders, monkeypatch):
+    monkeypatch.setattr(loader, "cpu_flags", lambda info=None: set(X86))
+    with pytest.warns(SlowPrecisionWarning, match="no fast matmul on this CPU"):
+        load_model(str(tiny_folders[0]), dtype="bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowPrecisionWarning)
+        load_model(str(tiny_folders[0]), dtype="fp32")
+    monkeypatch.setattr(loader, "cpu_flags", lambda info=None: set(AVX512))
+    monkeypatch.setattr(loader, "onednn_bf16", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowPrecisionWarning)
+        load_model(str(tiny_folders[0]), dtype="bf16")
+
+
+def test_this_machine_agrees_with_torch():
+    """Here: a warning exactly when torch's own check says its oneDNN has no bf16 matmul."""
+    onednn = loader.onednn_bf16()
+    if onednn is None:
+        pytest.skip("this torch cannot say")
+    assert (bf16_slow_reason() is None) == onednn
+
+
+def test_cli_prints_the_warning_as_one_line(tiny_folders, monkeypatch, capsys):
+    monkeypatch.setattr(loader, "cpu_flags", lambda info=None: set(X86))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert main(["generate", "--model", str(tiny_folders[0]), "--dtype", "bf16", "--max-new-tokens", "2",
+                     "hello"]) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "bf16" in line]
+    assert lines == [lines[0]] and lines[0].startswith("speculate: warning: bf16 has no fast matmul")
+    assert "SlowPrecisionWarning" not in err
