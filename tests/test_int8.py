@@ -264,10 +264,10 @@ def test_corrupted_int8_cache_is_rebuilt(tiny_folders, cache, monkeypatch):
     assert len(calls) == 2  # the rebuilt cache is used
 
 
-@pytest.mark.parametrize("n_prefix", [9, 61, 130])  # 61: the deeper nodes cross a 64-key block
+@pytest.mark.parametrize("n_prefix", [9, 61, 130])  # 61: the deeper nodes cross a 64-key block of the kernel
 def test_int8_tree_rows_equal_one_token_at_a_time_bit_for_bit(int8_tiny, n_prefix):
     """A tree forward at int8 gives each node exactly (bit for bit) the logits that decoding its path
-    one token at a time gives (fast.py: the softmax runs in plain decoding's layout). A fixed tree and
+    one token at a time gives (the exact attention's sums visit a node's keys in path order, whatever their slots). A fixed tree and
     random ones of 12 nodes."""
     rng = random.Random(n_prefix)
     trees = [([11, 12, 13, 14, 15, 16, 17], [-1, 0, 1, 0, -1, 4, 2])]  # 0→1→2→6, 0→3, 4→5

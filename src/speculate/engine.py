@@ -29,6 +29,7 @@ from .calc.auto import AutoK, FixedK, calibrate_eps, is_auto, profile_for
 from .drafters import Drafter, get_drafter
 from .drafters.none import NoDrafter
 from .errors import SpeculateError
+from .models import exactness
 from .models.kv import KVModel, PrefixReuse
 from .models.loader import LoadedModel, check_thread
 from .sampling import Sampling, one_hot, warp
@@ -164,7 +165,7 @@ class SpeculativeDecoder:
         return stream
 
     def _pieces(self, stream, prompt_ids, max_new_tokens, sampling, verifier, generator, stops) -> Iterator[str]:
-        stats = Stats()
+        stats = Stats(exactness=exactness.mode(self.kv))
         detok = Detokenizer(self.target.tokenizer, stops)
         finish = "length"
         start = time.perf_counter()

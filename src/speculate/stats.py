@@ -26,6 +26,9 @@ class Stats:
     prefill_seconds: float = 0.0
     wall_seconds: float = 0.0  # prefill + decoding; loading excluded
     reused_prompt_tokens: int = 0  # prompt tokens whose KV the target's cache kept from the last generation
+    # How the target's verified rows equal one-token decoding (models/exactness.py): "batched" (checked at load
+    # on this machine), "row-by-row" (the check failed: rows verified one at a time) or "none" (not claimed).
+    exactness: str = "none"
 
     def record(self, n_drafted: int, n_accepted: int, depth: int | None = None) -> None:
         """One round: ``n_drafted`` tokens proposed, ``n_accepted`` of them kept. A tree of
@@ -82,6 +85,7 @@ class Stats:
             "accepted_by_position": list(self.accepted_by_position),
             "prefill_seconds": round(self.prefill_seconds, 4),
             "reused_prompt_tokens": self.reused_prompt_tokens,
+            "exactness": self.exactness,
             "wall_seconds": round(self.wall_seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
         }

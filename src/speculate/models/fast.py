@@ -10,7 +10,9 @@ paths share one copy and the HF model stays usable (it is the reference in the t
 
 The linear layers are callables: ``F.linear`` on the fused fp32 weights, or, for a model loaded with
 ``dtype="int8"``, the fused int8 layers that models/quantize.py built (the HF modules are then views of
-those). int8 models also use a batch-invariant attention (:meth:`FastKVModel._forward_invariant`).
+those). int8 models also use an attention whose every sum runs in a fixed order over a row's own keys (the
+compiled kernel of models/kernel.py, or integer sums in models/exact_attention.py), so that a row's logits are
+the same bits whether it is verified with others or decoded alone; models/exactness.py checks it at load.
 
 Same interface as :class:`speculate.models.kv.HFKVModel`: reset / forward / keep / keep_path.
 """
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import exact_attention, exactness, kernel
 from .loader import LoadedModel
 from .quantize import Int8Linear, Int8Part, is_int8
 
@@ -95,7 +98,9 @@ def _residual(module: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch
 
 
 class FastKVModel:
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, exact: bool | None = None):
+        """``exact``: batch-invariant attention (default: for int8 models, whose other ops are row-independent
+        too); False gives int8 models PyTorch's fused attention (benchmarks/probes/attention_cost.py compares)."""
         model = loaded.model
         cfg = model.config
         self.loaded, self.model, self.config = loaded, model, cfg
@@ -124,9 +129,21 @@ class FastKVModel:
         self.dtype = self.embed.dtype
         self.length = 0
         self.k_cache = self.v_cache = None
-        # int8: batch-invariant attention (_invariant_attention), so that a row's logits do not depend
-        # on how many rows share its forward.
-        self.invariant = any(is_int8(m) for m in model.modules())
+        # int8: an attention whose rows do not depend on the other rows of a forward, so that a row's logits are
+        # the same bits verified with others or decoded alone: the compiled kernel (models/kernel.py, exact
+        # fp32 arithmetic in a fixed order), else integer sums in PyTorch ops (models/exact_attention.py).
+        # fp32 and bf16: PyTorch's fused attention (their matmuls are not row-independent anyway).
+        self.invariant = any(is_int8(m) for m in model.modules()) if exact is None else exact
+        self.kernel = kernel.load() if self.invariant else None
+        self.attention = "fused" if not self.invariant else "kernel" if self.kernel else "integer"
+        self.exact_bits = exact_attention.budgets(self.head_dim, loaded.context_window)
+        self.cache_dtype = torch.float64 if self.attention == "integer" else self.dtype
+        self.k_slot_dim = 3 if self.attention == "kernel" else 2  # the kernel's keys are stored transposed
+        # Whether a batched forward gives each row the bits it gets alone is checked once per loaded model on
+        # this machine (models/exactness.py); where not, rows run one at a time (exact, slower).
+        self.row_by_row = False
+        if self.invariant:
+            self.row_by_row = not exactness.check(self)
 
     # ---------------------------------------------------------------------------------------------
     def reset(self, capacity: int = 256, keep: int = 0) -> None:
@@ -136,14 +153,16 @@ class FastKVModel:
 
     def _ensure(self, needed: int) -> None:
         """Grow the cache buffers (doubling) so that positions < needed fit; keeps what is cached."""
-        have = 0 if self.k_cache is None else self.k_cache.shape[2]
+        have = 0 if self.k_cache is None else self.k_cache.shape[self.k_slot_dim]
         if needed <= have:
             return
-        size = max(needed, 2 * have, 256)
-        shape = (len(self.layers), self.n_kv, size, self.head_dim)
-        k, v = torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)
+        size = -(-max(needed, 2 * have, 256) // kernel.KEYS) * kernel.KEYS  # the kernel's key blocks
+        width = self.head_dim + (self.attention == "integer")  # integer sums: + a scale column
+        shape = (len(self.layers), self.n_kv, size, width)
+        k_shape = (len(self.layers), self.n_kv, width, size) if self.k_slot_dim == 3 else shape
+        k, v = torch.zeros(k_shape, dtype=self.cache_dtype), torch.zeros(shape, dtype=self.cache_dtype)
         if have and self.length:
-            k[:, :, : self.length] = self.k_cache[:, :, : self.length]
+            k.narrow(self.k_slot_dim, 0, self.length).copy_(self.k_cache.narrow(self.k_slot_dim, 0, self.length))
             v[:, :, : self.length] = self.v_cache[:, :, : self.length]
         self.k_cache, self.v_cache = k, v
         # Per-layer views, made once per buffer: indexing the 4-D buffer by layer costs an op per access.
@@ -156,12 +175,38 @@ class FastKVModel:
 
         n, start = tokens.shape[0], self.length
         end = start + n
+        self._ensure(end)
         if tree_parents is None:
-            positions, ancestors = torch.arange(start, end), None
+            positions = torch.arange(start, end)
+            # One new token attends to everything cached: no mask. A chain: causal within the new block.
+            allowed = None if n == 1 else torch.ones(n, end, dtype=torch.bool).tril_(start)
         else:
             depth, ancestors = tree_depths_and_ancestors(tree_parents)
             positions = start + depth
-        attend = (self._invariant_attention if self.invariant else self._attention)(start, positions, ancestors)
+            allowed = torch.ones(n, end, dtype=torch.bool)
+            allowed[:, start:] = ancestors
+        if not self.row_by_row or n == 1:
+            x = self._layers(tokens, positions, allowed)
+        else:
+            # The exact fallback (the load-time self-check found batched rows differing on this machine): each
+            # row alone, through the same one-row calls as plain decoding, over the slots it may see.
+            x = torch.cat([self._layers(tokens[j: j + 1], positions[j: j + 1],
+                                        None if allowed is None else allowed[j: j + 1, : start + j + 1])
+                           for j in range(n)])
+        # The final-normed rows of every new token (the LM head's input), kept for self-drafting heads
+        # (Medusa, EAGLE): a reference, no copy; the norm is row-wise, so slicing after it is the same.
+        self.hidden = x
+        x = x[:, : self.hidden_size]
+        if last:
+            x = x[-last:]
+        return self.lm_head(x).float()
+
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        """The decoder over new rows at cache slots length.., then ``length`` moves past them. Returns the
+        final-normed rows, followed (EAGLE-3) by the outputs of the layers in ``taps``."""
+        n, start = tokens.shape[0], self.length
+        end = start + n
+        attend = self._attention(start, allowed)
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         x = F.embedding(tokens, self.embed)  # [n, hidden]
         cos, sin = self.rotary(x, positions[None])
@@ -175,8 +220,16 @@ class FastKVModel:
             out = qkv(F.rms_norm(x, (self.hidden_size,), ln1, self.eps))
             qk = out[:, : (nh + nkv) * hd].view(n, nh + nkv, hd)  # q and k are adjacent: rotate them together
             qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)
-            self.k_layers[i][:, start:end] = qk[:, nh:].transpose(0, 1)
-            self.v_layers[i][:, start:end] = out[:, (nh + nkv) * hd:].view(n, nkv, hd).transpose(0, 1)
+            v = out[:, (nh + nkv) * hd:].view(n, nkv, hd)
+            if self.attention == "kernel":  # keys transposed: [KV heads, hd, slots]
+                self.k_layers[i][:, :, start:end] = qk[:, nh:].permute(1, 2, 0)
+                self.v_layers[i][:, start:end] = v.transpose(0, 1)
+            elif self.attention == "integer":  # integers and their scale (models/exact_attention.py)
+                exact_attention.write(self.k_layers[i], start, qk[:, nh:], exact_attention.B_K)
+                exact_attention.write(self.v_layers[i], start, v, exact_attention.B_V)
+            else:
+                self.k_layers[i][:, start:end] = qk[:, nh:].transpose(0, 1)
+                self.v_layers[i][:, start:end] = v.transpose(0, 1)
             x = o_proj(x, attend(i, qk[:, :nh]))  # x + o_proj(attention)
             # MLP: one fused gate/up matmul.
             gate, up = gate_up(F.rms_norm(x, (self.hidden_size,), ln2, self.eps)).chunk(2, dim=-1)
@@ -184,130 +237,30 @@ class FastKVModel:
             if i in self.taps:  # a fused EAGLE head also reads this layer's output (a new tensor: no copy)
                 tapped.append(x)
         self.length = end
-        # The final-normed rows of every new token (the LM head's input), kept for self-drafting heads
-        # (Medusa, EAGLE): a reference, no copy; the norm is row-wise, so slicing after it is the same.
-        self.hidden = x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
-        if tapped:
-            self.hidden = torch.cat([x, *tapped], dim=-1)
-        if last:
-            x = x[-last:]
-        return self.lm_head(x).float()
+        x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
+        return torch.cat([x, *tapped], dim=-1) if tapped else x
 
-    def _attention(self, start: int, positions: torch.Tensor, ancestors: torch.Tensor | None):
-        """attend(layer, q [n, heads, hd]) → [n, heads·hd]: PyTorch's fused attention over the cache."""
-        n = positions.shape[0]
-        end = start + n
-        self._ensure(end)
-        if ancestors is None:
-            # One new token attends to everything cached: no mask. A chain: causal within the new block.
-            mask = None if n == 1 else torch.ones(n, end, dtype=torch.bool).tril_(start)
-        else:
-            mask = torch.ones(n, end, dtype=torch.bool)
-            mask[:, start:] = ancestors
-        if mask is not None:  # additive, built once: attention would convert a boolean mask in every layer
-            mask = torch.zeros(n, end, dtype=self.dtype).masked_fill_(~mask, float("-inf"))
+    def _attention(self, start: int, allowed: torch.Tensor | None):
+        """attend(layer, q [n, heads, hd]) → [n, heads·hd] over slots 0..end-1, row r seeing the slots where
+        ``allowed[r]`` (None: all). int8 models: exact integer sums (models/exact_attention.py), so a row's
+        result does not depend on the other rows or on where its keys sit; fp32: PyTorch's fused attention."""
+        end = allowed.shape[1] if allowed is not None else start + 1
+        if self.attention == "kernel":
+            fn, scaling, mask = self.kernel, self.scaling, kernel.mask(allowed)
+            return lambda i, q: kernel.attend(fn, q, self.k_layers[i], self.v_layers[i], mask, end, scaling)
+        if self.attention == "integer":
+            bits, scaling = self.exact_bits, self.scaling
+            return lambda i, q: exact_attention.attend(q, self.k_layers[i][:, :end], self.v_layers[i][:, :end],
+                                                       allowed, scaling, bits)
+        # Additive, built once: attention would convert a boolean mask in every layer.
+        mask = None if allowed is None else \
+            torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], self.k_layers[i][:, :end][None], self.v_layers[i][:, :end][None],
                 attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads)
-            return out[0].transpose(0, 1).reshape(n, -1)
-
-        return attend
-
-    def _invariant_attention(self, start: int, positions: torch.Tensor, ancestors: torch.Tensor | None):
-        """Like :meth:`_attention`, with every row computed exactly as it would be alone (int8 models).
-
-        int8 activations are rounded per row, so the 1e-7 differences that fp32 attention shows
-        between a batched row and the same row alone (its kernels block the work by the number of rows
-        and keys) flip roundings, which grow through the layers into logit differences as large as the
-        quantization error itself (measured on SmolLM2: the argmax differed at 7 % of positions). The
-        int8 matmuls are row-independent bit for bit; here attention is made so too: a row at position
-        p attends over the first ceil((p+1)/64)·64 key slots (masked past p) with plain batched
-        matmuls, whose per-row results do not depend on the number of rows; rows of one forward with
-        different key lengths (a chain crossing a multiple of 64) go in two groups. Greedy speculative
-        decoding then gives exactly the tokens of plain decoding. Costs about what fused attention does.
-
-        Trees (:meth:`_invariant_tree_attention`): a node's ancestors sit in other cache slots than the
-        same tokens decoded one by one would (siblings in between), and a reduction's rounding depends on
-        where its terms sit; with the tree's own layout, the shipped EAGLE heads' greedy tokens left plain
-        int8 decoding's within 15 tokens (seen in tests/test_heads.py before the fix).
-        """
-        if ancestors is not None:
-            return self._invariant_tree_attention(start, positions, ancestors)
-        n = positions.shape[0]
-        end = start + n
-        block = 64
-        self._ensure(-(-end // block) * block)
-        lengths = ((positions + block) // block * block).tolist()  # ceil((p + 1) / block) · block
-        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
-        rep = nh // nkv
-        groups = []  # (first row, last row + 1, key length, additive mask [1, rows · rep, key length])
-        a = 0
-        for b in range(1, n + 1):
-            if b == n or lengths[b] != lengths[a]:
-                length = lengths[a]
-                ok = torch.arange(length)[None, :] <= positions[a:b, None]
-                mask = torch.zeros(b - a, length, dtype=self.dtype).masked_fill_(~ok, float("-inf"))
-                groups.append((a, b, length, mask[:, None, :].expand(b - a, rep, length).reshape(1, -1, length)))
-                a = b
-
-        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
-            outs = []
-            for a, b, length, mask in groups:
-                # [rows, nh, hd] → [nkv, rows · rep, hd]: the query rows of each KV head, one matmul per head.
-                qg = (q if b - a == n else q[a:b]).reshape(b - a, nkv, rep, hd).transpose(0, 1).reshape(nkv, -1, hd)
-                scores = torch.baddbmm(mask, qg, self.k_layers[i][:, :length].transpose(1, 2), alpha=self.scaling)
-                out = torch.bmm(scores.softmax(dim=-1), self.v_layers[i][:, :length])
-                outs.append(out.view(nkv, b - a, rep, hd).transpose(0, 1).reshape(b - a, nh * hd))
-            return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-        return attend
-
-    def _invariant_tree_attention(self, start: int, positions: torch.Tensor, ancestors: torch.Tensor):
-        """:meth:`_invariant_attention` for a tree (rows = [root] + nodes, ``ancestors`` [n, n]).
-
-        The scores and the weighted sum of values run over the tree's own slots (each score is one dot
-        product, wherever its key sits; the sum over slots adds the path's terms in the same order as
-        plain decoding, the masked siblings' exact zeros in between). The softmax is the order-sensitive
-        step: its row sums are vectorized across slots. So before it each row's tree slots are permuted
-        into the layout plain decoding has at its position p — slots 0..start-1 (shared, left in place),
-        its root-to-node path, then masked slots — and the weights are permuted back after it: a gather
-        and a scatter over the n tree columns only. Rows run at the tree's width, which can be a 64-slot
-        block wider than plain decoding's ceil((p+1)/64)·64 for a shallow node when a deeper one crosses
-        a block: the extra masked slots add exact zeros to the same vector lanes. That neither the
-        products nor these sums depend on more than the layout is a property of the CPU kernels, not a
-        PyTorch guarantee: tests/test_int8.py checks random trees bit for bit, crossing a block too."""
-        block = 64
-        n = positions.shape[0]
-        end = start + n
-        width = -(-end // block) * block
-        self._ensure(width)
-        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
-        rep = nh // nkv
-
-        def per_score_row(t: torch.Tensor) -> torch.Tensor:  # [n, ...] → [1, n · rep, ...]: a row per query head
-            return t[:, None].expand(n, rep, *t.shape[1:]).reshape(1, n * rep, *t.shape[1:])
-
-        allowed = torch.zeros(n, width, dtype=torch.bool)
-        allowed[:, :start] = True
-        allowed[:, start:end] = ancestors
-        tree_mask = per_score_row(torch.zeros(n, width, dtype=self.dtype).masked_fill_(~allowed, float("-inf")))
-        # Row r's tree columns in plain decoding's order: its ancestors (itself included) in slot order —
-        # parents precede children, so that is the root-to-node path — then the rest (masked).
-        order = per_score_row(torch.sort((~ancestors).to(torch.uint8), dim=-1, stable=True).indices)
-        order = order.expand(nkv, -1, -1)
-
-        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
-            qg = q.reshape(n, nkv, rep, hd).transpose(0, 1).reshape(nkv, n * rep, hd)
-            scores = torch.baddbmm(tree_mask, qg, self.k_layers[i][:, :width].transpose(1, 2), alpha=self.scaling)
-            scores[..., start:end] = scores[..., start:end].gather(-1, order)  # into plain decoding's layout
-            weights = scores.softmax(dim=-1)
-            # Back to the tree's slots (the masked columns' weights are exact zeros wherever they go).
-            weights[..., start:end] = torch.empty_like(weights[..., start:end]).scatter_(
-                -1, order, weights[..., start:end])
-            out = torch.bmm(weights, self.v_layers[i][:, :width])  # [nkv, n · rep, hd]
-            return out.view(nkv, n, rep, hd).transpose(0, 1).reshape(n, nh * hd)
+            return out[0].transpose(0, 1).reshape(q.shape[0], -1)
 
         return attend
 
@@ -315,9 +268,11 @@ class FastKVModel:
         # Positions past the length are simply overwritten by the next forward.
         self.length = min(self.length, n_positions)
 
+    @torch.inference_mode()  # the buffers may have been made (grown) inside a forward
     def keep_path(self, start: int, nodes: list[int]) -> None:
         src = start + torch.tensor(nodes, dtype=torch.long)
         m = len(nodes)
-        self.k_cache[:, :, start: start + m] = self.k_cache[:, :, src]
+        dim = self.k_slot_dim
+        self.k_cache.narrow(dim, start, m).copy_(self.k_cache.index_select(dim, src))
         self.v_cache[:, :, start: start + m] = self.v_cache[:, :, src]
         self.length = start + m

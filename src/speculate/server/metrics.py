@@ -47,6 +47,10 @@ class Metrics:
         self.latency = Histogram("speculate_request_latency_seconds",
                                  "From the request's admission to the end of its generation",
                                  buckets=LATENCY_BUCKETS, registry=r)
+        self.exactness = Gauge("speculate_exactness",
+                               "1 for how the target's verified rows are exact (models/exactness.py): batched = "
+                               "checked at load on this CPU, row-by-row = the check failed and rows run one at a "
+                               "time, none = not claimed (fp32/bf16)", ["mode"], registry=r)
         self.in_flight = Gauge("speculate_requests_in_flight", "Generations running on a worker", registry=r)
         self.queued = Gauge("speculate_requests_queued", "Admitted requests waiting for a worker", registry=r)
         self._tokens = 0
@@ -67,6 +71,8 @@ class Metrics:
         for i, (d, a) in enumerate(zip(s.drafted_by_position, s.accepted_by_position), start=1):
             self.drafted_by_position.labels(str(i)).inc(d)
             self.accepted_by_position.labels(str(i)).inc(a)
+        for mode in ("batched", "row-by-row", "none"):
+            self.exactness.labels(mode).set(float(s.exactness == mode))
         self._tokens += s.new_tokens
         self._calls += s.target_calls
         if self._calls:
