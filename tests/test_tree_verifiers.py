@@ -63,6 +63,15 @@ def chisq_pvalue(counts, probs, min_expected: float = 5.0) -> float:
     return float(stats.chisquare(counts, expected).pvalue)
 
 
+def consultant_tree(tokens, parents, target, state=None, generator=None, sample_probs=None, **params):
+    """Consultant's tree rule as the engine calls it: the verifier (its declared parameters) and its method."""
+    return ConsultantVerifier(**params).verify_tree(tokens, parents, None, target, state, generator, sample_probs)
+
+
+def typical_tree(tokens, parents, target, state=None, generator=None, sample_probs=None, **params):
+    return TypicalVerifier(**params).verify_tree(tokens, parents, None, target, state, generator, sample_probs)
+
+
 # ---------------------------------------------------------------------------------- tree helpers
 
 
@@ -91,8 +100,8 @@ def test_validation_errors(tokens, parents, target_shape, match):
     target = torch.full(target_shape, 0.25)
     for call in (
         lambda: tree_greedy(tokens, parents, target),
-        lambda: tree_consultant(tokens, parents, target),
-        lambda: tree_typical(tokens, parents, target),
+        lambda: consultant_tree(tokens, parents, target),
+        lambda: typical_tree(tokens, parents, target),
         lambda: tree_sample(tokens, parents, torch.full((2, target_shape[1]), 0.25), target, None),
     ):
         with pytest.raises(ValueError, match=match):
@@ -109,10 +118,10 @@ def test_sample_validation_errors():
     with pytest.raises(ValueError, match="siblings 0 and 1 have different draft_probs"):
         tree_sample(tokens, parents, draft, target, None)  # without replacement: one shared row
     tree_sample(tokens, parents, draft, target, None, replacement=True)  # independent draws: a row each
-    with pytest.raises(ValueError, match="eps"):
-        tree_consultant(tokens, parents, target, eps=0.0)
+    with pytest.raises(ValueError, match="eps"):  # (parameters are checked by the verifier's declaration)
+        consultant_tree(tokens, parents, target, eps=0.0)
     with pytest.raises(ValueError, match="delta"):
-        tree_typical(tokens, parents, target, delta=-1.0)
+        typical_tree(tokens, parents, target, delta=-1.0)
 
 
 # ------------------------------------------------------------------------ chain-shaped trees
@@ -144,13 +153,14 @@ def test_chain_equivalence_deterministic_rules():
             sample_probs = dirichlet(rng, target.shape[1], rows=k + 1) if trial % 2 else None
             gen_chain, gen_tree = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
             c = ConsultantVerifier(eps, beta, greedy).verify(x, None, target, state, gen_chain, sample_probs)
-            tc = tree_consultant(x, parents, target, state, eps, beta, greedy, gen_tree, sample_probs)
+            cd = ConsultantVerifier(eps, beta, greedy)
+            tc = tree_consultant(x, parents, target, state, cd, gen_tree, sample_probs)
             assert (tc.path, tc.next_token, tc.state) == (list(range(c.n_accepted)), c.next_token, c.state)
             assert torch.equal(gen_chain.get_state(), gen_tree.get_state())
             # typical
             teps, delta = float(rng.uniform(0.05, 0.4)), float(rng.uniform(0.1, 0.8))
             c = TypicalVerifier(teps, delta, greedy).verify(x, None, target, state, gen_chain, sample_probs)
-            tt = tree_typical(x, parents, target, teps, delta, greedy, gen_tree, sample_probs, state=state)
+            tt = tree_typical(x, parents, target, state, TypicalVerifier(teps, delta, greedy), gen_tree, sample_probs)
             assert (tt.path, tt.next_token, tt.state) == (list(range(c.n_accepted)), c.next_token, c.state)
             assert torch.equal(gen_chain.get_state(), gen_tree.get_state())
     assert len(set(lengths)) >= 4  # the cases do cover partial and full acceptance
@@ -267,14 +277,14 @@ def test_tree_consultant_two_branches_hand_computed():
     r_b.append(ema(r_b[-1], 0.4))
     r_b.append(ema(r_b[-1], 0.2))
     assert max(r_b) <= eps
-    v = tree_consultant(tokens, parents, target, state=r0, eps=eps, beta=beta)
+    v = consultant_tree(tokens, parents, target, state=r0, eps=eps, beta=beta)
     # B passes to depth 3, A only to depth 2: the longer passing branch wins although A is likelier.
     assert v.path == [1, 3, 5] and v.next_token == 3
     assert v.state == pytest.approx(ema(r_b[-1], 0.6), abs=1e-12)
     # A larger carried state: B's n1 now fails (0.5 * 3 + 0.602 > 1.5), A passes n0 and n2 -> path A.
     r0_big = 2.0
     assert ema(r0_big, 0.3) > eps and ema(ema(ema(r0_big, 0.6), 0.5), 0.01) > eps
-    v = tree_consultant(tokens, parents, target, state=r0_big, eps=eps, beta=beta)
+    v = consultant_tree(tokens, parents, target, state=r0_big, eps=eps, beta=beta)
     r = ema(ema(r0_big, 0.6), 0.5)
     assert v.path == [0, 2] and v.next_token == 5  # row 3 (after n2): tail 0.33 on 5, 6, 7, first argmax 5
     assert v.state == pytest.approx(ema(r, 0.99 / 3), abs=1e-12)
@@ -283,15 +293,15 @@ def test_tree_consultant_two_branches_hand_computed():
 def test_tree_consultant_tie_goes_to_likelier_path_and_nothing_passes():
     # Two depth-1 siblings both pass; the second has the higher p_target: it wins the tie.
     target = torch.tensor([row([0.3, 0.5]), row([0.9]), row([0.0, 0.8])], dtype=torch.float64)
-    v = tree_consultant(torch.tensor([0, 1]), [-1, -1], target)
+    v = consultant_tree(torch.tensor([0, 1]), [-1, -1], target)
     assert v.path == [1] and v.next_token == 1
     assert v.state == pytest.approx(0.2 * (0.8 * -math.log(0.5)) + 0.8 * -math.log(0.8), abs=1e-12)
     # Exact tie (same token twice, with replacement): the first in node order.
     target = torch.tensor([row([0.5]), row([0.9]), row([0.0, 0.8])], dtype=torch.float64)
-    assert tree_consultant(torch.tensor([0, 0]), [-1, -1], target).path == [0]
+    assert consultant_tree(torch.tensor([0, 0]), [-1, -1], target).path == [0]
     # Nothing passes: the target's own token at row 0, state from r0.
     target = torch.tensor([row([0.01, 0.02, 0.9]), row([0.9]), row([0.9])], dtype=torch.float64)
-    v = tree_consultant(torch.tensor([0, 1]), [-1, -1], target, state=0.5)
+    v = consultant_tree(torch.tensor([0, 1]), [-1, -1], target, state=0.5)
     assert (v.path, v.next_token) == ([], 2)
     assert v.state == pytest.approx(0.2 * 0.5 + 0.8 * -math.log(0.9), abs=1e-12)
 
@@ -301,7 +311,7 @@ def test_tree_consultant_sampling_next_token_from_sample_probs():
     forced = torch.zeros(3, 6)
     forced[1, 2] = 1.0  # after n0 the sampler can only give token 2
     gen = torch.Generator().manual_seed(0)
-    v = tree_consultant(torch.tensor([0, 1]), [-1, -1], target, greedy=False, generator=gen, sample_probs=forced)
+    v = consultant_tree(torch.tensor([0, 1]), [-1, -1], target, greedy=False, generator=gen, sample_probs=forced)
     assert (v.path, v.next_token) == ([0], 2)
     r = 0.8 * -math.log(0.6)
     assert v.state == pytest.approx(0.2 * r + 0.8 * -math.log(0.1), abs=1e-12)  # NLL from target_probs
@@ -322,19 +332,19 @@ def test_tree_typical_hand_made_tree():
     tokens = torch.tensor([7, 8, 1, 2, 0, 0])
     # rows: root, after n0, after n1, after n2, after n3, after n4, after n5
     target = torch.stack([uniform100, peaked, flat4, peaked, peaked, flat4, flat4])
-    v = tree_typical(tokens, parents, target, eps, delta)
+    v = typical_tree(tokens, parents, target, eps=eps, delta=delta)
     assert (v.path, v.next_token) == ([1, 3, 5], 0)
     # n5 = 50 (p 0 on the peaked row) fails: depth 2 on branch B only.
-    v = tree_typical(torch.tensor([7, 8, 1, 2, 0, 50]), parents, target, eps, delta)
+    v = typical_tree(torch.tensor([7, 8, 1, 2, 0, 50]), parents, target, eps=eps, delta=delta)
     assert (v.path, v.next_token) == ([1, 3], 0)
     # Both depth-1 siblings pass on an equal footing; with n2 now passing (token 0 on the peaked row),
     # depth 3 is reached on both branches: the likelier path wins (A: 0.01*0.97*0.97 vs B: 0.01*0.25*0.97).
-    v = tree_typical(torch.tensor([7, 8, 0, 2, 0, 0]), parents, target, eps, delta)
+    v = typical_tree(torch.tensor([7, 8, 0, 2, 0, 0]), parents, target, eps=eps, delta=delta)
     assert v.path == [0, 2, 4]
     # greedy=False: the next token is drawn from sample_probs at the row after the path.
     forced = torch.zeros(7, 100)
     forced[4, 3] = 1.0
-    v = tree_typical(torch.tensor([7, 8, 1, 2, 0, 50]), parents, target, eps, delta, greedy=False,
+    v = typical_tree(torch.tensor([7, 8, 1, 2, 0, 50]), parents, target, eps=eps, delta=delta, greedy=False,
                      generator=torch.Generator().manual_seed(0), sample_probs=forced)
     assert (v.path, v.next_token) == ([1, 3], 3)
 

@@ -606,7 +606,8 @@ def test_typical_bad_params(params):
 
 
 def test_registry():
-    assert set(VERIFIERS) == {"greedy", "sample", "consultant", "mentored", "typical"}
+    assert set(VERIFIERS) == {"greedy", "sample", "consultant", "loose", "mentored", "typical"}
+    assert list(VERIFIERS)[:2] == ["greedy", "sample"]  # lossless first
     for name, cls in VERIFIERS.items():
         v = get_verifier(name)
         assert isinstance(v, cls) and v.name == name

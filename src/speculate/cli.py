@@ -8,9 +8,9 @@ import sys
 
 from .errors import SpeculateError, SpeculateWarning
 
-K_HELP = ("draft length per round (default 6: on these CPUs a target forward over 7 tokens costs about "
-          "2x one over a single token at fp32 and 1.4x at int8, and lookup drafts are free, so long drafts "
-          "pay; a draft model costs a forward per drafted token, so try 2-4 there)")
+K_HELP = ("draft length per round (default 6: a target forward over 7 tokens costs far less than 7 forwards "
+          "over one, so long drafts pay where they are accepted; measured in docs/benchmarks.md, "
+          "\"Verification cost T(n)\")")
 K_AUTO_HELP = K_HELP[:-1] + ("; 'auto': per round, the k with the best predicted speedup on this machine's "
                              "measured cost curve at the acceptance rate seen so far)")
 
@@ -44,9 +44,65 @@ def _eps_arg(value: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _verifier_param_arg(name: str):
+    """``--NAME``'s argparse type for a verifier parameter (``verifiers.PARAMS``): a number, or 'auto' where
+    a verifier declares it. Its range depends on the verifier, so it is checked after parsing
+    (:func:`_check_verifier_params`), by the declaration itself."""
+    from .verifiers import AUTO, PARAMS, is_auto
+
+    declared = [param for _, param in PARAMS[name]]
+    auto = any(param.auto for param in declared)
+    flag = "--" + name.replace("_", "-")
+
+    def parse(value: str):
+        if auto and is_auto(value):
+            return AUTO
+        if declared[0].kind is bool:
+            if value.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
+                return value.strip().lower() in ("true", "1", "yes")
+            raise argparse.ArgumentTypeError(f"{flag} must be true or false, got {value!r}")
+        try:
+            return float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number{' or auto' if auto else ''}, "
+                                             f"got {value!r}") from None
+
+    parse.__name__ = name  # (argparse names the type in some messages)
+    return parse
+
+
+def _add_verifier_params(parser: argparse.ArgumentParser) -> None:
+    """One flag per verifier parameter, from the verifiers' declarations (a new verifier's appear here)."""
+    from .verifiers import PARAMS, param_help
+
+    for name in PARAMS:
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=_verifier_param_arg(name),
+                            help=param_help(name))
+
+
+def _check_verifier_params(args) -> None:
+    """The verifier parameters given to ``generate``, checked against the verifier they are for (the named
+    one, else the default at this temperature): the same text as ``get_verifier`` and the server give."""
+    from .verifiers import PARAMS, check_params, default_name
+
+    params = {name: getattr(args, name) for name in PARAMS if getattr(args, name, None) is not None}
+    if not params:
+        return
+    try:
+        check_params(args.verifier or default_name(args.temperature == 0), params)
+    except ValueError as e:
+        raise SpeculateError(str(e)) from None
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not usage + message
         raise SpeculateError(message)
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if getattr(namespace, "command", None) == "generate":  # (the top-level parse, once)
+            _check_verifier_params(namespace)
+        return namespace, extras
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -74,10 +130,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--verifier", choices=list(VERIFIERS),
                    help="default greedy at temperature 0, sample (lossless) otherwise")
     g.add_argument("--k", type=_k_arg, default=6, help=K_AUTO_HELP)
-    g.add_argument("--eps", type=_eps_arg,
-                   help="consultant: NLL threshold ε (default 2.0; 'auto': the target's mean NLL on a calibration "
-                        "text); typical: ε (0.09)")
-    g.add_argument("--beta", type=float, help="consultant: EMA decay β in [0, 1) (default 0.2)")
+    _add_verifier_params(g)  # --eps, --beta, --delta, --D, ...: each verifier's declared parameters
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) means greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 (default) means off")
@@ -113,8 +166,6 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: loopback only; 0.0.0.0 exposes the server)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes "
-                                     "(default: $SPECULATE_API_KEY if set, else no key)")
     s.add_argument("--max-concurrency", type=int, default=1,
                    help="generation worker threads, i.e. generations running at once (default 1)")
     s.add_argument("--max-queue", type=int, default=16,
@@ -176,8 +227,10 @@ def _generate(args) -> int:
             raise SpeculateError(f"--heads is for the drafters with trained heads: {', '.join(HEAD_DRAFTERS)}")
         options["heads"] = args.heads
     drafter = get_drafter(args.drafter, draft, target, **options) if options else args.drafter
+    from .verifiers import PARAMS
+
     decoder = SpeculativeDecoder(target, drafter, args.verifier, k=args.k, draft_model=draft,
-                                 eps=args.eps, beta=args.beta)
+                                 **{name: getattr(args, name) for name in PARAMS})
     stream = decoder.stream(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
                             chat=False if args.no_chat else None)

@@ -13,8 +13,9 @@ Plain decoding is the same loop with an empty draft (drafter ``none``): one targ
 Tree drafts (``Draft.parents``, e.g. drafter ``model-tree``) take the same four steps: the forward
 runs [last committed token] + the N nodes under the tree mask (each node sees its ancestors only),
 giving N+1 rows (row 0 after the root, row i+1 after node i); the verifier's tree rule
-(verifiers/tree.py, :func:`verify_tree`) names the accepted root-to-node path; the cache keeps
-exactly that path (``keep_path``). Acceptance by position is acceptance by depth.
+(``Verifier.verify_tree``, the algorithms in verifiers/tree.py) names the accepted root-to-node path;
+the cache keeps exactly that path (``keep_path``). Acceptance by position is acceptance by depth. Either
+way the engine makes one call, ``verifier.judge``, and gets one verdict type, with a ``path``.
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ from .models.loader import LoadedModel, check_thread
 from .sampling import Sampling, one_hot, warp
 from .stats import Stats
 from .text import Detokenizer, encode_prompt, eos_ids
-from .verifiers import Verifier, get_verifier
-from .verifiers.tree import has_tree_rule, tree_rule_missing, verify_tree
+from .verifiers import Verdict, Verifier, check_auto, default_name, get_verifier, tree_rule_missing, verifier_class
 
 
 @dataclass
@@ -86,10 +86,11 @@ class SpeculativeDecoder:
         self.held = PrefixReuse()  # which tokens the target's cache holds, for prefix_cache
         self.verifier_spec = verifier
         self.verifier_params = {key: v for key, v in verifier_params.items() if v is not None}
-        if is_auto(self.verifier_params.get("eps")):
-            if verifier != "consultant":
-                raise SpeculateError("eps 'auto' calibrates Consultant Decoding's NLL threshold: it needs the "
-                                     "verifier 'consultant'")
+        try:  # ('auto' only where the named verifier declares it)
+            check_auto(verifier if isinstance(verifier, str) else None, self.verifier_params)
+        except ValueError as e:
+            raise SpeculateError(str(e)) from None
+        if is_auto(self.verifier_params.get("eps")):  # consultant's eps, the one 'auto' a verifier declares
             self.verifier_params["eps"] = calibrate_eps(target)
         self.k_policy = self._k_policy(k)
         self.k = "auto" if is_auto(k) else k
@@ -111,21 +112,20 @@ class SpeculativeDecoder:
 
     def _verifier(self, sampling: Sampling) -> Verifier:
         if isinstance(self.verifier_spec, Verifier):
-            if self.drafter.tree and not has_tree_rule(self.verifier_spec):
-                raise SpeculateError(tree_rule_missing(self.verifier_spec))
-            return self.verifier_spec
-        name = self.verifier_spec or ("greedy" if sampling.greedy else "sample")
-        if name == "greedy" and not sampling.greedy:
-            raise SpeculateError("verifier 'greedy' decodes deterministically: use temperature 0, or the lossless "
-                                 "verifier 'sample' to sample at temperature > 0")
-        params = dict(self.verifier_params)
-        if name in ("consultant", "typical"):
-            params.setdefault("greedy", sampling.greedy)
-        try:
-            verifier = get_verifier(name, **params)
-        except ValueError as e:
-            raise SpeculateError(str(e)) from None
-        if self.drafter.tree and not has_tree_rule(verifier):
+            verifier = self.verifier_spec
+        else:
+            name = self.verifier_spec or default_name(sampling.greedy)
+            if name == "greedy" and not sampling.greedy:
+                raise SpeculateError("verifier 'greedy' decodes deterministically: use temperature 0, or the "
+                                     "lossless verifier 'sample' to sample at temperature > 0")
+            params = dict(self.verifier_params)
+            try:
+                if any(p.name == "greedy" for p in verifier_class(name).params):
+                    params.setdefault("greedy", sampling.greedy)  # (argmax or drawn correction tokens)
+                verifier = get_verifier(name, **params)
+            except ValueError as e:
+                raise SpeculateError(str(e)) from None
+        if self.drafter.tree and not verifier.has_tree_rule():
             raise SpeculateError(tree_rule_missing(verifier))
         return verifier
 
@@ -218,7 +218,7 @@ class SpeculativeDecoder:
             logits = kv.forward(torch.cat([root, draft.tokens]), tree_parents=_rooted(draft.parents))
             # 3. Verify: the accepted drafts (a chain's first n, or a tree's path) and the next token.
             verdict = _verify(verifier, draft, logits, sampling, state, generator)
-            path, state = _accepted(verdict), verdict.state
+            path, state = verdict.path, verdict.state
             # 4. Roll back: keep the cache up to the last accepted draft; the next token is fed next round.
             rows = list(range(len(path) + 1)) if draft.parents is None else [0] + [node + 1 for node in path]
             if draft.parents is None:
@@ -238,35 +238,25 @@ class SpeculativeDecoder:
                 yield token
 
 
-def _verify(verifier: Verifier, draft, logits: torch.Tensor, sampling: Sampling, state, generator):
-    """The verdict on a draft from the target's rows ``logits`` [m+1, V]: the chain rule, or its tree
-    form (:func:`verify_tree`). Warped (temperature/top-k/top-p) target rows, or raw ones plus the
-    warped rows for verifiers that judge by the target's own likelihood (consultant, typical)."""
+def _verify(verifier: Verifier, draft, logits: torch.Tensor, sampling: Sampling, state, generator) -> Verdict:
+    """The verdict on a draft (chain or tree) from the target's rows ``logits`` [m+1, V], in one call
+    shape: warped (temperature/top-k/top-p) target rows, or raw ones plus the warped rows as
+    ``sample_probs`` for verifiers that judge by the target's own likelihood (``raw_target``)."""
     warped = warp(logits, sampling)
     draft_probs = None
     if verifier.needs_draft_probs:
         draft_probs = draft.probs if draft.probs is not None else one_hot(draft.tokens, logits.shape[-1])
-    if draft.parents is not None:
-        target_probs, sample_probs = (logits.softmax(-1), warped) if verifier.raw_target else (warped, None)
-        # Certain drafts (no p_draft rows: the heads' greedy trees, lookup's nodes) are each their own
-        # draw, independent of their siblings: the with-replacement rule is the exact one for them.
-        return verify_tree(verifier, draft.tokens, draft.parents, draft_probs, target_probs, state, generator,
-                           sample_probs, replacement=draft.replacement or draft.probs is None)
-    if verifier.raw_target:
-        return verifier.verify(draft.tokens, draft_probs, logits.softmax(-1), state, generator, warped)
-    return verifier.verify(draft.tokens, draft_probs, warped, state, generator)
+    target_probs, sample_probs = (logits.softmax(-1), warped) if verifier.raw_target else (warped, None)
+    # Certain drafts (no p_draft rows: the heads' greedy trees, lookup's nodes) are each their own draw,
+    # independent of their siblings: the with-replacement rule is the exact one for them (trees only).
+    return verifier.judge(draft.tokens, draft.parents, draft_probs, target_probs, state, generator, sample_probs,
+                          replacement=draft.replacement or draft.probs is None)
 
 
 def _rooted(parents: list[int] | None) -> list[int] | None:
     """A tree's parents for the forward over [root] + nodes: the root (row 0) becomes every top
     node's parent, node i is row i+1. None (a chain) stays None: a causal forward."""
     return None if parents is None else [-1] + [parent + 1 for parent in parents]
-
-
-def _accepted(verdict) -> list[int]:
-    """The accepted draft indices: a tree verdict's path, or a chain's first n."""
-    path = getattr(verdict, "path", None)
-    return list(range(verdict.n_accepted)) if path is None else list(path)
 
 
 def _is_token_ids(prompt) -> bool:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..sampling import Sampling
-from ..verifiers.tree import chain_as_tree
+from ..tree_shape import chain_as_tree, depths
 
 
 @dataclass
@@ -36,12 +36,7 @@ class Draft:
 
     def node_depths(self) -> list[int]:
         """Depth of each token, 1 for a child of the last committed token (a chain: 1..m)."""
-        if self.parents is None:
-            return list(range(1, len(self) + 1))
-        out: list[int] = []
-        for parent in self.parents:
-            out.append(1 if parent < 0 else out[parent] + 1)
-        return out
+        return depths(self.tree_parents())
 
     def tree_parents(self) -> list[int]:
         """``parents`` as a tree's (a chain x_1..x_m is the tree -1 → 0 → ... → m-2); a copy."""

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..tree_shape import depths_and_ancestors
 from . import exact_attention, exactness, kernel
 from .loader import LoadedModel
 from .quantize import Int8Linear, Int8Part, is_int8
@@ -171,8 +172,6 @@ class FastKVModel:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, last: int = 0, tree_parents: list[int] | None = None) -> torch.Tensor:
         """See HFKVModel.forward: logits [rows, V] for ``tokens`` at the next positions."""
-        from .kv import tree_depths_and_ancestors
-
         n, start = tokens.shape[0], self.length
         end = start + n
         self._ensure(end)
@@ -181,8 +180,8 @@ class FastKVModel:
             # One new token attends to everything cached: no mask. A chain: causal within the new block.
             allowed = None if n == 1 else torch.ones(n, end, dtype=torch.bool).tril_(start)
         else:
-            depth, ancestors = tree_depths_and_ancestors(tree_parents)
-            positions = start + depth
+            depth, ancestors = depths_and_ancestors(tree_parents)
+            positions = start + depth - 1  # (depth 1: a child of the cached prefix)
             allowed = torch.ones(n, end, dtype=torch.bool)
             allowed[:, start:] = ancestors
         if not self.row_by_row or n == 1:

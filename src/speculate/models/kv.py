@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..tree_shape import depths_and_ancestors
 from .loader import LoadedModel
 
 
@@ -55,16 +56,16 @@ class HFKVModel:
         (prefill needs one row; the LM head over a whole prompt would cost more than the layers).
 
         ``tree_parents``: for a flattened draft tree, the index (into ``tokens``) of each node's parent,
-        -1 for a child of the cached prefix. Node i then sits at position length + depth(i) and attends
-        to the prefix and to its ancestors only.
+        -1 for a child of the cached prefix. Node i then sits at position length + depth(i) - 1 (depth 1 for a
+        child of the prefix, ``tree_shape.depths``) and attends to the prefix and to its ancestors only.
         """
         n = tokens.shape[0]
         kwargs = {}
         if tree_parents is None:
             positions = torch.arange(self.length, self.length + n)
         else:
-            depth, allowed = tree_depths_and_ancestors(tree_parents)
-            positions = self.length + depth
+            depth, allowed = depths_and_ancestors(tree_parents)
+            positions = self.length + depth - 1  # (depth 1: a child of the cached prefix)
             mask = torch.zeros(1, 1, n, self.length + n, dtype=self.model.dtype)
             mask[0, 0, :, self.length:].masked_fill_(~allowed, self._mask_min)
             kwargs["attention_mask"] = mask
@@ -133,17 +134,3 @@ class PrefixReuse:
         self.tokens = None
         kv.reset(capacity, keep=keep)
         return keep
-
-
-def tree_depths_and_ancestors(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depth of each node and the [n, n] ancestor-or-self matrix; parents precede their children."""
-    n = len(parents)
-    allowed = torch.eye(n, dtype=torch.bool)
-    depth = torch.zeros(n, dtype=torch.long)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            if p >= i:
-                raise ValueError("tree nodes must come after their parent")
-            allowed[i] |= allowed[p]
-            depth[i] = depth[p] + 1
-    return depth, allowed

@@ -7,34 +7,54 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic_core import PydanticCustomError
 
 from ..drafters import ALL_DRAFTERS
 from ..text import ROLES
-from ..verifiers import VERIFIERS
+from ..verifiers import PARAMS, VERIFIERS, check_params, param_help
 from .errors import APIError
 
 MAX_K = 64
 MAX_STOP = 16
 
 
-class SpeculativeSettings(BaseModel):
-    """Per-request speculative settings; anything left out comes from the server's flags."""
-
+class _Speculative(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     drafter: Literal[tuple(ALL_DRAFTERS)] | None = None
     verifier: Literal[tuple(VERIFIERS)] | None = None
     k: Annotated[int, Field(ge=1, le=MAX_K)] | Literal["auto"] | None = None  # auto: sized per round (calc/auto.py)
-    eps: float | Literal["auto"] | None = None  # consultant: NLL threshold (auto: calibrated); typical: probability
-    beta: float | None = None  # consultant: EMA decay
-    delta: float | None = None  # typical
-    D: float | None = None  # mentored: KL budget
-    tol: float | None = None  # mentored
 
     def verifier_params(self) -> dict:
-        keys = ("eps", "beta", "delta", "D", "tol")
-        return {key: getattr(self, key) for key in keys if getattr(self, key) is not None}
+        return {key: getattr(self, key) for key in PARAMS if getattr(self, key) is not None}
+
+    @model_validator(mode="after")
+    def _check_verifier_params(self):
+        """A named verifier's parameters, checked by its declaration (get_verifier's text). Without a verifier
+        they go to the server's, over its own flags, and the engine checks them when it builds it."""
+        if self.verifier is not None:
+            try:
+                check_params(self.verifier, self.verifier_params())
+            except ValueError as e:
+                raise PydanticCustomError("invalid_value", "{message}", {"message": str(e)}) from None
+        return self
+
+
+def _verifier_field(name: str):
+    """A request field for the verifier parameter ``name``: its type from the declarations (a number, or
+    'auto' where a verifier takes it), its description theirs."""
+    declared = [param for _, param in PARAMS[name]]
+    kind = declared[0].kind
+    annotation = (kind | Literal["auto"]) if any(param.auto for param in declared) else kind
+    return annotation | None, Field(None, description=param_help(name))
+
+
+# The verifier parameters' fields (eps, beta, delta, D, tol, ...) follow from the verifiers' declarations.
+SpeculativeSettings = create_model(
+    "SpeculativeSettings", __base__=_Speculative, __module__=__name__,
+    __doc__="Per-request speculative settings; anything left out comes from the server's flags.",
+    **{name: _verifier_field(name) for name in PARAMS})
 
 
 class StreamOptions(BaseModel):

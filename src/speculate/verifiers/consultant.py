@@ -22,27 +22,10 @@ comes from ``target_probs``.
 
 from __future__ import annotations
 
-import math
-
-from .base import Verdict, Verifier, fraction, positive, target_token
-from .sample import gather_drafted
-
-# Probabilities are floored here before the log, so a zero-probability token gets a large but finite
-# NLL (-log 1e-45 ~= 103.6, 1e-45 ~ the smallest float32 subnormal). It still fails any sane eps and,
-# unlike +inf, decays out of the EMA state after a few tokens instead of blocking acceptance forever.
-PROB_FLOOR = 1e-45
-
-
-def nll(p: float) -> float:
-    """-log(max(p, PROB_FLOOR)): finite, never NaN (NaN p is treated as 0)."""
-    if not p > PROB_FLOOR:
-        p = PROB_FLOOR
-    return -math.log(p)
-
-
-def ema(beta: float, r_prev: float, value: float) -> float:
-    """Eq. 8: beta * r_prev + (1 - beta) * value."""
-    return beta * r_prev + (1.0 - beta) * value
+from . import tree
+from .base import Verdict, Verifier, target_token
+from .params import Param
+from .rows import PROB_FLOOR, ema, gather_drafted, nll  # noqa: F401  (re-exported)
 
 
 class ConsultantVerifier(Verifier):
@@ -56,14 +39,12 @@ class ConsultantVerifier(Verifier):
     name = "consultant"
     needs_draft_probs = False
     raw_target = True
-
-    def __init__(self, eps: float = 2.0, beta: float = 0.2, greedy: bool = True):
-        self.eps = positive("consultant", "eps", eps, "an NLL threshold")
-        self.beta = fraction("consultant", "beta", beta, "EMA decay weight")
-        self.greedy = bool(greedy)
-
-    def __repr__(self):
-        return f"ConsultantVerifier(eps={self.eps}, beta={self.beta}, greedy={self.greedy})"
+    params = (
+        Param("eps", 2.0, "an NLL threshold", low=0.0, low_open=True,
+              auto="the target's mean NLL on a calibration text"),
+        Param("beta", 0.2, "EMA decay weight", low=0.0, high=1.0),
+        Param("greedy", True, "correction token = the target's argmax, else a draw", user=False),
+    )
 
     def verify(self, draft_tokens, draft_probs, target_probs, state=None, generator=None, sample_probs=None):
         beta, eps = self.beta, self.eps
@@ -81,3 +62,9 @@ class ConsultantVerifier(Verifier):
         token = target_token(target_probs, sample_probs, n, self.greedy, generator)
         r = ema(beta, r, nll(float(target_probs[n, token])))
         return Verdict(n_accepted=n, next_token=token, state=r)
+
+    def verify_tree(self, tokens, parents, draft_probs, target_probs, state=None, generator=None, sample_probs=None,
+                    *, replacement=False):
+        """Algorithm 1 along every root-to-leaf path (:func:`~speculate.verifiers.tree.tree_consultant`)."""
+        return tree.tree_consultant(tokens, parents, target_probs, state, verifier=self, generator=generator,
+                                    sample_probs=sample_probs)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-
+from . import tree
 from .base import Verdict, Verifier
 
 
@@ -12,6 +12,7 @@ class GreedyVerifier(Verifier):
 
     name = "greedy"
     needs_draft_probs = False
+    lossless = True  # (for greedy decoding: the engine uses it at temperature 0 only)
 
     def verify(self, draft_tokens, draft_probs, target_probs, state=None, generator=None, sample_probs=None):
         target_argmax = target_probs.argmax(dim=-1)  # [k+1]
@@ -20,3 +21,8 @@ class GreedyVerifier(Verifier):
         mismatch = (draft_tokens != target_argmax[:k]).nonzero()
         n = int(mismatch[0, 0]) if mismatch.numel() else k
         return Verdict(n_accepted=n, next_token=int(target_argmax[n]), state=state)
+
+    def verify_tree(self, tokens, parents, draft_probs, target_probs, state=None, generator=None, sample_probs=None,
+                    *, replacement=False):
+        """The longest path of argmax matches (:func:`~speculate.verifiers.tree.tree_greedy`)."""
+        return tree.tree_greedy(tokens, parents, target_probs, state)

@@ -51,9 +51,9 @@ import math
 import numpy as np
 import torch
 
-from .base import Verdict, Verifier, fraction, positive, uniform
-from .base import sample_from
-from .sample import RESIDUAL_EPS, gather_drafted
+from .base import Verdict, Verifier, sample_from, uniform
+from .params import Param
+from .rows import RESIDUAL_EPS, gather_drafted
 
 _BISECT_STEPS = 60
 # p_target mass below this counts as none (rounding of cumulative sums), see _SortedRatios.solve.
@@ -177,25 +177,25 @@ def mentored_output_distribution(target_probs_row: torch.Tensor, draft_probs_row
 
 
 def _check_params(D, tol) -> tuple[float, float]:
-    if isinstance(D, bool) or isinstance(tol, bool):
-        raise ValueError("mentored: D and tol must be numbers")
-    return (positive("mentored", "D", D, "target KL divergence, nats"),
-            fraction("mentored", "tol", tol, "relative tolerance on D"))
+    """D and tol checked as :class:`MentoredVerifier` declares them."""
+    declared = {p.name: p for p in MentoredVerifier.params}
+    return declared["D"].check("mentored", D), declared["tol"].check("mentored", tol)
 
 
 class MentoredVerifier(Verifier):
     """Mentored decoding, lossy with KL(p_target || output) ~ D per position (paper eqs. 4-5). See the
-    module docstring for the equations; ``state`` is passed through unchanged."""
+    module docstring for the equations; ``state`` is passed through unchanged.
+
+    No tree form (``verify_tree`` is the base's refusal): the KL budget is per position of one chain, and
+    a multi-candidate version of eq. 5's residual is not derived here."""
 
     name = "mentored"
     needs_draft_probs = True
     raw_target = False
-
-    def __init__(self, D: float = 0.3, tol: float = 0.2):
-        self.D, self.tol = _check_params(D, tol)
-
-    def __repr__(self):
-        return f"MentoredVerifier(D={self.D}, tol={self.tol})"
+    params = (
+        Param("D", 0.3, "target KL divergence, nats", low=0.0, low_open=True),
+        Param("tol", 0.2, "relative tolerance on D", low=0.0, high=1.0),
+    )
 
     def verify(self, draft_tokens, draft_probs, target_probs, state=None, generator=None, sample_probs=None):
         if draft_probs is None:

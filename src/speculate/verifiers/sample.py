@@ -23,22 +23,9 @@ from __future__ import annotations
 
 import torch
 
+from . import tree
 from .base import Verdict, Verifier, sample_from, uniform
-
-# Below this total mass the residual is treated as empty (p_draft >= p_target everywhere up to
-# rounding) and the correction falls back to the p_target row. A rejection can only happen with
-# probability equal to the residual mass, so this only triggers on degenerate inputs (e.g. a drafted
-# token with p_draft(x) = p_target(x) = 0) or rounding noise.
-RESIDUAL_EPS = 1e-12
-
-
-def gather_drafted(probs: torch.Tensor, draft_tokens: torch.Tensor) -> list[float]:
-    """``[probs[i, draft_tokens[i]] for i < k]`` as Python floats (float64; one small transfer)."""
-    k = draft_tokens.shape[0]
-    idx = draft_tokens
-    if idx.device != probs.device or idx.dtype != torch.long:
-        idx = idx.to(probs.device, torch.long)
-    return probs[:k].gather(1, idx.view(k, 1)).view(k).tolist()
+from .rows import RESIDUAL_EPS, gather_drafted, residual_distribution  # noqa: F401  (re-exported)
 
 
 def first_rejection(target_x: list[float], draft_x: list[float], u: list[float]) -> int:
@@ -54,20 +41,6 @@ def first_rejection(target_x: list[float], draft_x: list[float], u: list[float])
     return len(target_x)
 
 
-def residual_distribution(target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.Tensor:
-    """Eq. 3: ``max(0, p_target - p_draft)`` normalised, in float64 on the rows' device.
-
-    Falls back to the (normalised) p_target row when the residual mass is below
-    :data:`RESIDUAL_EPS` (p_draft == p_target, or p_draft >= p_target everywhere), so the result is
-    always a valid distribution with no NaN."""
-    target = target_row.to(torch.float64)
-    residual = (target - draft_row.to(torch.float64)).clamp_(min=0.0)
-    mass = float(residual.sum())
-    if not mass > RESIDUAL_EPS:  # also catches NaN
-        return target / target.sum()
-    return residual / mass
-
-
 class SampleVerifier(Verifier):
     """Speculative sampling: lossless, the output follows p_target exactly (paper eqs. 1-3).
 
@@ -81,6 +54,7 @@ class SampleVerifier(Verifier):
     name = "sample"
     needs_draft_probs = True
     raw_target = False
+    lossless = True
 
     def correction_distribution(self, target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.Tensor:
         """Distribution of the correction token after a rejection: the eq. 3 residual."""
@@ -99,3 +73,9 @@ class SampleVerifier(Verifier):
             return Verdict(n_accepted=k, next_token=sample_from(target_probs[k], generator), state=state)
         probs = self.correction_distribution(target_probs[n], draft_probs[n])
         return Verdict(n_accepted=n, next_token=sample_from(probs, generator), state=state)
+
+    def verify_tree(self, tokens, parents, draft_probs, target_probs, state=None, generator=None, sample_probs=None,
+                    *, replacement=False):
+        """Multi-candidate speculative sampling (:func:`~speculate.verifiers.tree.tree_sample`)."""
+        return tree.tree_sample(tokens, parents, draft_probs, target_probs, generator, sample_probs,
+                                replacement=replacement, state=state, correction=self.correction_distribution)

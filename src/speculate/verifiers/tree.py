@@ -12,16 +12,22 @@ Tree layout (flattened, exactly as the target forward sees it, ``models/kv.py``
 - ``draft_probs``: FloatTensor [N, V] or None; row i is the p_draft row node i's token was drawn
   from, so siblings carry the same row (their parent's draft distribution).
 
-Every rule returns a :class:`TreeVerdict`: ``path``, the accepted node indices from the root down
-(hand them to ``keep_path(start, path)``), the ``next_token`` the target adds after them, and the
-``state`` for the next round. On a chain-shaped tree (:func:`chain_as_tree`) each rule gives exactly
-the verdict of its chain verifier (``n_accepted = len(path)``), consuming the shared generator the same
-way, so seeded runs coincide.
+Every rule returns a :class:`~speculate.verifiers.base.Verdict` (``TreeVerdict`` is the same type):
+``path``, the accepted node indices from the root down (hand them to ``keep_path(start, path)``), the
+``next_token`` the target adds after them, and the ``state`` for the next round. On a chain-shaped tree
+(:func:`chain_as_tree`) each rule gives exactly the verdict of its chain verifier, consuming the shared
+generator the same way, so seeded runs coincide.
+
+Each verifier's ``verify_tree`` method calls its rule here (a subclass inherits it); the rules with
+parameters take the verifier itself, whose constructor checked them (``Verifier.params``):
 
 - :func:`tree_greedy`      exact match with the target argmax (lossless for greedy decoding)
 - :func:`tree_sample`      multi-candidate speculative sampling (lossless for sampling)
 - :func:`tree_consultant`  Consultant Decoding along every root-to-leaf path (lossy)
 - :func:`tree_typical`     Medusa typical acceptance along every root-to-leaf path (lossy)
+- :func:`tree_per_token`   any rule that judges each token alone at its row, along every path
+
+Tree shape (depths, children, paths) is ``speculate.tree_shape``'s; re-exported here.
 
 The deterministic rules (greedy, consultant, typical) accept the set of nodes whose whole path from
 the root passes the chain rule, and keep the deepest such node. Ties between equally deep nodes go to
@@ -31,101 +37,15 @@ the highest summed target log-likelihood of the path, sum log p_target(x) (Medus
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from ..errors import SpeculateError
-from .base import Verifier, sample_from, target_token, uniform
-from .consultant import ConsultantVerifier, ema, nll
-from .greedy import GreedyVerifier
-from .sample import SampleVerifier, residual_distribution
-from .typical import TypicalVerifier
+from ..tree_shape import chain_as_tree, check_parents, children_of, depths, path_to, paths
+from .base import Verdict, sample_from, target_token, uniform
+from .rows import ema, nll, residual_distribution
 
-
-@dataclass(frozen=True)
-class TreeVerdict:
-    """``path``: accepted node indices, root to leaf (``[]`` when nothing was accepted);
-    ``next_token``: the token the target adds after them; ``state``: for the next round."""
-
-    path: list[int] = field(default_factory=list)
-    next_token: int = 0
-    state: Any = None
-
-    @property
-    def n_accepted(self) -> int:
-        return len(self.path)
-
-
-# --------------------------------------------------------------------------------- tree helpers
-
-
-def chain_as_tree(k: int) -> list[int]:
-    """The parents of a chain of ``k`` drafts: ``[-1, 0, 1, ..., k-2]``."""
-    if k < 0:
-        raise ValueError(f"chain_as_tree: k must be >= 0, got {k}")
-    return list(range(-1, k - 1))
-
-
-def _check_parents(parents, n: int | None = None) -> list[int]:
-    try:
-        parents = [int(x) for x in parents]
-    except (TypeError, ValueError):
-        raise ValueError("parents must be a sequence of integers (-1 for children of the root)") from None
-    if n is not None and len(parents) != n:
-        raise ValueError(f"parents has {len(parents)} entries but there are {n} tree tokens")
-    for i, parent in enumerate(parents):
-        if not -1 <= parent < i:
-            raise ValueError(
-                f"parents[{i}] = {parent}: nodes must be in topological order, each parent in [-1, {i - 1}] "
-                "(-1 = child of the root)"
-            )
-    return parents
-
-
-def children_of(parents) -> list[list[int]]:
-    """``out[0]``: the root's children; ``out[i + 1]``: node i's children; each in node order."""
-    parents = _check_parents(parents)
-    out: list[list[int]] = [[] for _ in range(len(parents) + 1)]
-    for i, parent in enumerate(parents):
-        out[parent + 1].append(i)
-    return out
-
-
-def depths(parents) -> list[int]:
-    """Depth of each node, 1 for a child of the root (= the path length when it is the last accepted)."""
-    parents = _check_parents(parents)
-    out: list[int] = []
-    for parent in parents:
-        out.append(1 if parent < 0 else out[parent] + 1)
-    return out
-
-
-def paths(parents) -> list[list[int]]:
-    """Every root-to-leaf path (node indices, root side first), leaves in node order."""
-    parents = _check_parents(parents)
-    has_child = [False] * len(parents)
-    for parent in parents:
-        if parent >= 0:
-            has_child[parent] = True
-    out = []
-    for leaf, inner in enumerate(has_child):
-        if inner:
-            continue
-        path = [leaf]
-        while parents[path[-1]] >= 0:
-            path.append(parents[path[-1]])
-        out.append(path[::-1])
-    return out
-
-
-def _path_to(parents: list[int], node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
+TreeVerdict = Verdict  # (one verdict type for chains and trees; the old name kept)
 
 
 def _is_integer(dtype: torch.dtype) -> bool:
@@ -139,7 +59,7 @@ def _validate(tokens, parents, target_probs, draft_probs=None, need_draft=False,
         got = f"{tokens.dtype} {tuple(tokens.shape)}" if is_tensor else type(tokens).__name__
         raise ValueError(f"{who}: tokens must be a 1-D integer tensor [N], got {got}")
     n = tokens.shape[0]
-    parents = _check_parents(parents, n)
+    parents = check_parents(parents, n)
     if not isinstance(target_probs, torch.Tensor) or target_probs.dim() != 2 or target_probs.shape[0] != n + 1:
         shape = tuple(target_probs.shape) if isinstance(target_probs, torch.Tensor) else type(target_probs).__name__
         raise ValueError(f"{who}: target_probs must be [N+1, V] = [{n + 1}, V] (row 0 after the root, row i+1 "
@@ -188,7 +108,7 @@ def _deepest(passing: list[bool], parents: list[int], score: list[float]) -> int
 # ------------------------------------------------------------------------------------------ greedy
 
 
-def tree_greedy(tokens: torch.Tensor, parents, target_probs: torch.Tensor, state: Any = None) -> TreeVerdict:
+def tree_greedy(tokens: torch.Tensor, parents, target_probs: torch.Tensor, state: Any = None) -> Verdict:
     """Greedy verification over a tree: the longest path whose every token is the target argmax given
     its prefix; ``next_token`` = argmax of the row after it. The output is token for token the
     target's greedy decoding. Walking from the root, at each node follow the child whose token is the
@@ -202,7 +122,7 @@ def tree_greedy(tokens: torch.Tensor, parents, target_probs: torch.Tensor, state
     for i, parent in enumerate(parents):
         passing[i] = (parent < 0 or passing[parent]) and token_list[i] == target_argmax[parent + 1]
     node = _deepest(passing, parents, [0.0] * len(parents))
-    return TreeVerdict(path=_path_to(parents, node), next_token=int(target_argmax[node + 1]), state=state)
+    return Verdict(path=path_to(parents, node), next_token=int(target_argmax[node + 1]), state=state)
 
 
 # --------------------------------------------------------------------------------------- sampling
@@ -218,7 +138,8 @@ def tree_sample(
     *,
     replacement: bool = False,
     state: Any = None,
-) -> TreeVerdict:
+    correction: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> Verdict:
     r"""Lossless multi-candidate speculative sampling over a tree (SpecInfer's multi-step speculative
     sampling, Miao et al. 2024, ASPLOS, section 4, with its theorem that MSS preserves the LLM's
     distribution; the tree rule of EAGLE; without replacement: the recursive rejection sampling of
@@ -276,7 +197,10 @@ def tree_sample(
     ``target_probs`` must already be the distribution to sample from (warped); ``sample_probs`` is
     accepted for interface symmetry and ignored, as in ``SampleVerifier``. ``state`` is passed
     through. Without replacement, siblings must carry identical draft rows (ValueError otherwise).
+    ``correction``: the residual rule, :func:`residual_distribution` by default (``SampleVerifier`` passes
+    its ``correction_distribution``, so that a subclass that changes it changes both forms).
     """
+    correction = residual_distribution if correction is None else correction
     token_list, parents, _ = _validate(tokens, parents, target_probs, draft_probs, need_draft=True, who="tree_sample")
     children = children_of(parents)
     if not replacement:  # (with replacement each sibling has its own row)
@@ -292,7 +216,7 @@ def tree_sample(
     while True:
         kids = children[row]
         if not kids:  # leaf (or empty tree): the bonus token from the node's own row
-            return TreeVerdict(path=path, next_token=sample_from(target_probs[row], generator), state=state)
+            return Verdict(path=path, next_token=sample_from(target_probs[row], generator), state=state)
         target_row: torch.Tensor | None = None  # None: still the untouched target_probs[row]
         draft_row = draft_probs[kids[0]]
         accepted = -1
@@ -306,7 +230,7 @@ def tree_sample(
                 accepted = c
                 break
             current = target_probs[row] if target_row is None else target_row
-            target_row = residual_distribution(current, draft_row)
+            target_row = correction(current, draft_row)
             if not replacement:
                 draft_row = draft_row.to(torch.float64).clone()
                 draft_row[x] = 0.0
@@ -314,7 +238,7 @@ def tree_sample(
                 if mass > 0.0:
                     draft_row /= mass
         if accepted < 0:  # every child rejected: correction from the current residual
-            return TreeVerdict(path=path, next_token=sample_from(target_row, generator), state=state)
+            return Verdict(path=path, next_token=sample_from(target_row, generator), state=state)
         path.append(accepted)
         row = accepted + 1
 
@@ -326,14 +250,13 @@ def tree_consultant(
     tokens: torch.Tensor,
     parents,
     target_probs: torch.Tensor,
-    state: Any = None,
-    eps: float = 2.0,
-    beta: float = 0.2,
-    greedy: bool = True,
+    state: Any,
+    verifier,
     generator: torch.Generator | None = None,
     sample_probs: torch.Tensor | None = None,
-) -> TreeVerdict:
-    """Consultant Decoding (paper Algorithm 1, eqs. 6-8) along every root-to-leaf path.
+) -> Verdict:
+    """Consultant Decoding (paper Algorithm 1, eqs. 6-8) along every root-to-leaf path, with
+    ``verifier``'s ``eps``, ``beta`` and ``greedy`` (a ``ConsultantVerifier``, which checked them).
 
     Each path runs its own EMA from the carried state r_0 (``state``, 0 when None): at node i with
     parent a, r_i = EMA_beta(r_a, -log p_target(x_i)) (r_a = r_0 for a child of the root), and node i
@@ -342,10 +265,8 @@ def tree_consultant(
     log-likelihood of the path, then first in node order). Lines 16-17: the target's token x' at the
     row after that path (argmax of ``target_probs`` if ``greedy``, else a draw from ``sample_probs``
     / ``target_probs``), and the carried state r = EMA_beta(r_path, -log p_target(x')), exactly as
-    ``ConsultantVerifier``. ``target_probs`` must be the raw (temperature 1) rows. Parameters are
-    validated by ``ConsultantVerifier``."""
-    params = ConsultantVerifier(eps=eps, beta=beta, greedy=greedy)
-    eps, beta = params.eps, params.beta
+    ``ConsultantVerifier``. ``target_probs`` must be the raw (temperature 1) rows."""
+    eps, beta = verifier.eps, verifier.beta
     token_list, parents, _ = _validate(tokens, parents, target_probs, who="tree_consultant")
     r0 = 0.0 if state is None else float(state)
     node_nll = [nll(p) for p in _target_at_nodes(target_probs, token_list, parents)]
@@ -358,10 +279,43 @@ def tree_consultant(
         if r_i <= eps:
             passing[i], r[i] = True, r_i
     node = _deepest(passing, parents, node_nll)
-    token = target_token(target_probs, sample_probs, node + 1, params.greedy, generator)
+    token = target_token(target_probs, sample_probs, node + 1, verifier.greedy, generator)
     r_path = r0 if node < 0 else r[node]
     r_next = ema(beta, r_path, nll(float(target_probs[node + 1, token])))
-    return TreeVerdict(path=_path_to(parents, node), next_token=token, state=r_next)
+    return Verdict(path=path_to(parents, node), next_token=token, state=r_next)
+
+
+# ------------------------------------------------------------------------------- token by token
+
+
+def tree_per_token(
+    tokens: torch.Tensor,
+    parents,
+    target_probs: torch.Tensor,
+    accepts: Callable[[int, int, float], bool],
+    greedy: bool,
+    generator: torch.Generator | None = None,
+    sample_probs: torch.Tensor | None = None,
+    state: Any = None,
+    who: str = "tree_per_token",
+) -> Verdict:
+    """The tree form of any rule that judges each drafted token alone, at its own row: node i (token x,
+    parent a) passes when a passes (or i is a child of the root) and ``accepts(a + 1, x, p_target(x))``
+    (the row index into ``target_probs``, the token, its probability there; called in node order, only
+    for nodes whose parent passed). Accepted: the deepest passing node's path, ties to the highest
+    summed target log-likelihood (Medusa's rule), then node order. ``next_token``: argmax of the row
+    after the path if ``greedy``, else a draw from ``sample_probs`` / ``target_probs``. ``state`` is
+    passed through. On a chain it is the chain rule "accept while ``accepts``"."""
+    token_list, parents, _ = _validate(tokens, parents, target_probs, who=who)
+    node_p = _target_at_nodes(target_probs, token_list, parents)
+    passing = [False] * len(parents)
+    for i, parent in enumerate(parents):
+        if parent >= 0 and not passing[parent]:
+            continue
+        passing[i] = bool(accepts(parent + 1, token_list[i], node_p[i]))
+    node = _deepest(passing, parents, [nll(p_x) for p_x in node_p])
+    token = target_token(target_probs, sample_probs, node + 1, greedy, generator)
+    return Verdict(path=path_to(parents, node), next_token=token, state=state)
 
 
 # ---------------------------------------------------------------------------------------- typical
@@ -371,104 +325,41 @@ def tree_typical(
     tokens: torch.Tensor,
     parents,
     target_probs: torch.Tensor,
-    eps: float = 0.09,
-    delta: float = 0.3,
-    greedy: bool = True,
+    state: Any,
+    verifier,
     generator: torch.Generator | None = None,
     sample_probs: torch.Tensor | None = None,
-    state: Any = None,
-) -> TreeVerdict:
-    """Medusa typical acceptance (Cai et al. 2024, section 2.3.1) along every root-to-leaf path.
+) -> Verdict:
+    """Medusa typical acceptance (Cai et al. 2024, section 2.3.1) along every root-to-leaf path, with
+    ``verifier``'s ``eps``, ``delta`` and ``greedy`` (a ``TypicalVerifier``).
 
     Node i with parent a passes when a passes (or i is a child of the root) and
     p_target(x_i) > min(eps, delta * exp(-H(p_target row a+1))); the threshold is
-    ``TypicalVerifier.thresholds`` (the chain verifier's helper, computed only for rows where some
-    child has p_target(x) <= eps). Accepted: the deepest passing node's path, ties to the highest
-    summed target log-likelihood (Medusa's rule), then node order. ``next_token``: argmax of the row
-    after the path if ``greedy``, else a draw from ``sample_probs`` / ``target_probs``.
-    ``target_probs`` must be the raw rows; ``state`` is passed through."""
-    params = TypicalVerifier(eps=eps, delta=delta, greedy=greedy)
-    token_list, parents, _ = _validate(tokens, parents, target_probs, who="tree_typical")
-    node_p = _target_at_nodes(target_probs, token_list, parents)
+    ``verifier.thresholds`` (the chain verifier's helper, computed only for rows where some
+    child has p_target(x) <= eps). The rest is :func:`tree_per_token`'s. ``target_probs`` must be the
+    raw rows; ``state`` is passed through."""
     thresholds: dict[int, float] = {}
-    passing = [False] * len(parents)
-    for i, parent in enumerate(parents):
-        if parent >= 0 and not passing[parent]:
-            continue
-        p_x = node_p[i]
-        if p_x > params.eps:
-            passing[i] = True
-            continue
-        row = parent + 1
+
+    def accepts(row: int, token: int, p_x: float) -> bool:
+        if p_x > verifier.eps:
+            return True
         if row not in thresholds:
-            thresholds[row] = float(params.thresholds(target_probs[row : row + 1])[0])
-        passing[i] = p_x > thresholds[row]
-    node = _deepest(passing, parents, [nll(p_x) for p_x in node_p])
-    token = target_token(target_probs, sample_probs, node + 1, params.greedy, generator)
-    return TreeVerdict(path=_path_to(parents, node), next_token=token, state=state)
+            thresholds[row] = float(verifier.thresholds(target_probs[row : row + 1])[0])
+        return p_x > thresholds[row]
 
-
-# ------------------------------------------------------------------------------------- dispatcher
-
-# The chain verifiers whose rule has a tree form here. Exact types: a subclass may change the rule.
-TREE_RULES = {GreedyVerifier: "tree_greedy", SampleVerifier: "tree_sample", ConsultantVerifier: "tree_consultant",
-              TypicalVerifier: "tree_typical"}
-
-
-def has_tree_rule(verifier: Verifier) -> bool:
-    return type(verifier) in TREE_RULES
-
-
-def verify_tree(
-    verifier: Verifier,
-    tokens: torch.Tensor,
-    parents,
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    state: Any = None,
-    generator: torch.Generator | None = None,
-    sample_probs: torch.Tensor | None = None,
-    *,
-    replacement: bool = False,
-) -> TreeVerdict:
-    """The tree form of ``verifier``'s chain rule, with its parameters and the carried ``state``.
-
-    The engine's counterpart of ``verifier.verify`` for a tree draft; the arguments follow the chain
-    convention (``target_probs`` raw when ``verifier.raw_target``, then ``sample_probs`` the warped
-    rows; ``draft_probs`` only when ``verifier.needs_draft_probs``). ``replacement``: how the
-    siblings were drawn (``tree_sample``). A verifier without a tree rule (mentored, or any other
-    class) raises :class:`SpeculateError`."""
-    kind = type(verifier)
-    if kind is GreedyVerifier:
-        return tree_greedy(tokens, parents, target_probs, state)
-    if kind is SampleVerifier:
-        return tree_sample(tokens, parents, draft_probs, target_probs, generator, sample_probs,
-                           replacement=replacement, state=state)
-    if kind is ConsultantVerifier:
-        return tree_consultant(tokens, parents, target_probs, state, eps=verifier.eps, beta=verifier.beta,
-                               greedy=verifier.greedy, generator=generator, sample_probs=sample_probs)
-    if kind is TypicalVerifier:
-        return tree_typical(tokens, parents, target_probs, eps=verifier.eps, delta=verifier.delta,
-                            greedy=verifier.greedy, generator=generator, sample_probs=sample_probs, state=state)
-    raise SpeculateError(tree_rule_missing(verifier))
-
-
-def tree_rule_missing(verifier: Verifier) -> str:
-    return (f"verifier '{verifier.name}' has no tree rule: tree drafts (model-tree, medusa, eagle, the +lookup "
-            f"merges) can be verified by {', '.join(cls.name for cls in TREE_RULES)}")
+    return tree_per_token(tokens, parents, target_probs, accepts, verifier.greedy, generator, sample_probs, state,
+                          who="tree_typical")
 
 
 __all__ = [
-    "TREE_RULES",
     "TreeVerdict",
     "chain_as_tree",
     "children_of",
     "depths",
-    "has_tree_rule",
     "paths",
     "tree_consultant",
     "tree_greedy",
+    "tree_per_token",
     "tree_sample",
     "tree_typical",
-    "verify_tree",
 ]

@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from .base import Verdict, Verifier, positive, target_token
-from .sample import gather_drafted
-
-
-def entropy(rows: torch.Tensor) -> torch.Tensor:
-    """Shannon entropy (nats) of each row of [m, V] probabilities, 0 log 0 = 0, as CPU float64 [m]."""
-    return torch.special.entr(rows.float()).sum(dim=-1).to("cpu", torch.float64)
+from . import tree
+from .base import Verdict, Verifier, target_token
+from .params import Param
+from .rows import entropy, gather_drafted  # noqa: F401  (re-exported)
 
 
 class TypicalVerifier(Verifier):
@@ -37,14 +34,11 @@ class TypicalVerifier(Verifier):
     name = "typical"
     needs_draft_probs = False
     raw_target = True
-
-    def __init__(self, eps: float = 0.09, delta: float = 0.3, greedy: bool = True):
-        self.eps = positive("typical", "eps", eps, "probability threshold")
-        self.delta = positive("typical", "delta", delta, "entropy-scaled threshold")
-        self.greedy = bool(greedy)
-
-    def __repr__(self):
-        return f"TypicalVerifier(eps={self.eps}, delta={self.delta}, greedy={self.greedy})"
+    params = (
+        Param("eps", 0.09, "probability threshold", low=0.0, low_open=True),
+        Param("delta", 0.3, "entropy-scaled threshold", low=0.0, low_open=True),
+        Param("greedy", True, "correction token = the target's argmax, else a draw", user=False),
+    )
 
     def thresholds(self, rows: torch.Tensor) -> torch.Tensor:
         """min(eps, delta * exp(-H(row))) for each row of [m, V], CPU float64 [m]."""
@@ -65,3 +59,9 @@ class TypicalVerifier(Verifier):
                     break
         token = target_token(target_probs, sample_probs, n, self.greedy, generator)
         return Verdict(n_accepted=n, next_token=token, state=state)
+
+    def verify_tree(self, tokens, parents, draft_probs, target_probs, state=None, generator=None, sample_probs=None,
+                    *, replacement=False):
+        """Typical acceptance along every root-to-leaf path (:func:`~speculate.verifiers.tree.tree_typical`)."""
+        return tree.tree_typical(tokens, parents, target_probs, state, verifier=self, generator=generator,
+                                 sample_probs=sample_probs)
