@@ -107,7 +107,7 @@ def wait_idle(url, timeout=5.0):
 # ------------------------------------------------------------------------------------------------------
 def test_health_models_and_auth(served):
     h = httpx.get(served.url + "/health")
-    assert h.status_code == 200 and h.json() == {"status": "ok", "model": served.model}
+    assert h.status_code == 200 and h.json() == {"status": "ok", "model": os.path.basename(served.model)}  # no path
     models = openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0).models.list()
     assert [m.id for m in models.data] == [served.model]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
@@ -536,9 +536,12 @@ def test_cli_serve_flags_and_a_real_subprocess(tiny_folders, capsys):
         r = c.completions.create(model=str(tiny_folders[1]), prompt="abc abc", max_tokens=7, temperature=0)
         assert r.usage.completion_tokens == 7
         assert httpx.get(url + "/v1/models").status_code == 401
+        proc.terminate()  # SIGTERM: a graceful stop, exit status 0 (uvicorn's own would re-raise it: 143)
+        assert proc.wait(30) == 0, proc.stdout.read()
     finally:
-        proc.terminate()
-        proc.wait(15)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(15)
 
 
 def test_the_servers_drafter_options_apply_to_its_drafter_only(tiny):

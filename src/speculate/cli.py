@@ -166,12 +166,30 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: loopback only; 0.0.0.0 exposes the server)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--allowed-host", action="append", metavar="NAME",
+                   help="a Host (and Origin) name to serve besides loopback ones; repeatable. Bound to loopback, "
+                        "any other Host is refused (DNS rebinding); bound elsewhere, the list, if given, is the "
+                        "only names served")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes "
+                                     "(default: $SPECULATE_API_KEY if set, else no key)")
     s.add_argument("--max-concurrency", type=int, default=1,
                    help="generation worker threads, i.e. generations running at once (default 1)")
     s.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait for a worker; beyond that the server answers 429 (default 16)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest accepted request body; larger is 413 (default 1 MiB)")
+    s.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a client has to send a request's headers, from connecting or from its previous "
+                        "response; then the connection is closed (default 10)")
+    s.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request's body; then 408 (default 30)")
+    s.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle connection is kept open after a response (default 5)")
+    s.add_argument("--max-connections", type=int, default=100,
+                   help="open connections at most; past it a new one is closed at once (default 100)")
+    s.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="on SIGTERM or Ctrl-C: seconds running generations get to finish before they end with an "
+                        "error (a stream: an error event, then [DONE]); queued requests get 503 at once (default 10)")
     s.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt whole in a fresh decoder (default: decoders are kept between "
                         "requests and a prompt reuses the KV of the prefix it shares with an earlier one)")
@@ -263,7 +281,10 @@ def _serve(args) -> int:
                           host=args.host, port=args.port, api_key=api_key,
                           max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                           max_body_bytes=args.max_body_bytes, drafter_options=args.drafter_opt or [],
-                          prefix_cache=not args.no_prefix_cache)
+                          prefix_cache=not args.no_prefix_cache, allowed_hosts=tuple(args.allowed_host or ()),
+                          header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                          keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
+                          shutdown_grace=args.shutdown_grace)
     serve(config, log_level=args.log_level)
     return 0
 

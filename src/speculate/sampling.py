@@ -33,12 +33,17 @@ class Sampling:
         return self.temperature == 0
 
 
+TINY_TEMPERATURE = 1e-30  # far below any meaningful temperature, far above float32's smallest normal (1.2e-38)
+
+
 def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """[n, V] logits → [n, V] probabilities under temperature, top-k and top-p (in that order)."""
     if s.greedy:
         probs = torch.zeros_like(logits)
         return probs.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / s.temperature
+    # Shifted by the max first, and the temperature kept a normal float32: a tiny one (5e-324, 1e-45) then gives
+    # what it tends to, the argmax (ties shared), instead of inf - inf = nan.
+    logits = (logits - logits.amax(-1, keepdim=True)) / max(s.temperature, TINY_TEMPERATURE)
     if s.top_k and s.top_k < logits.shape[-1]:
         kth = logits.topk(s.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -47,6 +52,7 @@ def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
         cum = sorted_logits.softmax(-1).cumsum(-1)
         # Drop a token when the mass *before* it already reaches top_p: the top token always stays.
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= s.top_p
+        drop_sorted[..., 0] = False  # (a top_p below float32's range, 1e-300, compares as 0)
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     return logits.softmax(-1)
 

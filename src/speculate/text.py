@@ -8,6 +8,16 @@ from .errors import SpeculateError
 ROLES = ("system", "developer", "user", "assistant", "tool")  # the chat roles (the server's schema takes the same)
 
 
+def check_unicode(text: str, what: str) -> None:
+    """SpeculateError unless ``text`` is valid Unicode: JSON's "\\ud800" escapes decode to lone surrogates,
+    which no tokenizer (and no UTF-8 output) can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise SpeculateError(f"{what} is not valid Unicode: a lone surrogate (U+{ord(error.object[error.start]):04X}) "
+                             f"at character {error.start}") from None
+
+
 def encode_prompt(tokenizer, prompt, chat: bool | None = None) -> list[int]:
     """A string or a list of chat messages → prompt token ids.
 
@@ -15,6 +25,7 @@ def encode_prompt(tokenizer, prompt, chat: bool | None = None) -> list[int]:
     (it is then the user turn), unless ``chat`` is False: then the raw text is encoded.
     """
     if isinstance(prompt, str):
+        check_unicode(prompt, "the prompt")
         if not prompt.strip():
             raise SpeculateError("the prompt is empty")
         has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -29,6 +40,8 @@ def encode_prompt(tokenizer, prompt, chat: bool | None = None) -> list[int]:
             isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in prompt):
         raise SpeculateError(f"the prompt must be a string, token ids, or a non-empty list of {{'role', 'content'}} "
                              f"messages with a role in {', '.join(ROLES)} and text content")
+    for message in prompt:
+        check_unicode(message["content"], f"a {message['role']} message")
     if not getattr(tokenizer, "chat_template", None):
         raise SpeculateError("this model's tokenizer has no chat template; send a plain prompt")
     ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -44,6 +57,22 @@ def eos_ids(loaded) -> set[int]:
         elif source:
             ids.update(source)
     return ids
+
+
+def held_back(text: str, end: int, stop: str, emitted: int = 0) -> int:
+    """The length of the longest tail of ``text[:end]`` (past ``emitted``) that is a proper prefix of ``stop``:
+    text that must be held back because the next tokens could complete the stop string.
+
+    Only the tail's positions holding ``stop[0]`` can start it, and each is checked once with one comparison,
+    so the cost is linear in the tail (trying every prefix length, as before, was quadratic in the stop
+    string's length: 60 s for a 500,000-character stop string)."""
+    start = max(emitted, end - len(stop) + 1, 0)
+    i = text.find(stop[0], start, end)
+    while i >= 0:
+        if stop.startswith(text[i:end]):
+            return end - i
+        i = text.find(stop[0], i + 1, end)
+    return 0
 
 
 class Detokenizer:
@@ -99,7 +128,7 @@ class Detokenizer:
             return self._take(len(self.text))
         self.text = text
         safe = len(text) - text.endswith("\ufffd")
-        hold = max((n for s in self.stop for n in range(1, len(s)) if text[:safe].endswith(s[:n])), default=0)
+        hold = max((held_back(text, safe, s, self.emitted) for s in self.stop), default=0)
         return self._take(safe - hold)
 
     def flush(self) -> str:

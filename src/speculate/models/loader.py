@@ -25,7 +25,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from ..errors import SpeculateError, SpeculateWarning  # noqa: E402
-from .cache import building, cache_root, scratch_prefix, sha256_file, verified  # noqa: E402
+from .cache import MANIFEST, building, cache_root, scratch_prefix, sha256_file, verified  # noqa: E402
 from .registry import ALIASES, DEFAULT_MODEL, GGUFSource  # noqa: E402
 
 # Weight precisions. int8 loads the fp32 weights, then swaps in smoothed int8 linear layers (quantize.py).
@@ -152,6 +152,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = "fp32", progress:
                 f"unknown model '{name_or_path}': not an alias ({', '.join(ALIASES)}) nor an existing folder")
         if not (folder / "config.json").is_file():
             raise SpeculateError(f"'{name_or_path}' is not a Hugging Face model folder (no config.json)")
+        _check_own_manifest(folder, name_or_path)
     loaded = _load_folder(folder, name_or_path, DTYPES[dtype])
     loaded.dtype = dtype
     if dtype == "int8":
@@ -195,8 +196,8 @@ def check_thread(loaded: LoadedModel) -> None:
     """Warn (once per process) when ``loaded`` runs on another thread than the one that loaded it, with more
     than one torch thread: PyTorch's GNU OpenMP keeps a team of threads for every thread that has run a
     parallel op, and once the process holds more of them than cores, all teams sleep between parallel regions
-    instead of spinning (a decode step opens ~250) — every forward measured ~1.5× slower (docs/benchmarks.md
-    §3, benchmarks/probes/omp_teams.py). `speculate serve` loads and builds decoders on its generation workers
+    instead of spinning (a decode step opens ~250) — every forward measured ~1.5× slower (docs/benchmarks.md,
+    "Server"; benchmarks/probes/omp_teams.py). `speculate serve` loads and builds decoders on its generation workers
     for this reason (server/pool.py, WorkerPool.call; server/generation.py, run_job)."""
     global _WARNED_THREAD
     loader = loaded.thread()
@@ -206,7 +207,7 @@ def check_thread(loaded: LoadedModel) -> None:
     _WARNED_THREAD = True
     warnings.warn(f"'{loaded.name}' was loaded on another thread than the one generating with it: with several "
                   f"threads running torch, every forward can be ~1.5x slower; load and generate on one thread, or "
-                  f"set torch.set_num_threads(1) (docs/benchmarks.md section 3)", RuntimeWarning, stacklevel=3)
+                  f"set torch.set_num_threads(1) (docs/benchmarks.md, \"Server\")", RuntimeWarning, stacklevel=3)
 
 
 def int8_cache_folder(name: str, path: Path) -> Path:
@@ -222,17 +223,33 @@ def _weight_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin"))
 
 
+def _check_own_manifest(folder: Path, name: str) -> None:
+    """A local folder carrying a manifest of ours (a cache folder copied elsewhere, one we converted) is checked
+    against it: sizes and sha256 of every file. A folder without one cannot be checked against anything;
+    its truncated or unreadable files are caught when they are loaded."""
+    try:
+        ours = isinstance(json.loads((folder / MANIFEST).read_text()).get("files"), dict)
+    except (OSError, ValueError, AttributeError):
+        return
+    if ours and not verified(folder):
+        raise SpeculateError(f"the files of '{name}' do not match its {MANIFEST} (a file was changed, truncated or "
+                             "removed)")
+
+
 def _load_folder(folder: Path, name: str, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    from safetensors import SafetensorError
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
-        raise SpeculateError(f"cannot load a model from '{folder}': {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError, KeyError, SafetensorError) as e:  # SafetensorError: a truncated weights file
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise SpeculateError(f"cannot load a model from '{folder}': {reason}") from None
     model.eval()
     model.requires_grad_(False)
     return LoadedModel(model, tokenizer, name, folder)

@@ -11,6 +11,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from functools import partial
+from pathlib import Path
 
 import anyio
 from fastapi import FastAPI, Request
@@ -23,10 +24,11 @@ from .auth import check_api_key
 from .body import read_json
 from .config import ServerConfig
 from .errors import APIError, error_body, install_error_handlers, validation_error
+from .guard import HostGuard
 from .decoders import Decoders
 from .generation import Outcome, build_decoder, prepare, run_job
 from .metrics import OUTCOME_KEY, Metrics, StatusCounter
-from .pool import Job, QueueFull, WorkerPool
+from .pool import Closed, Job, QueueFull, WorkerPool
 from .responses import DONE, Shaper, sse
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .sse import EventStream
@@ -46,6 +48,7 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
     # Idle decoders between requests (prefix reuse): one per worker, each holding its KV buffers.
     decoders = Decoders(lambda s: build_decoder(target, draft, s, config.prefix_cache), keep=config.max_concurrency)
     model_id = config.model
+    public_name = Path(target.name).name  # an alias, or a local folder's last component: never its path
     created = int(time.time())
 
     @asynccontextmanager
@@ -62,20 +65,35 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
                   openapi_url=None)
     app.state.ready = False
     app.state.config, app.state.metrics, app.state.pool = config, metrics, pool
-    install_error_handlers(app)
+
+    def begin_shutdown() -> None:
+        """From the event loop, when a stop begins (SIGTERM, Ctrl-C: server/main.py): admit nothing more, answer
+        queued requests 503, and give running generations ``shutdown_grace`` seconds before they are ended
+        with a 503 (a stream: an error event, then [DONE])."""
+        app.state.ready = False
+        error = APIError(503, "the server is shutting down", code="shutting_down")
+        pool.close(error)
+        asyncio.get_running_loop().call_later(config.shutdown_grace, pool.end_running, error)
+
+    app.state.begin_shutdown = begin_shutdown
+    install_error_handlers(app, config.api_key)
+    app.router.redirect_slashes = False  # its 307 built the Location from the (client's) Host header
+    app.add_middleware(HostGuard, bound_host=config.host, allowed_hosts=config.allowed_hosts,
+                       keyless=config.api_key is None)
     app.add_middleware(StatusCounter, metrics=metrics)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
+        # The model's name, not its id: the id of a local folder is its path, which is not for everyone to see.
         if app.state.ready and pool.started:
-            return {"status": "ok", "model": model_id}
+            return {"status": "ok", "model": public_name}
         return JSONResponse(error_body(503, "the server is not ready", code="not_ready"), status_code=503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def list_models(request: Request):
         check_api_key(request, config.api_key)
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
@@ -91,19 +109,21 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
 
     async def generate(request: Request, kind: str):
         check_api_key(request, config.api_key)
-        data = await read_json(request, config.max_body_bytes)
+        data = await read_json(request, config.max_body_bytes, config.body_timeout)
         schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
         try:
             req = schema.model_validate(data)
         except ValidationError as e:
             raise validation_error(e.errors(), data) from None
         if req.model != model_id:
-            raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{model_id}'",
-                           "model", "model_not_found")
+            raise APIError(404, "the model named in the request does not exist; GET /v1/models lists the one this "
+                                "server serves", "model", "model_not_found")
         prepared = await anyio.to_thread.run_sync(prepare, config, target, req)
         job = Job(partial(run_job, prepared=prepared, decoders=decoders), asyncio.get_running_loop())
         try:
             pool.submit(job)
+        except Closed:
+            raise APIError(503, "the server is shutting down", code="shutting_down") from None
         except QueueFull:
             raise APIError(429, f"the server is busy: {pool.workers} generation worker(s) and a queue of "
                                 f"{pool.max_queue} are all taken; retry later", code="queue_full",

@@ -11,12 +11,14 @@ import time
 class BackgroundServer:
     def __init__(self, app, ready_timeout: float = 20.0):
         import httpx
-        import uvicorn
+
+        from .main import uvicorn_server
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+        # As `speculate serve` runs it: its timeouts, connection cap and graceful stop (app.state.config).
+        self.server = uvicorn_server(app, app.state.config, log_level="warning", access_log=False, lifespan="on")
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + ready_timeout

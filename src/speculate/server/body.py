@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from starlette.requests import ClientDisconnect, Request
@@ -11,8 +12,9 @@ from .errors import APIError
 DRAIN_FACTOR = 8  # an oversized body is read and dropped up to this many limits, so the client sees the 413
 
 
-async def read_json(request: Request, limit: int) -> dict:
-    """The body as a JSON object, or an :class:`APIError` (400 malformed, 413 too large, 415 not JSON).
+async def read_json(request: Request, limit: int, timeout: float = 30.0) -> dict:
+    """The body as a JSON object, or an :class:`APIError` (400 malformed, 408 not all there within ``timeout``
+    seconds, 413 too large, 415 not JSON).
 
     ``Content-Type: application/json`` is required: a browser page may POST text/plain to a loopback
     server without a CORS preflight, but not JSON."""
@@ -32,19 +34,24 @@ async def read_json(request: Request, limit: int) -> dict:
             raise _too_large(limit)
     chunks, size = [], 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                await _drain(request, limit * DRAIN_FACTOR)
-                raise _too_large(limit)
-            chunks.append(chunk)
+        async with asyncio.timeout(timeout):  # a body that never comes, or a chunked one gone silent
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    await _drain(request, limit * DRAIN_FACTOR)
+                    raise _too_large(limit)
+                chunks.append(chunk)
     except ClientDisconnect:
         raise APIError(400, "the client disconnected while sending the body", code="client_disconnected") from None
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout",
+                       headers={"Connection": "close"}) from None
     body = b"".join(chunks)
     if not body.strip():
         raise APIError(400, "the request body is empty; expected a JSON object", code="invalid_json")
     try:
-        data = json.loads(body)
+        # UTF-8 only (RFC 8259): json.loads would also guess UTF-16 and UTF-32 from bytes.
+        data = json.loads(body.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:  # arrays or objects nested deeper than the parser goes

@@ -32,6 +32,16 @@ class ServerConfig:
     prefix_cache: bool = True
     # --drafter-opt KEY=VALUE: the server drafter's options (requests that name another drafter get its defaults)
     drafter_options: dict = field(default_factory=dict)
+    # --allowed-host: Host (and Origin) names served besides loopback ones (server/guard.py: DNS rebinding)
+    allowed_hosts: tuple[str, ...] = ()
+    # Slow and idle clients (server/protocol.py, body.py): seconds to send a request's headers (from connecting, or
+    # from the previous response), to send its body, to keep an idle connection open; open connections at most.
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    keep_alive_timeout: float = 5.0
+    max_connections: int = 100
+    # On SIGTERM / Ctrl-C: seconds that running generations get to finish before they are ended cleanly.
+    shutdown_grace: float = 10.0
 
     def __post_init__(self):
         if not is_auto(self.k) and (not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1):
@@ -46,6 +56,12 @@ class ServerConfig:
             raise SpeculateError(f"--port must be in 0..65535, got {self.port}")
         if self.draft_model and self.drafter not in MODEL_DRAFTERS:
             raise SpeculateError(NEEDS_MODEL_DRAFTER)
+        for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "shutdown_grace"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise SpeculateError(f"--{name.replace('_', '-')} must be a number of seconds > 0, got {value}")
+        if self.max_connections < 1:
+            raise SpeculateError(f"--max-connections must be >= 1, got {self.max_connections}")
         if self.api_key is not None and not self.api_key:
             raise SpeculateError("--api-key must not be empty")
         object.__setattr__(self, "drafter", resolve(self.drafter, self.model))  # auto: by the model's name

@@ -75,7 +75,8 @@ def _path_in(data, loc: list) -> list:
     return path
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, api_key: str | None = None) -> None:
+    """``api_key``: an unknown /v1 path answers 401 before 404 to a client without it (no route map for them)."""
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return exc.response()
@@ -94,6 +95,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        if request.url.path.startswith("/v1/"):
+            from .auth import check_api_key
+
+            try:
+                check_api_key(request, api_key)
+            except APIError as refused:
+                return refused.response()
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return APIError(exc.status_code, message, code=code, headers=getattr(exc, "headers", None)).response()

@@ -120,7 +120,7 @@ def run_job(job: Job, prepared: Prepared, decoders: Decoders) -> None:
         return
     if job.cancelled.is_set():  # the client left while the decoder was being built: no prefill for nobody
         release()
-        job.emit("cancelled")
+        job.stopped()
         return
     job.emit("ready")
     produce(job, stream, release)
@@ -182,7 +182,7 @@ def produce(job: Job, stream: Stream, release: Callable[[], None] = lambda: None
         if job.cancelled.is_set():
             stream.pieces.close()  # closes the engine's generator: nothing more is computed
             release()
-            job.emit("cancelled")
+            job.stopped()
             return
     except SpeculateError as e:
         job.emit("error", APIError(400, str(e), None, "invalid_value"))

@@ -63,9 +63,33 @@ def _check_address(host: str, port: int) -> None:
     raise SpeculateError(f"cannot listen on {host}:{port} ({error.strerror or error})")
 
 
-def serve(config: ServerConfig, log_level: str = "info") -> None:
+def uvicorn_server(app, config: ServerConfig, **options):
+    """The uvicorn server ``speculate serve`` runs (tests run the same, on their own sockets): the h11 protocol
+    with a header deadline and a connection cap (server/protocol.py), the idle keep-alive timeout, and a stop
+    that first lets running generations finish (``app.state.begin_shutdown``) and only then closes."""
     import uvicorn
 
+    from .protocol import guarded_protocol
+
+    class GracefulServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            app.state.begin_shutdown()
+            await super().shutdown(sockets=sockets)
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            # uvicorn raises a captured SIGTERM again once it has stopped, so the process dies of it (status
+            # 143); a stop that went as planned exits 0.
+            self._captured_signals.clear()
+
+    settings = uvicorn.Config(app, http=guarded_protocol(config.header_timeout, config.max_connections),
+                              timeout_keep_alive=config.keep_alive_timeout,
+                              # after the grace period generations end themselves; this is the backstop
+                              timeout_graceful_shutdown=config.shutdown_grace + 5, **options)
+    return GracefulServer(settings)
+
+
+def serve(config: ServerConfig, log_level: str = "info") -> None:
     _check_address(config.host, config.port)  # before the models load: a busy port is one line, at once
     app = build_app(config)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -77,6 +101,6 @@ def serve(config: ServerConfig, log_level: str = "info") -> None:
         cores = os.cpu_count() or 1
         logging.getLogger("speculate.server").warning(
             "%d generation workers on %d cores: each keeps its own team of OpenMP threads, and on 2 cores two "
-            "workers were slower than one at every load (docs/benchmarks.md section 3); one worker is usually "
+            "workers were slower than one at every load (docs/benchmarks.md, \"Server\"); one worker is usually "
             "fastest on a CPU", config.max_concurrency, cores)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn_server(app, config, host=config.host, port=config.port, log_level=log_level).run()

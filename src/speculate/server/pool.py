@@ -25,6 +25,10 @@ class QueueFull(Exception):
     """Every worker is busy and the queue is full."""
 
 
+class Closed(Exception):
+    """The server is shutting down: no job is admitted any more."""
+
+
 class Job:
     """One generation request. ``work(job)`` runs on a worker thread and reports through :meth:`emit`."""
 
@@ -36,6 +40,7 @@ class Job:
         self.finished = False  # set by the handler once it has read the final event
         self.submitted_at = time.perf_counter()
         self.started_at: float | None = None
+        self.ended_by = None  # the error it was ended with (a shutdown), reported instead of 'cancelled'
 
     def emit(self, kind: str, value=None) -> None:
         """From the worker thread: hand an event ('piece', 'done', 'error', 'cancelled') to the handler."""
@@ -46,6 +51,15 @@ class Job:
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def end(self, error) -> None:
+        """Stop the job as a cancel does, but report ``error`` (an 'error' event) to its handler."""
+        self.ended_by = error
+        self.cancelled.set()
+
+    def stopped(self) -> None:
+        """From the worker: the job stopped early — 'error' with what ended it, else 'cancelled'."""
+        self.emit("error", self.ended_by) if self.ended_by is not None else self.emit("cancelled")
 
 
 class _Call:
@@ -72,6 +86,8 @@ class WorkerPool:
         self.admitted = 0  # queued + running
         self.running = 0
         self._threads: list[threading.Thread] = []
+        self._jobs: set[Job] = set()  # admitted, not finished
+        self.closed = False
 
     @property
     def capacity(self) -> int:
@@ -110,11 +126,29 @@ class WorkerPool:
 
     def submit(self, job: Job) -> None:
         with self._lock:
+            if self.closed:
+                raise Closed()
             if self.admitted >= self.capacity:
                 raise QueueFull()
             self.admitted += 1
+            self._jobs.add(job)
             self._changed()
         self._queue.put(job)
+
+    def close(self, error) -> None:
+        """Admit nothing more, and end every job still waiting for a worker with ``error``."""
+        with self._lock:
+            self.closed = True
+            waiting = [job for job in self._jobs if job.started_at is None]
+        for job in waiting:
+            job.end(error)
+
+    def end_running(self, error) -> None:
+        """End every job that is running with ``error`` (the shutdown's grace period is over)."""
+        with self._lock:
+            running = list(self._jobs)
+        for job in running:
+            job.end(error)
 
     def _changed(self) -> None:  # under the lock
         self.on_change(self.running, self.admitted - self.running)
@@ -132,7 +166,7 @@ class WorkerPool:
                 self._changed()
             try:
                 if job.cancelled.is_set():
-                    job.emit("cancelled")
+                    job.stopped()
                 else:
                     job.started_at = time.perf_counter()
                     job.work(job)
@@ -143,4 +177,5 @@ class WorkerPool:
                 with self._lock:
                     self.running -= 1
                     self.admitted -= 1
+                    self._jobs.discard(job)
                     self._changed()

@@ -11,12 +11,14 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..drafters import ALL_DRAFTERS
-from ..text import ROLES
+from ..errors import SpeculateError
+from ..text import ROLES, check_unicode
 from ..verifiers import PARAMS, VERIFIERS, check_params, param_help
 from .errors import APIError
 
 MAX_K = 64
-MAX_STOP = 16
+MAX_STOP = 4  # stop sequences a request may give (OpenAI's limit)
+MAX_STOP_CHARS = 1024  # characters of one stop sequence: each is searched in the text after every token
 
 
 class _Speculative(BaseModel):
@@ -71,7 +73,7 @@ class _Common(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = None  # not OpenAI's; vLLM's and llama.cpp's servers take it too (None, 0 or -1: off)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    seed: int | None = Field(None, ge=0, lt=2**63)  # (negative seeds meant the same as their 2^64 complement)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -85,6 +87,14 @@ class _Common(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOP:
             raise APIError(400, f"stop: at most {MAX_STOP} stop sequences", "stop", "invalid_value")
+        for stop in stops:
+            try:
+                check_unicode(stop, "a stop sequence")
+            except SpeculateError as error:
+                raise APIError(400, f"stop: {error}", "stop", "invalid_value") from None
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise APIError(400, f"stop: a stop sequence may have at most {MAX_STOP_CHARS} characters", "stop",
+                           "invalid_value")
         return [s for s in stops if s]
 
     def check_supported(self) -> None:

@@ -1,0 +1,59 @@
+"""uvicorn's HTTP/1.1 protocol (h11) with the limits it lacks: a deadline for a request's headers and a cap on
+open connections.
+
+Why: uvicorn closes an idle keep-alive connection after a response (``timeout_keep_alive``), but a connection
+that never sends a request, sends half a request line, or trickles headers at a byte every few seconds is held
+forever (seen: 300 such sockets under ``ulimit -n 256`` made /health time out and the accept loop fail with
+"Too many open files"). Here every connection must complete its request headers within ``header_timeout``
+seconds of opening (and of its previous response), and past ``max_connections`` a new one is closed at once.
+A body that stops arriving is the request handler's to time out (server/body.py).
+"""
+
+from __future__ import annotations
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+def guarded_protocol(header_timeout: float, max_connections: int) -> type[H11Protocol]:
+    """The protocol class to hand uvicorn (``Config(http=...)``), with these limits."""
+
+    class GuardedH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._headers_timer = None
+            if len(self.connections) > max_connections:  # (this one is counted already)
+                transport.close()
+                return
+            self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._headers_timer = self.loop.call_later(header_timeout, self._headers_late)
+
+        def _disarm(self) -> None:
+            if getattr(self, "_headers_timer", None) is not None:
+                self._headers_timer.cancel()
+                self._headers_timer = None
+
+        def _headers_late(self) -> None:
+            self._headers_timer = None
+            # Still waiting for (the rest of) a request line and headers: drop the connection.
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # the headers are complete: the handler owns the body
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()  # the next request's headers get the same deadline
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol

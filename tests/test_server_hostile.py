@@ -1,0 +1,378 @@
+"""The server against hostile clients (loopback only, bounded): stop strings that were quadratic, input that was a
+500, DNS rebinding and foreign origins, what a client without the key may learn, and HTTP details.
+
+Each test fails without its fix. A keyless server and a keyed one run in background threads of this process.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import pytest
+
+from speculate.server import ServerConfig, create_app, load_models
+from speculate.server.background import BackgroundServer
+from speculate.server.guard import HostGuard, hostname, is_loopback
+from speculate.server.schemas import MAX_STOP, MAX_STOP_CHARS
+from speculate.text import Detokenizer, held_back
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*loaded on another thread:RuntimeWarning")
+
+KEY = "sk-hostile"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def start(tiny_folders, **options):
+    config = ServerConfig(model=str(tiny_folders[0]), k=3, **options)
+    target, draft = load_models(config)
+    server = BackgroundServer(create_app(config, target, draft))
+    server.model, server.target = config.model, target
+    return server
+
+
+@pytest.fixture(scope="module")
+def keyless(tiny_folders):
+    server = start(tiny_folders, allowed_hosts=("speculate.internal",))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_folders):
+    server = start(tiny_folders, api_key=KEY)
+    yield server
+    server.stop()
+
+
+def complete(server, body, headers=None, **kw):
+    return httpx.post(server.url + "/v1/completions", json={"model": server.model, **body},
+                      headers={**AUTH, **(headers or {})}, timeout=60, **kw)
+
+
+def raw(server, request: bytes) -> bytes:
+    """One raw HTTP/1.1 exchange (for headers httpx would not send)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return data
+
+
+# ------------------------------------------------------------------------------------------------ stop strings
+class CountingStr(str):
+    """A stop string that counts how much of it the detokenizer reads: every slice and comparison of it."""
+    reads = 0
+
+    def __getitem__(self, key):
+        CountingStr.reads += 1
+        return super().__getitem__(key)
+
+    def startswith(self, *args):
+        CountingStr.reads += 1
+        return super().startswith(*args)
+
+
+def test_the_stop_check_reads_a_long_stop_string_a_bounded_number_of_times_per_token(keyless):
+    """The hold-back check tried every prefix length of every stop string after every token (quadratic: 60 s for a
+    500,000-character stop string); now it reads it a few times per token, whatever its length."""
+    tok = keyless.target.tokenizer
+    stop = CountingStr("x" * 20000 + "!")
+    detok = Detokenizer(tok, [stop])
+    CountingStr.reads = 0
+    ids = tok("hello there, x x xx xxx the end")["input_ids"]
+    for token in ids:
+        detok.add(token)
+    assert CountingStr.reads <= 8 * len(ids), CountingStr.reads  # before: ~20,000 a token
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_held_back_is_the_longest_tail_that_starts_a_stop_string(seed):
+    import random
+
+    rng = random.Random(seed)
+    text = "".join(rng.choice("ab") for _ in range(rng.randrange(0, 12)))
+    stop = "".join(rng.choice("ab") for _ in range(rng.randrange(1, 6)))
+    end = len(text)
+    brute = max((n for n in range(1, len(stop)) if text[:end].endswith(stop[:n])), default=0)
+    assert held_back(text, end, stop) == brute, (text, stop)
+
+
+def test_stop_sequences_are_capped(keyless):
+    r = complete(keyless, {"prompt": "hi", "max_tokens": 2, "stop": "x" * 500000})
+    assert r.status_code == 400 and str(MAX_STOP_CHARS) in r.json()["error"]["message"]
+    r = complete(keyless, {"prompt": "hi", "max_tokens": 2, "stop": [f"s{i}" for i in range(MAX_STOP + 1)]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+    assert complete(keyless, {"prompt": "hi", "max_tokens": 2, "stop": ["a" * MAX_STOP_CHARS] * MAX_STOP,
+                              "temperature": 0}).status_code == 200
+
+
+# ------------------------------------------------------------------------------------------------ no 500s
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "a\ud800b"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\udfffb"}], "stream": True}),
+    ("/v1/completions", {"prompt": "hi", "stop": "\ud800"}),
+])
+def test_a_lone_surrogate_is_a_400(keyless, path, body):
+    # json.dumps escapes the surrogate as "\ud800", as a hostile client would send it.
+    r = httpx.post(keyless.url + path, content=json.dumps({"model": keyless.model, "max_tokens": 3, **body}),
+                   headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "surrogate" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("settings", [{"temperature": 5e-324}, {"temperature": 1e-45}, {"temperature": 1e-300},
+                                      {"temperature": 1.0, "top_p": 1e-300}])
+def test_tiny_temperatures_and_top_p_behave_as_their_limit_greedy(keyless, settings):
+    greedy = complete(keyless, {"prompt": "one two one two", "max_tokens": 8, "temperature": 0})
+    r = complete(keyless, {"prompt": "one two one two", "max_tokens": 8, "seed": 3, **settings})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+
+
+# ------------------------------------------------------------------------------------------------ rebinding
+def test_a_loopback_server_answers_only_loopback_and_allowed_host_names(keyless):
+    port = keyless.url.rsplit(":", 1)[1]
+    body = json.dumps({"model": keyless.model, "prompt": "hi", "max_tokens": 1}).encode()
+
+    def post(host, origin=None):
+        extra = f"Origin: {origin}\r\n" if origin else ""
+        return raw(keyless, (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                             f"Content-Length: {len(body)}\r\n{extra}Connection: close\r\n\r\n").encode() + body)
+
+    assert post(f"attacker.example:{port}", f"http://attacker.example:{port}").startswith(b"HTTP/1.1 400")
+    assert b"invalid_host" in post(f"attacker.example:{port}")
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", f"speculate.internal:{port}"):
+        assert post(host).startswith(b"HTTP/1.1 200"), host
+    # A foreign Origin on a keyless server, even with a good Host (a page POSTing cross-site), is refused.
+    refused = post(f"127.0.0.1:{port}", "http://attacker.example")
+    assert refused.startswith(b"HTTP/1.1 403") and b"forbidden_origin" in refused
+    assert post(f"127.0.0.1:{port}", "null").startswith(b"HTTP/1.1 403")
+    assert post(f"127.0.0.1:{port}", f"http://localhost:{port}").startswith(b"HTTP/1.1 200")
+
+
+def test_host_rules():
+    assert is_loopback("127.3.4.5") and is_loopback("[::1]") and is_loopback("localhost.") and is_loopback("a.localhost")
+    assert not is_loopback("attacker.example") and not is_loopback("10.0.0.1") and not is_loopback("127.0.0.1.nip.io")
+    assert hostname("[::1]:8000") == "::1" and hostname("example.com:80") == "example.com" and hostname("::1") == "::1"
+    open_bind = HostGuard(None, "0.0.0.0")
+    assert open_bind.allowed_host("anything.example")  # an open bind without a list serves any name
+    listed = HostGuard(None, "0.0.0.0", ("api.example",))
+    assert listed.allowed_host("api.example") and not listed.allowed_host("other.example")
+
+
+# ------------------------------------------------------------------------------------------------ disclosure
+def test_a_client_without_the_key_learns_neither_paths_nor_routes(keyed):
+    h = httpx.get(keyed.url + "/health")
+    assert h.status_code == 200 and h.json()["model"] == "seed0" and "/" not in h.text
+    for path in ("/v1/nope", "/v1/models/x/y"):
+        r = httpx.get(keyed.url + path)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(keyed.url + "/v1/nope", headers=AUTH).status_code == 404
+    r = complete(keyed, {"prompt": "hi", "model": "other"})
+    assert r.status_code == 404 and keyed.model not in r.text
+
+
+# ------------------------------------------------------------------------------------------------ HTTP details
+def test_http_details(keyed):
+    assert httpx.head(keyed.url + "/health").status_code == 200
+    assert httpx.head(keyed.url + "/v1/models", headers=AUTH).status_code == 200
+    r = httpx.post(keyed.url + "/v1/completions/", headers=AUTH, json={})  # no redirect built from Host
+    assert r.status_code == 404 and "location" not in r.headers
+    for seed in (-1, 2**64 - 1):
+        r = complete(keyed, {"prompt": "hi", "max_tokens": 2, "seed": seed})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    body = json.dumps({"model": keyed.model, "prompt": "hi", "max_tokens": 2}).encode("utf-16")
+    r = httpx.post(keyed.url + "/v1/completions", content=body,
+                   headers={**AUTH, "Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+# ------------------------------------------------------------------------------------------------ slow clients
+@pytest.fixture(scope="module")
+def strict(tiny_folders):
+    """A server with short limits, so that slow clients are dropped within a test's patience."""
+    server = start(tiny_folders, header_timeout=0.6, body_timeout=0.6, keep_alive_timeout=0.6, max_connections=6)
+    yield server
+    server.stop()
+
+
+def connect(server) -> socket.socket:
+    host, port = server.url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=10)
+    return s
+
+
+def closed_within(s: socket.socket, seconds: float) -> bytes | None:
+    """What the server sent before closing, if it closed within ``seconds`` (None if it did not)."""
+    import time
+
+    s.settimeout(0.2)
+    data, deadline = b"", time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            chunk = s.recv(65536)
+        except socket.timeout:
+            continue
+        except ConnectionResetError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+    return None
+
+
+@pytest.mark.parametrize("send", [b"", b"GET /hea", b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"])
+def test_a_request_that_never_completes_its_headers_is_dropped(strict, send):
+    s = connect(strict)
+    s.sendall(send)
+    assert closed_within(s, 5) is not None  # before: held open for good
+    s.close()
+
+
+def test_headers_sent_a_byte_at_a_time_are_dropped_at_the_deadline(strict):
+    import time
+
+    s = connect(strict)
+    request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 100 + b"\r\n\r\n"
+    start, dropped = time.monotonic(), False
+    for byte in request:
+        try:
+            s.sendall(bytes([byte]))
+        except OSError:
+            dropped = True
+            break
+        time.sleep(0.05)
+        if time.monotonic() - start > 3:
+            break
+    dropped = dropped or closed_within(s, 2) is not None
+    assert dropped and time.monotonic() - start < 5
+    s.close()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_that_stops_arriving_is_a_408(strict, chunked):
+    s = connect(strict)
+    framing = b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":" if chunked else b"Content-Length: 100\r\n\r\n{\"mo"
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" + framing)
+    answer = closed_within(s, 5)
+    assert answer is not None and answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+    s.close()
+
+
+def test_open_connections_are_capped_and_the_server_stays_up(strict):
+    idle = [connect(strict) for _ in range(6)]
+    extra = connect(strict)
+    assert closed_within(extra, 2) is not None  # past the cap: closed at once, not held
+    for s in idle + [extra]:
+        s.close()
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the slots free as the sockets close
+        try:
+            if httpx.get(strict.url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.1)
+    else:
+        pytest.fail("the server did not answer after the idle connections closed")
+
+
+# ------------------------------------------------------------------------------------------------ stopping
+def test_a_stop_lets_running_work_end_cleanly_and_answers_the_queue_503(tiny_folders, monkeypatch):
+    """On a stop (SIGTERM/Ctrl-C set should_exit, as here): a queued request gets 503 at once, a running stream gets
+    the grace period, then an error event and [DONE]; nothing is cut mid-body; new requests are refused."""
+    import threading
+    import time
+
+    from speculate.server import generation
+
+    real = generation.produce
+
+    def slow(job, stream, release=lambda: None):  # 20 pieces a second: still running when the stop comes
+        class Slow:
+            def __iter__(self):
+                for piece in stream:
+                    time.sleep(0.05)
+                    yield piece
+            pieces = stream.pieces
+
+            @property
+            def generation(self):
+                return stream.generation
+        return real(job, Slow(), release)
+
+    monkeypatch.setattr(generation, "produce", slow)
+    server = start(tiny_folders, max_concurrency=1, max_queue=4, shutdown_grace=0.8)
+    events, queued = [], {}
+
+    def stream():
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
+                          json={"model": server.model, "prompt": "one two", "max_tokens": 400, "stream": True,
+                                "temperature": 0}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+
+    def waiting():
+        r = httpx.post(server.url + "/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 2},
+                       timeout=30)
+        queued["status"], queued["body"] = r.status_code, r.json()
+
+    a = threading.Thread(target=stream)
+    a.start()
+    deadline = time.monotonic() + 20
+    while len(events) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    b = threading.Thread(target=waiting)
+    b.start()
+    time.sleep(0.3)  # B is queued behind A
+    stop_at = time.monotonic()
+    server.server.should_exit = True
+    b.join(10)
+    a.join(20)
+    server.thread.join(20)
+    assert queued["status"] == 503 and queued["body"]["error"]["code"] == "shutting_down"
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutting_down"
+    pieces = [e for e in events[:-2] if "choices" in e]
+    assert len(pieces) > 3  # it went on during the grace period
+    assert time.monotonic() - stop_at < 10 and not server.thread.is_alive()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(server.url + "/health", timeout=2)
+    server.sock.close()
+
+
+# ------------------------------------------------------------------------------------------------ model folders
+def test_a_damaged_local_model_folder_is_one_clear_error(tiny_folders, tmp_path, capsys):
+    """A truncated weights file is one line, not a SafetensorError traceback; a folder with our manifest.json is
+    checked against it (flipped bytes of the same size included)."""
+    import shutil
+
+    from speculate.cli import main
+    from speculate.errors import SpeculateError
+    from speculate.models.cache import write_manifest
+    from speculate.models.loader import load_model
+
+    truncated = shutil.copytree(tiny_folders[0], tmp_path / "truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(SpeculateError, match="cannot load a model"):
+        load_model(str(truncated))
+    capsys.readouterr()
+    assert main(["generate", "hi", "--model", str(truncated), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("speculate: error: cannot load a model"), err
+
+    listed = shutil.copytree(tiny_folders[0], tmp_path / "listed")
+    write_manifest(listed)
+    load_model(str(listed))  # intact: loads
+    data = bytearray((listed / "model.safetensors").read_bytes())
+    data[len(data) // 2: len(data) // 2 + 4096] = bytes(b ^ 0xFF for b in data[len(data) // 2: len(data) // 2 + 4096])
+    (listed / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(SpeculateError, match="do not match its manifest.json"):
+        load_model(str(listed))
