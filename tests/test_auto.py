@@ -16,7 +16,7 @@ from speculate.stats import Stats
 from conftest import noisy_copy
 
 # MKL-like step: 1-3 rows cost the same, a 4th row doubles the cost (a stylised form of the fp32 step at 4
-# rows, docs/benchmarks.md section 2).
+# rows, docs/benchmarks.md, "Verification cost T(n)").
 STEP = {1: 1.0, 2: 1.02, 3: 1.05, 4: 2.0, 5: 2.05, 6: 2.1, 7: 2.6, 8: 2.7, 9: 2.8}
 
 

@@ -162,8 +162,8 @@ def test_bad_arguments_raise(call, message):
 # --- recommend_k on a step-shaped curve ------------------------------------------------------------------
 
 def test_recommend_k_on_a_step_curve():
-    # T(1..3) = 1, T(4+) = 2 (a stylised form of the fp32 step at 4 rows, docs/benchmarks.md section 2),
-    # α = 0.8, c = 0.2.
+    # T(1..3) = 1, T(4+) = 2 (a stylised form of the fp32 step at 4 rows, docs/benchmarks.md,
+    # "Verification cost T(n)"), α = 0.8, c = 0.2.
     # E(0.8, k) = (1 - 0.8^(k+1)) / 0.2; cost = T(k+1) + 0.2 k:
     #   k = 1: 1.8 / 1.2 = 1.5;  k = 2: 2.44 / 1.4 = 1.743;  k = 3: 2.952 / 2.6 = 1.135 (T(4) = 2);
     #   k = 4: 3.3616 / 2.8 = 1.2;  k > 4 stays below: E < 5 while the cost is 2 + 0.2 k >= 3.

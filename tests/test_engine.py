@@ -312,7 +312,7 @@ def test_decoders_on_one_model_share_the_fused_weights(tiny):
 
 def test_generating_on_another_thread_than_the_loading_one_warns_once(tiny, tiny_folders, monkeypatch):
     """Several threads running torch keep several OpenMP teams and slow every forward (~1.5x measured,
-    docs/benchmarks.md section 3): generating on another thread than the loading one warns, once a process;
+    docs/benchmarks.md, "Server"): generating on another thread than the loading one warns, once a process;
     the loading thread, or one torch thread, does not."""
     import threading
     import warnings

@@ -651,7 +651,8 @@ def test_eagle_chain_confidence_gate(tiny, tmp_path):
     decoder = SpeculativeDecoder(loaded, drafter, "sample", k=2)
     assert sampled_prefix_pvalue(loaded, PROMPT, Sampling(temperature=1.0, top_k=3), decoder, 1000) > 1e-3
     assert any(n < k for n, k in lengths) and any(n == k > 0 for n, k in lengths)  # the gate cut some, not all
-    # The registry's EAGLE chains are gated at 0.35 (docs/benchmarks.md, section 6); trees are not; 0 turns it off.
+    # The registry's EAGLE chains are gated at 0.35 (docs/benchmarks.md, "Confidence-gated chains"); trees are
+    # not; 0 turns it off.
     from speculate.drafters import get_drafter
 
     gates = {name: get_drafter(name, None, loaded, heads=tmp_path) for name in ("eagle-chain", "eagle-chain+lookup",

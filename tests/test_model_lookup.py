@@ -153,7 +153,8 @@ def test_options_and_refusals(tiny, tiny_folders, capsys):
     target = tiny[0]
     assert parse_options("model+lookup", ["min_match=2", "lookup_k=10"]) == {"min_match": 2, "lookup_k": 10}
     default = get_drafter("model+lookup", target, target)
-    assert (default.min_match, default.lookup_k) == (3, 10)  # copies may run longer than k (§5 of the benchmarks)
+    assert (default.min_match, default.lookup_k) == (3, 10)  # copies may run longer than k (docs/benchmarks.md,
+    # "Prompt lookup beside the draft model")
     drafter = get_drafter("model+lookup", target, target, min_match=2, lookup_k=10, max_copy=0)
     assert (drafter.min_match, drafter.lookup_k, drafter.max_nodes(4), drafter.max_nodes(12)) == (2, 10, 10, 12)
     assert default.max_nodes(4) == 32  # copies accepted whole grow up to 32 (drafters/lookup.py)

@@ -9,7 +9,7 @@ Per layer shape of SmolLM2-135M (and one of Qwen-1.5B), microseconds per call at
            quantized here (the int32 product is exact, so rows stay independent)
 Then a whole SmolLM2 int8 decode step (FastKVModel, 200 cached tokens) at 1, 4 and 8 new tokens with the
 layers of <= 2M weights on int_mm instead of fbgemm (a per-layer choice keeps batch invariance: each layer
-runs one exact integer kernel whatever the row count). Results in docs/benchmarks.md section 4.
+runs one exact integer kernel whatever the row count). Results in docs/benchmarks.md, "Other int8 kernels".
 """
 
 import argparse

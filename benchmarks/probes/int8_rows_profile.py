@@ -4,7 +4,7 @@
 
 The default model at int8 through the lean decoder (FastKVModel), 200 cached tokens, then 30 forwards of 1
 and of 8 new tokens under torch.profiler; prints the self CPU time per forward of the operators whose time
-grows most from 1 to 8 rows. Results in docs/benchmarks.md section 4.
+grows most from 1 to 8 rows. Results in docs/benchmarks.md, "Other int8 kernels".
 """
 
 import argparse

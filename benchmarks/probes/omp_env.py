@@ -5,7 +5,7 @@
 Each setting runs in a fresh process (OpenMP reads its environment at start), the settings alternating
 over 3 rounds; each process measures one SmolLM2 int8 step (FastKVModel, 200 cached tokens) at 1 and 8
 new tokens, and plain decoding of two chat prompts (96 new tokens each), 2 torch threads. Medians over the
-rounds. Results in docs/benchmarks.md section 4b.
+rounds. Results in docs/benchmarks.md, "Pinning and the OpenMP wait policy".
 """
 
 import json

@@ -7,7 +7,7 @@ Each round runs two fresh processes. In each, a worker thread loads the default 
 and times one-token forwards (FastKVModel, 200 cached tokens; medians of 60) twice; then, in the "team"
 process only, the main thread runs one parallel op (it now holds an OpenMP team too), and the worker times
 twice more. The "control" process skips that op. Prints the ratio after / before for each. Results in
-docs/benchmarks.md section 3.
+docs/benchmarks.md, "Server".
 """
 
 import argparse

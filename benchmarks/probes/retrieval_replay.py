@@ -8,13 +8,13 @@ defaults were chosen).
    chat questions and rewrite tasks, nor among the benchmark's samples), 128 new tokens, greedy; saved to
    ``--answers`` (reused when it exists).
 2. Each setting's drafter is replayed on those answers: at every round it proposes from the committed
-   prefix, the answer says how many drafts greedy verification keeps, and the round costs T(rows)/T(1) on
-   section 4's int8 curve. Greedy acceptance is deterministic, so the replayed τ is what decoding gives;
-   the estimated speedup is tokens ÷ Σ T(rows)/T(1) (drafting itself counted as free): a cost model, not a
-   timing.
+   prefix, the answer says how many drafts greedy verification keeps, and the round costs T(rows)/T(1) on the
+   int8 curve of docs/benchmarks.md, "Step cost". Greedy acceptance is deterministic, so the replayed τ is what
+   decoding gives; the estimated speedup is tokens ÷ Σ T(rows)/T(1) (drafting itself counted as free): a cost
+   model, not a timing.
 
 Prints τ and the estimated speedup per dataset for lookup and each setting. Results in
-docs/benchmarks.md section 7.
+docs/benchmarks.md, "Retrieval".
 
 ``--trees``: instead, draft trees from the store where the chain drafts a chain — each node's children the
 top ``m`` continuations of its longest matching 2-4-token suffix (seen twice or more), expanded best-first
@@ -41,7 +41,7 @@ from speculate.drafters.answer_store import FILE, AnswerStore, shipped_store
 from speculate.sampling import Sampling
 from speculate.text import encode_prompt
 
-# docs/benchmarks.md section 4 (default model, int8, 2 threads): T(n)/T(1) at n = 1, 2, 4, 8, 16, linear between.
+# docs/benchmarks.md, "Step cost" (default model, int8, 2 threads): T(n)/T(1) at n = 1, 2, 4, 8, 16, linear between.
 MEASURED = {1: 1.0, 2: 1.09, 4: 1.24, 8: 1.52, 16: 1.90}
 HELD_OUT = (("mt_bench", 40, 60), ("gsm8k", 100, 120))
 

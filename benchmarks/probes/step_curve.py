@@ -1,5 +1,5 @@
-"""Probe: the default model's step cost T(n) at fp32 and int8, interleaved in one process (docs/benchmarks.md
-sections 2 and 4: the verification curve T(n)/T(1) and int8 against fp32).
+"""Probe: the default model's step cost T(n) at fp32 and int8, interleaved in one process (docs/benchmarks.md,
+"Verification cost T(n)" and "Step cost": the verification curve T(n)/T(1) and int8 against fp32).
 
     python benchmarks/probes/step_curve.py [--threads 2] [--rounds 10]
 

@@ -6,8 +6,9 @@
 - :mod:`.scaling`  Consultant Decoding's eq. 9 (Chinchilla) estimate of ε
 - :mod:`.command`  the ``speculate calc`` subcommand
 
-For a future ``--k auto``: ``recommend_k(load_profile(path), alpha, c)`` with c = 0 for prompt lookup
-or ``profile.c`` for the draft model the profile was measured with.
+``recommend_k(load_profile(path), alpha, c)`` picks k from a saved profile, with c = 0 for prompt lookup
+or ``profile.c`` for the draft model the profile was measured with; ``--k auto`` does that every round with
+the running α estimate (:mod:`.auto`).
 """
 
 from .profile import Profile, load_profile, measure_profile, save_profile

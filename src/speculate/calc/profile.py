@@ -1,7 +1,7 @@
 """Measured cost curves: T(n)/T(1) of one target forward over n new tokens, and the draft cost ratio c.
 
 The lesson assumes verifying k + 1 tokens costs one decode step; on a CPU it does not quite
-(docs/benchmarks.md, section 2: 1.00, 1.14, 1.22, 1.55, 1.90, 2.07 for n = 1, 2, 3, 4, 8, 16 on
+(docs/benchmarks.md, "Verification cost T(n)": 1.00, 1.14, 1.22, 1.55, 1.90, 2.07 for n = 1, 2, 3, 4, 8, 16 on
 SmolLM2-135M at fp32, a step from 3 to 4 rows). :func:`measure_profile` measures the curve on this
 machine through the engine's own :class:`~speculate.models.kv.KVModel` calls: a forward over n new
 tokens after a cached context, every row's logits kept (as the engine's verification forward), then

@@ -28,14 +28,14 @@ def _self_drafters():
 
     # EAGLE chains stop where the head's top probability is below 0.35 (EagleDrafter.min_confidence): chosen
     # on the tuning prompts of `python -m speculate.bench.trees`, then faster on all six comparisons of the
-    # benchmark's samples too (docs/benchmarks.md, section 6, "Confidence-gated chains"); min_confidence=0
+    # benchmark's samples too (docs/benchmarks.md, "Confidence-gated chains"); min_confidence=0
     # turns it off.
     heads = {"medusa": partial(MedusaDrafter, tree=True), "medusa-chain": partial(MedusaDrafter, tree=False),
              "eagle": partial(EagleDrafter, tree=True), "eagle-chain": partial(EagleDrafter, tree=False,
                                                                               min_confidence=0.35)}
-    # With lookup merged in (drafters/with_lookup.py), the heads draft no deeper than their fastest
-    # depth beside lookup (docs/benchmarks.md, section 6, `python -m speculate.bench.trees`: 2 for the
-    # EAGLE tree and chain; Medusa's tree is at most its 4 heads deep) and lookup's copies reach k.
+    # With lookup merged in (drafters/with_lookup.py), the heads draft no deeper than their fastest depth beside
+    # lookup (docs/benchmarks.md, "The heads with prompt lookup merged in", `python -m speculate.bench.trees`: 2
+    # for the EAGLE tree and chain; Medusa's tree is at most its 4 heads deep) and lookup's copies reach k.
     base_k = {"eagle": 2, "eagle-chain": 2, "medusa": None, "medusa-chain": 2}
     merged = {f"{name}+lookup": partial(_with_lookup, f"{name}+lookup", make, base_k[name])
               for name, make in heads.items()}
@@ -60,7 +60,7 @@ ALL_DRAFTERS = ("auto", *DRAFTERS, *SELF_DRAFTERS)  # every name get_drafter tak
 
 def resolve(name: str, target=None) -> str:
     """``auto`` → ``retrieval`` where an answer store ships for the target (a LoadedModel or its alias; the
-    default model: 1.25-1.67× plain int8 decoding against lookup's 1.21-1.35×, docs/benchmarks.md §7), else
+    default model: 1.25-1.67× plain int8 decoding against lookup's 1.21-1.35×, docs/benchmarks.md, "Retrieval"), else
     ``lookup``; any other name is itself. Resolved before options are parsed, so that ``--drafter-opt``
     reaches the drafter ``auto`` stands for."""
     if name != "auto":

@@ -32,12 +32,12 @@ class EagleDrafter(Drafter):
 
     def __init__(self, target, heads=None, tree: bool = False, topk: int = 2, budget: int | None = None,
                  depth: int | None = None, min_confidence: float = 0.0):
-        """``depth``: the tree's depth cap (None: each round's k); ``budget``: nodes kept (None: 2·depth − 2,
-        at least depth: the best path and about one alternative per level); ``topk``: nodes expanded per
-        level and children per node. The defaults are the fastest shapes of ``python -m
-        speculate.bench.trees`` on this CPU (docs/benchmarks.md, section 6): small trees, as a 13-node
-        verification costs ~2 plain steps here. ``min_confidence`` (chains): stop a chain where the head's
-        top probability falls below it (0: never)."""
+        """``depth``: the tree's depth cap (None: each round's k); ``budget``: nodes kept (None: 2·depth − 2, at
+        least depth: the best path and about one alternative per level); ``topk``: nodes expanded per level and
+        children per node. The defaults are the fastest shapes of ``python -m speculate.bench.trees`` on this
+        CPU (docs/benchmarks.md, "int8 targets, and what a tree costs"): small trees, as a 13-node verification
+        costs ~2 plain steps here. ``min_confidence`` (chains): stop a chain where the head's top probability
+        falls below it (0: never)."""
         self.parts = parts = drafting_parts(target, "eagle", heads)
         self.head, self.config, self.folder, self.lm, self.vocab = parts.heads, parts.config, parts.folder, \
             parts.lm, parts.vocab

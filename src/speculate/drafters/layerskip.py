@@ -3,7 +3,7 @@ et al. 2024, without its training): the draft is the target's own first L layers
 LM head. No second model is loaded — the truncated model shares every weight with the target — and it
 drafts like an independent draft model (drafters/model.py), with its own KV cache for those L layers.
 
-Measured on the default model (docs/benchmarks.md, section 6, "Layer skip"): without early-exit training
+Measured on the default model (docs/benchmarks.md, "The heads benchmark", "Layer skip"): without early-exit training
 the first 15 of 30 SmolLM2 layers agree with the full model on 11-17 % of first drafts, a 2.3-3.0×
 slowdown; untrained early exit is usually a slowdown. It is here to be measured, not recommended.
 """

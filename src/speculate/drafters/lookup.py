@@ -5,21 +5,24 @@ For n from ``max_ngram`` down to ``min_ngram``, find the most recent earlier occ
 tokens in prompt + output and propose the tokens that followed it. The draft is certain: p_draft is
 one-hot. How many tokens: a match of the full ``max_ngram`` tokens proposes k; a shorter match of n
 tokens proposes min(k, 2^(n-1)) (1, 2, 4, ...). A one-token match is a weak hint, and on these CPUs a
-target forward over 4 tokens at fp32 costs ~1.6x one over 1 and 3 tokens ~1.2x (docs/benchmarks.md §2), so a
-long draft on a weak match mostly buys a slower round; measured on the benchmark prompts this beats a fixed k. An index from each n-gram to where its latest occurrence was followed is kept up to
-date as tokens arrive, so a proposal costs O(max_ngram) dictionary look-ups, not a scan of the context.
+target forward over 4 tokens at fp32 costs ~1.6x one over 1 and 3 tokens ~1.2x (docs/benchmarks.md,
+"Verification cost T(n)"), so a long draft on a weak match mostly buys a slower round; measured on the
+benchmark prompts this beats a fixed k. An index from each n-gram to where its latest occurrence was
+followed is kept up to date as tokens arrive, so a proposal costs O(max_ngram) dictionary look-ups, not a
+scan of the context.
 
 Copies that grow (``max_copy``): a generation that copies a passage verbatim accepts every full-match copy
 whole, and then each round of k tokens leaves speed on the table (at int8 a 16-row verification costs
-1.9 times a 1-row one, docs/benchmarks.md §4), while a generation that rewrites what it read
+1.9 times a 1-row one, docs/benchmarks.md, "Step cost"), while a generation that rewrites what it read
 rejects long copies early. So each full-match copy accepted whole doubles the next one's length, up to
 ``max_copy`` (32; 0 turns growing off), and the first rejection returns it to k (the shape of Hugging
 Face's "heuristic" assistant-length schedule, which adds 2 after a full acceptance and takes 1 away after a
 miss; doubling reaches a long copy in a few rounds). The schedule reads only the verdicts on earlier
 rounds, so it changes nothing about what is accepted: greedy output stays the target's, and sampling stays
-lossless. Measured (docs/benchmarks.md §4c, §5): SmolLM2 repeating a paragraph verbatim 3.8× → 5.5× plain
-decoding (int8); over the copy prompts +9 %, the Qwen pair on HumanEval +3 % (τ 7.0 → 8.7); where copies
-are seldom accepted whole (MT-Bench, GSM8K) it rarely triggers and costs nothing measurable.
+lossless. Measured (docs/benchmarks.md, "Copies that grow" and "Prompt lookup beside the draft model"):
+SmolLM2 repeating a paragraph verbatim 3.8× → 5.5× plain decoding (int8); over the copy prompts +9 %, the
+Qwen pair on HumanEval +3 % (τ 7.0 → 8.7); where copies are seldom accepted whole (MT-Bench, GSM8K) it
+rarely triggers and costs nothing measurable.
 """
 
 from __future__ import annotations

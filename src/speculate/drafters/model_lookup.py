@@ -1,15 +1,14 @@
 """A draft model that lets prompt lookup draft for it where the context says what comes next
 (``model+lookup``).
 
-Why: with a draft model the round's cost is T(k+1)/T(1) for the target plus k·c for the draft's k
-forwards (c ≈ 0.36-0.42 for Qwen2.5-Coder-0.5B drafting for 1.5B on these CPUs, docs/benchmarks.md §5),
-and the draft is the larger share. Much of what a coding or rewriting model writes is a copy of its
-context (a HumanEval answer restates the function's signature and docstring; a GSM8K answer repeats the
-question's numbers and names), and there prompt lookup (drafters/lookup.py) drafts as well as the model
-does, for nothing. So each round this drafter asks lookup first: when the last ``min_match`` tokens
-occurred earlier in the context, lookup's copy of what followed them is the draft (up to ``lookup_k``
-tokens, one-hot p_draft) and the draft model does not run; otherwise the draft model drafts k tokens as
-``model`` does.
+Why: with a draft model the round's cost is T(k+1)/T(1) for the target plus k·c for the draft's k forwards (c ≈
+0.36-0.42 for Qwen2.5-Coder-0.5B drafting for 1.5B on these CPUs, docs/benchmarks.md, "Prompt lookup beside the
+draft model"), and the draft is the larger share. Much of what a coding or rewriting model writes is a copy of
+its context (a HumanEval answer restates the function's signature and docstring; a GSM8K answer repeats the
+question's numbers and names), and there prompt lookup (drafters/lookup.py) drafts as well as the model does,
+for nothing. So each round this drafter asks lookup first: when the last ``min_match`` tokens occurred earlier
+in the context, lookup's copy of what followed them is the draft (up to ``lookup_k`` tokens, one-hot p_draft)
+and the draft model does not run; otherwise the draft model drafts k tokens as ``model`` does.
 
 Unlike ``eagle+lookup`` (drafters/with_lookup.py) nothing is merged: a round's draft is one chain, from
 one of the two, so every chain verifier applies unchanged, and speculative sampling stays lossless
@@ -18,10 +17,10 @@ chosen from the committed tokens alone — gives exactly p_target). The draft mo
 drafts; at its next round it feeds the committed tokens it has not seen in one forward, as it does after
 every round anyway (drafters/model.py).
 
-Measured (docs/benchmarks.md §5, Qwen pair, int8, 2 threads): 2.11× plain decoding on HumanEval with
-k = 6 and copies of up to 10 tokens, against 1.47× for the draft model alone; no gain on GSM8K (1.28×
-against 1.25×), where lookup's copies run past what the answer repeats. Copies longer than k pay: a
-restated docstring line is accepted whole, and lookup drafts it for nothing.
+Measured (docs/benchmarks.md, "Prompt lookup beside the draft model", Qwen pair, int8, 2 threads): 2.11× plain
+decoding on HumanEval with k = 6 and copies of up to 10 tokens, against 1.47× for the draft model alone; no gain
+on GSM8K (1.28× against 1.25×), where lookup's copies run past what the answer repeats. Copies longer than k
+pay: a restated docstring line is accepted whole, and lookup drafts it for nothing.
 """
 
 from __future__ import annotations
@@ -45,8 +44,9 @@ class ModelWithLookup(Drafter):
         """``min_match``: the n-gram length (1-8) whose earlier occurrence lets lookup draft the round;
         ``lookup_k``: how many tokens lookup copies then (None: the round's k); ``max_copy``: copies
         accepted whole double the next one's length up to this (drafters/lookup.py). 10 and 3: on held-out
-        samples (HumanEval and GSM8K 20-27, docs/benchmarks.md §5) copies of 16 tokens and matches of 2
-        were no faster, and copies capped at k = 6 were slower on the benchmark's samples."""
+        samples (HumanEval and GSM8K 20-27, docs/benchmarks.md, "Prompt lookup beside the draft model") copies
+        of 16 tokens and matches of 2 were no faster, and copies capped at k = 6 were slower on the benchmark's
+        samples."""
         if not 1 <= min_match <= MAX_MATCH:
             raise SpeculateError(f"model+lookup: min_match must be 1..{MAX_MATCH}, got {min_match}")
         self.lookup = LookupDrafter(max_ngram=max(3, min_match), max_copy=max_copy)  # lookup's default reaches 3

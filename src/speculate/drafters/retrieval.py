@@ -13,7 +13,7 @@ stays lossless (Leviathan et al. 2023).
 The settings (``min_context`` = 2, n-grams of 2-4 tokens kept when their top continuation was seen at
 least twice, ``min_share`` = 0.5) were chosen by replaying plain int8 decoding's answers to held-out
 prompts (MT-Bench 41-60, GSM8K test 101-120: neither in the store nor in the benchmark) against the
-shipped store with the int8 cost curve; docs/benchmarks.md §7 has the measurement.
+shipped store with the int8 cost curve; docs/benchmarks.md, "Retrieval", has the measurement.
 """
 
 from __future__ import annotations

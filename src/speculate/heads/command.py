@@ -18,8 +18,8 @@ from pathlib import Path
 
 from ..errors import SpeculateError
 
-# The recipe of the shipped heads (docs/benchmarks.md, section 6): 2,048 prompts; Medusa 2,000 steps, EAGLE
-# 1,600 steps on two drafting steps each (--unroll 2).
+# The recipe of the shipped heads (docs/benchmarks.md, "Training the shipped heads"): 2,048 prompts; Medusa
+# 2,000 steps, EAGLE 1,600 steps on two drafting steps each (--unroll 2).
 DEFAULTS = {"prompts": 2048, "max_new_tokens": 160, "batch": 16, "medusa_steps": 2000, "eagle_steps": 1600,
             "heads": 4, "vocab_subset": 8192, "unroll": 2}
 

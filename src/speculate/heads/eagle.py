@@ -17,8 +17,8 @@ Fused features (EAGLE-3, Li et al. 2025; ``feature_layers``): at depth 1 the hea
 outputs of a few lower decoder layers of the target beside f_t (the last row is shaped to predict one
 token; lower layers keep more of what comes after it); ``fuse`` mixes them back to H
 (:meth:`EagleHead.real_features`). From depth 2 on the head drafts on its own H-wide outputs, as before.
-On the default model's 255k-token training data they did not pay (docs/benchmarks.md, section 6), so the
-shipped head reads f_t alone.
+On the default model's 255k-token training data they did not pay (docs/benchmarks.md, "Fused features and a
+token-weighted loss"), so the shipped head reads f_t alone.
 """
 
 from __future__ import annotations

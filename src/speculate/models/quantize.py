@@ -2,16 +2,12 @@
 
 What runs: every linear layer (the LM head included) becomes an :class:`Int8Linear`: int8 weights with
 one scale per output channel, and activations quantized to int8 *per row* (per token) on the fly,
-symmetrically. The integer matmul is PyTorch's fbgemm kernel (exact integer products); a 576→3072 layer
-costs ~0.05 ms for 1 row and ~0.08 ms for 8 on 2 cores (fp32: 0.12 / 0.36), the 49152-row LM head
-0.65 / 0.9 ms (fp32: 2.9 / 10.5). A whole SmolLM2 step through the fast path (200 cached tokens):
-15.7 ms int8 against 26.8 ms fp32 for one token (1.7x), and T(8)/T(1) = 1.5 against 2.2: each int8
-call has ~20 us of fixed cost in the kernel plus ~8 us of per-row scaling here (121 calls a step), and
-the kernel's work still grows by ~4 us per row and layer. Per-row scales make a row's result
-independent, bit for bit, of the other rows in the call (PyTorch's own dynamic quantization uses one
-scale per call); with the fast path's batch-invariant attention (fast.py) a draft verified in one
-forward gets exactly the logits that one-token-at-a-time decoding gives, so greedy speculative
-decoding stays exact at int8.
+symmetrically. The integer matmul is PyTorch's fbgemm kernel (exact integer products); its fixed cost per
+call (~20 us, 121 calls a SmolLM2 step) is why an int8 step is under 2x faster than fp32 on 2 cores, not 4x
+(docs/benchmarks.md, "int8"). Per-row scales make a row's result independent, bit for bit, of the other
+rows in the call (PyTorch's own dynamic quantization uses one scale per call); with the fast path's
+batch-invariant attention (kernel.py) a draft verified in one forward gets exactly the logits that
+one-token-at-a-time decoding gives, so greedy speculative decoding stays exact at int8.
 
 Why smoothing: SmolLM2-class models have a few activation channels far larger than the rest, and one
 int8 scale per row then crushes every other channel. SmoothQuant (Xiao et al. 2023) moves that range
@@ -30,15 +26,8 @@ text: chat turns with arithmetic, prose and code; ~1,000 tokens, ~2 s). Only Lla
 (Llama, Qwen2, Mistral) are smoothed and fused; other architectures get unsmoothed int8 layers and run
 on the Hugging Face path, where batched rows are not bit-exact.
 
-Measured on SmolLM2-135M-Instruct, teacher-forced on held-out text (1,689 tokens of GSM8K test
-answers / 1,631 of MT-Bench questions, chat format), int8 against fp32: argmax agreement 0.93-0.945 /
-0.91-0.93, KL 0.016 / 0.022 per token, mean NLL +0.01-0.03 / +0.01-0.02 (fp32: 2.329 / 3.893). The
-ranges span equally valid quantizations: int8 outputs are so sensitive that calibrating on 1 instead of
-2 threads (1e-7 differences in max|X|) moves them that much. Without smoothing: 0.89-0.90 / 0.87-0.88,
-KL 0.05 / 0.06. Per-tensor instead of per-channel weight scales: 0.64 / 0.48. No kind of layer
-dominates the error (keeping any one kind in fp32 gains <= 0.01 of agreement), so none is kept in fp32.
-For scale, bf16 agrees at 0.977 / 0.973 (KL 0.0013), and its greedy answers part from fp32's at the
-same early near-ties as int8's do.
+Smoothing, per-channel weight scales and no layer kept in fp32 are what agreed best with fp32 on held-out
+text (the comparisons: docs/benchmarks.md, "How the quantizer was chosen").
 
 Everything that touches PyTorch's quantized kernels is in :func:`_pack`, :func:`_unpack` and
 :func:`_kernel` (quantized tensors are deprecated in PyTorch; torch.ao.quantization itself is not used):
