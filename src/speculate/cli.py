@@ -86,8 +86,8 @@ def _check_verifier_params(args) -> None:
     from .verifiers import PARAMS, check_params, default_name
 
     params = {name: getattr(args, name) for name in PARAMS if getattr(args, name, None) is not None}
-    if not params:
-        return
+    if not params or (args.verifier is None and not hasattr(args, "temperature")):
+        return  # serve without --verifier: the parameters go to whatever verifier a request uses
     try:
         check_params(args.verifier or default_name(args.temperature == 0), params)
     except ValueError as e:
@@ -100,7 +100,7 @@ class _Parser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         namespace, extras = super().parse_known_args(args, namespace)
-        if getattr(namespace, "command", None) == "generate":  # (the top-level parse, once)
+        if getattr(namespace, "command", None) in ("generate", "serve"):  # (the top-level parse, once)
             _check_verifier_params(namespace)
         return namespace, extras
 
@@ -158,10 +158,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--verifier", choices=list(VERIFIERS),
                    help="default verifier; default greedy at temperature 0, sample (lossless) otherwise")
     s.add_argument("--k", type=_k_arg, default=6, help=K_AUTO_HELP)
-    s.add_argument("--eps", type=_eps_arg,
-                   help="default ε for consultant (NLL threshold; 'auto': the target's mean NLL on a calibration "
-                        "text) or typical")
-    s.add_argument("--beta", type=float, help="default β for consultant (EMA decay, in [0, 1))")
+    _add_verifier_params(s)  # the server's default verifier parameters: each verifier's declared ones
     s.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="weight precision (default fp32)")
     s.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: loopback only; 0.0.0.0 exposes the server)")
@@ -273,11 +270,15 @@ def _generate(args) -> int:
 def _serve(args) -> int:
     import os
 
+    from .verifiers import PARAMS
+
     from .server import ServerConfig, serve
 
     api_key = args.api_key if args.api_key is not None else (os.environ.get("SPECULATE_API_KEY") or None)
     config = ServerConfig(model=args.model, drafter=args.drafter, draft_model=args.draft_model,
-                          verifier=args.verifier, k=args.k, eps=args.eps, beta=args.beta, dtype=args.dtype,
+                          verifier=args.verifier, k=args.k, dtype=args.dtype,
+                          verifier_options={name: getattr(args, name) for name in PARAMS
+                                            if getattr(args, name) is not None},
                           host=args.host, port=args.port, api_key=api_key,
                           max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                           max_body_bytes=args.max_body_bytes, drafter_options=args.drafter_opt or [],

@@ -28,7 +28,6 @@ import torch
 
 from .calc.auto import AutoK, FixedK, calibrate_eps, is_auto, profile_for
 from .drafters import Drafter, get_drafter
-from .drafters.none import NoDrafter
 from .errors import SpeculateError
 from .models import exactness
 from .models.kv import KVModel, PrefixReuse
@@ -100,8 +99,8 @@ class SpeculativeDecoder:
     def _k_policy(self, k):
         if not is_auto(k):
             return FixedK(k)
-        if isinstance(self.drafter, NoDrafter):
-            return FixedK(1)  # nothing is drafted: k is moot
+        if self.drafter.max_nodes(1) == 0:
+            return FixedK(1)  # a drafter that never drafts: k is moot
         cost = self.drafter.relative_cost()  # c: lookup ~0, heads by the weights they read...
         draft = self.drafter.model if cost is None else None  # ...a draft model's measured with the target
         prof = profile_for(self.target, draft)

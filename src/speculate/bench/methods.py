@@ -22,9 +22,11 @@ from ..verifiers import VERIFIERS, get_verifier
 BASELINES = ("plain", "hf_generate", "hf_assisted", "hf_lookup")
 METHOD_KEYS = ("drafter", "verifier", "k", "temperature", "eps", "beta", "D")  # the rest: the drafter's options
 FAMILY = {"greedy": "SD", "sample": "SD", "mentored": "MD", "consultant": "CD", "typical": "TA"}
-#: Which of the matrix's verifier parameters each verifier takes (the others are not expanded for it).
-VERIFIER_PARAMS = {"greedy": (), "sample": (), "consultant": ("eps", "beta"), "mentored": ("D",),
-                   "typical": ("eps",)}
+MATRIX_PARAMS = ("eps", "beta", "D")  # the verifier parameters a method records and the matrix expands
+#: Which of them each verifier takes, from the verifiers' own declarations (the others are not expanded for it);
+#: a verifier's other parameters keep their defaults in a bench run.
+VERIFIER_PARAMS = {name: tuple(p.name for p in cls.params if p.user and p.name in MATRIX_PARAMS)
+                   for name, cls in VERIFIERS.items()}
 
 
 @dataclass(frozen=True)

@@ -8,3 +8,6 @@ class NoDrafter(Drafter):
 
     def propose(self, tokens, k):
         return Draft(EMPTY)
+
+    def max_nodes(self, k: int) -> int:
+        return 0  # it never drafts (so --k auto has nothing to size: the engine keeps k fixed)

@@ -20,6 +20,7 @@ class ServerConfig:
     k: int | str = 6  # or "auto" (the engine sizes each round)
     eps: float | str | None = None  # or "auto" (consultant: the target's calibrated NLL)
     beta: float | None = None
+    verifier_options: dict = field(default_factory=dict)  # any verifier parameter by name (--delta, --theta, ...)
     dtype: str = "fp32"
     host: str = "127.0.0.1"
     port: int = 8000
@@ -69,4 +70,5 @@ class ServerConfig:
 
     @property
     def verifier_params(self) -> dict:
-        return {key: v for key, v in (("eps", self.eps), ("beta", self.beta)) if v is not None}
+        named = {key: v for key, v in (("eps", self.eps), ("beta", self.beta)) if v is not None}
+        return {**named, **{key: v for key, v in self.verifier_options.items() if v is not None}}
