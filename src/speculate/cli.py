@@ -20,19 +20,26 @@ def _drafter_opt_help() -> str:
 
     takes = "; ".join(f"{name}: {', '.join(options)}" for name, options in OPTIONS.items() if options)
     return (f"a drafter option (repeatable), e.g. base_k=3 for eagle+lookup (the heads' depth beside lookup). "
+            f"eagle and medusa also take tree=false (the -chain names) and lookup=true (the +lookup names). "
             f"Options by drafter — {takes}")
 
 
 def _k_arg(value: str):
-    from .calc.auto import parse_auto
+    from .spec import parse_k
 
     try:
-        k = parse_auto(value, int, "--k")
+        return parse_k(value)
     except SpeculateError as e:  # argparse shows an ArgumentTypeError's own message (others: "invalid _k_arg")
         raise argparse.ArgumentTypeError(str(e)) from None
-    if k != "auto" and k < 1:
-        raise argparse.ArgumentTypeError(f"--k must be >= 1 or 'auto', got {k}")
-    return k
+
+
+def _drafter_arg(value: str) -> str:
+    from .drafters import check_name
+
+    try:  # (not argparse's choices: the same text as a request's or a bench method's unknown drafter)
+        return check_name(value)
+    except SpeculateError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _eps_arg(value: str):
@@ -118,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"target model: an alias ({', '.join(ALIASES)}) or a local Hugging Face folder "
                         f"(default {DEFAULT_MODEL})")
-    g.add_argument("--drafter", default="auto", choices=list(ALL_DRAFTERS),
+    g.add_argument("--drafter", default="auto", type=_drafter_arg, metavar="{" + ",".join(ALL_DRAFTERS) + "}",
                    help="default auto: retrieval (prompt lookup, then the target's own past answers) where an "
                         "answer store ships for the model, else lookup (prompt lookup); medusa / eagle draft trees "
                         "with heads trained on the target (shipped for the default model; -chain variants draft "
@@ -149,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"target model: an alias ({', '.join(ALIASES)}) or a local Hugging Face folder "
                         f"(default {DEFAULT_MODEL}); also the model id clients must send")
-    s.add_argument("--drafter", default="auto", choices=list(ALL_DRAFTERS),
+    s.add_argument("--drafter", default="auto", type=_drafter_arg, metavar="{" + ",".join(ALL_DRAFTERS) + "}",
                    help="default drafter for requests (default auto: retrieval where an answer store ships for the "
                         "model, else lookup)")
     s.add_argument("--draft-model", help="draft model for --drafter model, model-tree or model+lookup (loaded once, "
@@ -218,34 +225,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _generate(args) -> int:
-    from .drafters import HEAD_DRAFTERS, MODEL_DRAFTERS, NEEDS_MODEL_DRAFTER, get_drafter, parse_options, resolve
-    from .engine import SpeculativeDecoder
     from .models import load_model
-
-    args.drafter = resolve(args.drafter, args.model)
+    from .spec import SpeculativeSpec, build_decoder
 
     if args.max_new_tokens < 0:
         raise SpeculateError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not args.prompt.strip():
         raise SpeculateError("the prompt is empty")
-    if args.draft_model and args.drafter not in MODEL_DRAFTERS:
-        raise SpeculateError(NEEDS_MODEL_DRAFTER)
+    spec = SpeculativeSpec.from_cli(args)  # drafter, options, verifier and parameters, k; --draft-model fits
     if args.stream and args.json:  # one JSON object at the end cannot also be a stream of text
         raise SpeculateError("--stream and --json: choose one")
     if args.draft_dtype and not args.draft_model:
         raise SpeculateError("--draft-dtype is the draft model's precision: it needs --draft-model")
     target = load_model(args.model, dtype=args.dtype)
     draft = load_model(args.draft_model, dtype=args.draft_dtype or args.dtype) if args.draft_model else None
-    options = parse_options(args.drafter, args.drafter_opt or [])
-    if args.heads:
-        if args.drafter not in HEAD_DRAFTERS:
-            raise SpeculateError(f"--heads is for the drafters with trained heads: {', '.join(HEAD_DRAFTERS)}")
-        options["heads"] = args.heads
-    drafter = get_drafter(args.drafter, draft, target, **options) if options else args.drafter
-    from .verifiers import PARAMS
-
-    decoder = SpeculativeDecoder(target, drafter, args.verifier, k=args.k, draft_model=draft,
-                                 **{name: getattr(args, name) for name in PARAMS})
+    decoder = build_decoder(spec, target, draft)
     stream = decoder.stream(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
                             chat=False if args.no_chat else None)
@@ -259,7 +253,7 @@ def _generate(args) -> int:
         return 0
     print(("" if args.stream else gen.text), flush=True)
     s = gen.stats
-    method = f"{args.drafter}/{args.verifier or ('greedy' if args.temperature == 0 else 'sample')} k={args.k}"
+    method = spec.with_verifier(args.temperature == 0).label()
     print(f"\n[{method}] {s.new_tokens} tokens in {s.wall_seconds:.2f} s "
           f"({s.tokens_per_second:.1f} tokens/s), {s.target_calls} target calls, "
           f"{s.mean_accepted_length:.2f} tokens per call, acceptance by position "

@@ -35,7 +35,8 @@ from .models.loader import LoadedModel, check_thread
 from .sampling import Sampling, one_hot, warp
 from .stats import Stats
 from .text import Detokenizer, encode_prompt, eos_ids
-from .verifiers import Verdict, Verifier, check_auto, default_name, get_verifier, tree_rule_missing, verifier_class
+from .spec import parse_k
+from .verifiers import Verdict, Verifier, check_auto, get_verifier, tree_rule_missing, verifier_class, verifier_for
 
 
 @dataclass
@@ -75,8 +76,7 @@ class SpeculativeDecoder:
     def __init__(self, target: LoadedModel, drafter: Drafter | str = "auto", verifier: Verifier | str | None = None,
                  k: int | str = 6, draft_model: LoadedModel | None = None, prefix_cache: bool = False,
                  **verifier_params):
-        if not is_auto(k) and (not isinstance(k, int) or k < 1):
-            raise SpeculateError(f"k must be an integer >= 1 or 'auto', got {k}")
+        k = parse_k(k)
         self.target = target
         self.kv = KVModel(target)
         self.drafter = drafter if isinstance(drafter, Drafter) else get_drafter(drafter, draft_model, target)
@@ -92,7 +92,7 @@ class SpeculativeDecoder:
         if is_auto(self.verifier_params.get("eps")):  # consultant's eps, the one 'auto' a verifier declares
             self.verifier_params["eps"] = calibrate_eps(target)
         self.k_policy = self._k_policy(k)
-        self.k = "auto" if is_auto(k) else k
+        self.k = k
         self.eos = eos_ids(target)
         self._verifier(Sampling())  # validate the name, parameters and tree rule now, not at the first request
 
@@ -113,12 +113,9 @@ class SpeculativeDecoder:
         if isinstance(self.verifier_spec, Verifier):
             verifier = self.verifier_spec
         else:
-            name = self.verifier_spec or default_name(sampling.greedy)
-            if name == "greedy" and not sampling.greedy:
-                raise SpeculateError("verifier 'greedy' decodes deterministically: use temperature 0, or the "
-                                     "lossless verifier 'sample' to sample at temperature > 0")
             params = dict(self.verifier_params)
             try:
+                name = verifier_for(self.verifier_spec, sampling.greedy)
                 if any(p.name == "greedy" for p in verifier_class(name).params):
                     params.setdefault("greedy", sampling.greedy)  # (argmax or drawn correction tokens)
                 verifier = get_verifier(name, **params)

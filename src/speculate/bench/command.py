@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..calc.auto import parse_auto
 from ..errors import SpeculateError
+from ..spec import parse_k
 from .methods import BASELINES, expand_matrix, parse_method
 
 LIST_KEYS = {"datasets": str, "drafters": str, "verifiers": str, "baselines": str, "k": "int|auto",
@@ -65,12 +66,12 @@ def add_arguments(p) -> None:
 def _convert(key: str, value):
     kind = {**LIST_KEYS, **SCALAR_KEYS}[key]
     try:
-        if kind == "int|auto":
-            return parse_auto(str(value), int, f"--{key}")
+        if kind == "int|auto":  # (k: the spec's one check)
+            return parse_k(value)
         if kind == "float|auto":
             return parse_auto(str(value), float, f"--{key}")
-        if kind == "spec":
-            return parse_method(str(value))
+        if kind == "spec":  # a method string, or a TOML table of the same keys
+            return parse_method(value if isinstance(value, dict) else str(value))
         if kind == "bool":
             if not isinstance(value, bool):
                 raise ValueError(value)
@@ -80,8 +81,11 @@ def _convert(key: str, value):
         if kind is int and isinstance(value, float) and not value.is_integer():  # int(2.7) would be 2
             raise ValueError(value)
         return kind(value)
-    except (ValueError, TypeError):
-        raise SpeculateError(f"--{key.replace('_', '-')}: {value!r} is not a valid value") from None
+    except (ValueError, TypeError) as e:
+        if kind == "spec" and isinstance(e, SpeculateError):
+            raise  # (parse_method names the method and the mistake)
+        detail = e if kind == "int|auto" and isinstance(e, SpeculateError) else f"{value!r} is not a valid value"
+        raise SpeculateError(f"--{key.replace('_', '-')}: {detail}") from None
 
 
 def settings(args) -> dict:

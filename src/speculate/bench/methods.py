@@ -14,10 +14,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass, fields
 
-from ..calc.auto import is_auto, parse_auto
-from ..drafters import ALL_DRAFTERS, MODEL_DRAFTERS, parse_options
+from ..calc.auto import is_auto
 from ..errors import SpeculateError
-from ..verifiers import VERIFIERS, get_verifier
+from ..spec import SpeculativeSpec
+from ..verifiers import VERIFIERS, verifier_for
 
 BASELINES = ("plain", "hf_generate", "hf_assisted", "hf_lookup")
 METHOD_KEYS = ("drafter", "verifier", "k", "temperature", "eps", "beta", "D")  # the rest: the drafter's options
@@ -59,8 +59,14 @@ class Method:
         return self.temperature == 0
 
     @property
+    def spec(self) -> SpeculativeSpec:
+        """An engine method's speculative settings (records keep the method's own fields, as written)."""
+        params = {key: getattr(self, key) for key in MATRIX_PARAMS}
+        return SpeculativeSpec(self.drafter, self.options, self.verifier, params, self.k)
+
+    @property
     def needs_draft_model(self) -> bool:
-        return self.drafter in MODEL_DRAFTERS or self.kind == "hf_assisted"
+        return self.kind == "hf_assisted" or (self.kind == "engine" and self.spec.needs_draft_model)
 
     def to_dict(self) -> dict:
         return {"name": self.name, **asdict(self)}
@@ -85,32 +91,30 @@ def baseline(kind: str) -> Method:
 
 def engine_method(drafter: str, verifier: str, k, temperature: float = 0.0, eps=None, beta=None, D=None,
                   options=None) -> Method:
-    """One engine method, checked: names exist, k >= 1 or auto, the verifier fits the temperature, the
-    drafter takes ``options`` ({key: value or its text})."""
-    if drafter not in ALL_DRAFTERS or drafter == "none":
-        raise SpeculateError(f"unknown drafter '{drafter}' for a speculative method; choose from: "
-                             f"{', '.join(d for d in ALL_DRAFTERS if d != 'none')} (plain decoding is the baseline 'plain')")
-    if verifier not in VERIFIERS:
-        raise SpeculateError(f"unknown verifier '{verifier}'; choose from: {', '.join(VERIFIERS)}")
-    if not is_auto(k) and (not isinstance(k, int) or k < 1):
-        raise SpeculateError(f"k must be an integer >= 1 or 'auto', got {k!r}")
+    """One engine method, checked by its :class:`SpeculativeSpec` (drafter and ``options`` — {key: value or its
+    text} —, verifier and the parameters it takes of eps, beta, D, k), and the verifier against the temperature."""
+    takes = VERIFIER_PARAMS.get(verifier, MATRIX_PARAMS)
+    params = {key: value for key, value in (("eps", eps), ("beta", beta), ("D", D)) if key in takes}
+    return _method(SpeculativeSpec(drafter, options or {}, verifier, params, k), drafter, options, temperature)
+
+
+def _method(spec: SpeculativeSpec, drafter: str, options, temperature: float) -> Method:
+    """The method of ``spec`` at ``temperature``, its drafter and options as written (so that its name, and
+    the records' method, stay those of the name given: ``eagle-chain`` is not relabelled ``eagle tree=False``)."""
+    if drafter == "none":
+        raise SpeculateError("drafter 'none' is no speculative method: plain decoding is the baseline 'plain'")
     if temperature < 0:
         raise SpeculateError(f"temperature must be >= 0, got {temperature}")
-    if verifier == "greedy" and temperature > 0:
-        raise SpeculateError("verifier 'greedy' needs temperature 0 (use 'sample' above 0)")
-    if verifier == "sample" and temperature == 0:
+    try:
+        verifier_for(spec.verifier, temperature == 0)
+    except ValueError as e:
+        raise SpeculateError(str(e)) from None
+    if spec.verifier == "sample" and temperature == 0:
         raise SpeculateError("verifier 'sample' needs temperature > 0 (at 0 it is 'greedy')")
-    if is_auto(eps) and verifier != "consultant":
-        raise SpeculateError("eps 'auto' is for the consultant verifier")
-    takes = VERIFIER_PARAMS[verifier]
-    params = {key: value for key, value in (("eps", eps), ("beta", beta), ("D", D)) if key in takes}
-    try:  # the values' ranges now, not after the model has loaded and run.json is written
-        get_verifier(verifier, **{key: value for key, value in params.items() if not is_auto(value)})
-    except (ValueError, TypeError) as e:
-        raise SpeculateError(f"method {drafter}/{verifier}: {e}") from None
-    options = tuple(sorted(parse_options(drafter, options or {}).items()))
-    return Method("engine", drafter, verifier, "auto" if is_auto(k) else k, temperature=float(temperature),
-                  options=options, **params)
+    given = set(options or {})
+    kept = {**spec.drafter_options, **{key: value for key, value in spec.options if key in given}}
+    return Method("engine", drafter, spec.verifier, spec.k, temperature=float(temperature),
+                  options=tuple(sorted(kept.items())), **dict(spec.params))
 
 
 def expand_matrix(drafters, verifiers, ks, temperatures, eps=(None,), betas=(None,), Ds=(None,)) -> list[Method]:
@@ -131,28 +135,33 @@ def expand_matrix(drafters, verifiers, ks, temperatures, eps=(None,), betas=(Non
     return out
 
 
-def parse_method(spec: str) -> Method:
-    """``--method 'verifier=mentored,k=4,D=0.3,temperature=0.3'`` (drafter defaults to model), or a
-    baseline name. Other keys are the drafter's options: ``drafter=eagle+lookup,k=6,base_k=3``."""
-    spec = spec.strip()
-    if spec in BASELINES:
-        return baseline(spec)
-    values: dict = {}
-    options: dict = {}
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep:
-            raise SpeculateError(f"--method {spec!r}: expected key=value pairs with keys {', '.join(METHOD_KEYS)} "
-                                 f"and the drafter's options; or a baseline ({', '.join(BASELINES)})")
-        (values if key in METHOD_KEYS else options)[key] = value.strip()
+def parse_method(spec: str | dict) -> Method:
+    """``--method 'verifier=mentored,k=4,D=0.3,temperature=0.3'`` (drafter defaults to model), a TOML table
+    with the same keys (``{drafter = "eagle", tree = false, k = 2}``), or a baseline name. Other keys are the
+    drafter's options: ``drafter=eagle+lookup,k=6,base_k=3``."""
+    if isinstance(spec, dict):
+        values = {str(key).strip(): value for key, value in spec.items()}
+        shown = "{" + ", ".join(f"{key} = {value!r}" for key, value in values.items()) + "}"
+    else:
+        spec = spec.strip()
+        if spec in BASELINES:
+            return baseline(spec)
+        values = {}
+        shown = repr(spec)
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise SpeculateError(f"--method {spec!r}: expected key=value pairs with keys "
+                                     f"{', '.join(METHOD_KEYS)} and the drafter's options; or a baseline "
+                                     f"({', '.join(BASELINES)})")
+            values[key.strip()] = value.strip()
     try:
-        return engine_method(
-            values.get("drafter", "model"), values.get("verifier", "greedy"),
-            parse_auto(values.get("k", "4"), int, "k"), float(values.get("temperature", 0)),
-            parse_auto(values["eps"], float, "eps") if "eps" in values else None,
-            float(values["beta"]) if "beta" in values else None,
-            float(values["D"]) if "D" in values else None, options)
+        values = {"drafter": "model", "verifier": "greedy", "k": 4, **values}
+        takes = VERIFIER_PARAMS.get(str(values["verifier"]).strip(), ())  # (the matrix's rule: others dropped)
+        values = {key: value for key, value in values.items() if key not in MATRIX_PARAMS or key in takes}
+        spec = SpeculativeSpec.from_table(values, keys=("temperature",), params=MATRIX_PARAMS)
+        options = {key: value for key, value in values.items() if key not in METHOD_KEYS}
+        return _method(spec, str(values["drafter"]).strip(), options, float(values.get("temperature", 0)))
     except ValueError as e:
         keys = "" if "has no option" not in str(e) else "; the method's own keys are " + ", ".join(METHOD_KEYS)
-        raise SpeculateError(f"--method {spec!r}: {e}{keys}") from None
+        raise SpeculateError(f"--method {shown}: {e}{keys}") from None

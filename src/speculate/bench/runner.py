@@ -26,8 +26,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..calc.auto import calibrate_eps, chinchilla_eps, profile_for, teacher_forced
-from ..drafters import get_drafter
 from ..engine import SpeculativeDecoder
+from ..spec import build_decoder
 from ..errors import SpeculateError
 from ..models import load_model
 from ..models.cache import atomic_write_text, make_folder
@@ -41,6 +41,8 @@ RUN_FILE = "run.json"
 #: Settings that change what a method outputs: an output folder holds one value of each.
 FIXED = ("model", "draft_model", "dtype", "draft_dtype", "max_new_tokens", "shots", "seed")
 
+
+HF_ASSISTED_NEEDS_DRAFT = "the baseline hf_assisted needs --draft-model"
 
 @dataclass
 class BenchConfig:
@@ -89,17 +91,12 @@ class Runner:
         self.method, self.target, self.draft = method, target, draft
         self.eos = eos_ids(target)
         if method.kind == "engine":
-            drafter_model = draft if method.needs_draft_model else None
-            drafter = method.drafter
-            if method.options:
-                drafter = get_drafter(method.drafter, drafter_model, target, **dict(method.options))
-            self.decoder = SpeculativeDecoder(target, drafter, method.verifier, k=method.k,
-                                              draft_model=drafter_model, prefix_cache=prefix_cache,
-                                              eps=method.eps, beta=method.beta, D=method.D)
+            spec = method.spec
+            self.decoder = build_decoder(spec, target, draft if spec.needs_draft_model else None, prefix_cache)
         elif method.kind == "plain":
             self.decoder = SpeculativeDecoder(target, "none", prefix_cache=prefix_cache)
         elif method.kind == "hf_assisted" and draft is None:
-            raise SpeculateError("the baseline hf_assisted needs --draft-model")
+            raise SpeculateError(HF_ASSISTED_NEEDS_DRAFT)
 
     def __call__(self, ids: list[int], max_new_tokens: int, stops, seed: int) -> Output:
         if self.method.kind in ("engine", "plain"):
@@ -279,9 +276,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
     end = None if cfg.limit is None else cfg.skip + cfg.limit
     samples = [s for name in cfg.datasets for s in load_dataset(name, end, cfg.shots, cfg.data_dir)[cfg.skip:]]
     methods = [baseline("plain")] + [m for m in cfg.methods if m.kind != "plain"]
-    needs_draft = any(m.needs_draft_model for m in methods)
-    if needs_draft and not cfg.draft_model:
-        raise SpeculateError("a method drafts with a model (drafter model or hf_assisted): give --draft-model")
+    for m in methods:  # (the engine methods' drafters: the spec's check and text)
+        if m.kind == "engine":
+            m.spec.check_draft_model(bool(cfg.draft_model))
+        elif m.kind == "hf_assisted" and not cfg.draft_model:
+            raise SpeculateError(HF_ASSISTED_NEEDS_DRAFT)
     make_folder(out, "--out")  # after the checks above (a refused run leaves no empty folder), before loading
     if progress:  # (after the checks: a refused run prints its one error line only)
         print(f"speculate bench: {len(methods)} methods (plain included) × {', '.join(cfg.datasets)} → {out}",

@@ -105,30 +105,45 @@ def parse_options(name: str, items) -> dict:
     return out
 
 
+def check_name(name: str) -> str:
+    """``name`` if it is a drafter (or an alias get_drafter takes), else a SpeculateError naming the choices."""
+    if name not in ALL_DRAFTERS:
+        raise SpeculateError(f"unknown drafter '{name}'; choose one of: {', '.join(ALL_DRAFTERS)}")
+    return name
+
+
+def draft_model_error(name: str, has_draft_model: bool) -> str | None:
+    """Why drafter ``name`` cannot run with (or without) a draft model, or None: the one check of the drafters'
+    need for a draft model, whichever settings path asks (``SpeculativeSpec.check_draft_model`` too)."""
+    if name in MODEL_DRAFTERS and not has_draft_model:
+        return f"drafter '{name}' needs a draft model (--draft-model)"
+    if name not in MODEL_DRAFTERS and has_draft_model:
+        if name in SELF_DRAFTERS:
+            return f"drafter '{name}' drafts with heads on the target itself; it takes no draft model"
+        return f"drafter '{name}' takes no draft model; use --drafter {', '.join(MODEL_DRAFTERS)}"
+    return None
+
+
 def get_drafter(name: str, draft_model=None, target=None, **params) -> Drafter:
     """A drafter by name. ``model``, ``model-tree`` and ``model+lookup`` need ``draft_model`` (a
     LoadedModel sharing the target's tokenizer); ``model-tree`` takes ``branch`` and ``spread``
     (drafters/model_tree.py), ``model+lookup`` ``min_match`` and ``lookup_k`` (drafters/model_lookup.py)."""
     name = resolve(name, target)
+    check_name(name)
+    error = draft_model_error(name, draft_model is not None)
+    if error:
+        raise SpeculateError(error)
     if name in SELF_DRAFTERS:
-        if draft_model is not None:
-            raise SpeculateError(f"drafter '{name}' drafts with heads on the target itself; it takes no draft model")
         if target is None:
             raise SpeculateError(f"drafter '{name}' needs the target model")
         # drafts from the target itself: heads trained on its hidden states, or its own first layers
         return _self_drafters()[name](target, **params)
-    if name not in DRAFTERS:
-        raise SpeculateError(f"unknown drafter '{name}'; choose one of: {', '.join(ALL_DRAFTERS)}")
     if name in MODEL_DRAFTERS:
-        if draft_model is None:
-            raise SpeculateError(f"drafter '{name}' needs a draft model (--draft-model)")
         return MODEL_DRAFTERS[name](draft_model, target, **params)
-    if draft_model is not None:
-        raise SpeculateError(f"drafter '{name}' takes no draft model; use --drafter {', '.join(MODEL_DRAFTERS)}")
     if name == "retrieval":
         return RetrievalDrafter(target, **params)
     return DRAFTERS[name](**params)
 
 
 __all__ = ["ALL_DRAFTERS", "DRAFTERS", "HEAD_DRAFTERS", "MODEL_DRAFTERS", "NEEDS_MODEL_DRAFTER", "OPTIONS", "SELF_DRAFTERS", "Draft", "Drafter",
-           "get_drafter", "parse_options", "resolve"]
+           "check_name", "draft_model_error", "get_drafter", "parse_options", "resolve"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..calc.auto import is_auto
-from ..drafters import MODEL_DRAFTERS, NEEDS_MODEL_DRAFTER, parse_options, resolve
+from ..drafters import resolve
 from ..errors import SpeculateError
+from ..spec import SpeculativeSpec
 
 MiB = 1 << 20
 
@@ -43,10 +43,15 @@ class ServerConfig:
     max_connections: int = 100
     # On SIGTERM / Ctrl-C: seconds that running generations get to finish before they are ended cleanly.
     shutdown_grace: float = 10.0
+    # The speculative settings above as one checked SpeculativeSpec (set in __post_init__).
+    spec: SpeculativeSpec | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self):
-        if not is_auto(self.k) and (not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1):
-            raise SpeculateError(f"--k must be an integer >= 1 or 'auto', got {self.k}")
+        # The default speculative settings, checked once (k, drafter and options, verifier and parameters).
+        spec = SpeculativeSpec(resolve(self.drafter, self.model), self.drafter_options, self.verifier,
+                               self.verifier_params, self.k)
+        spec.check_draft_model(True, given_for_it=bool(self.draft_model))
+        object.__setattr__(self, "spec", spec)
         if self.max_concurrency < 1:
             raise SpeculateError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
         if self.max_queue < 0:
@@ -55,8 +60,6 @@ class ServerConfig:
             raise SpeculateError(f"the body size limit must be >= 1 byte, got {self.max_body_bytes}")
         if not 0 <= self.port <= 65535:
             raise SpeculateError(f"--port must be in 0..65535, got {self.port}")
-        if self.draft_model and self.drafter not in MODEL_DRAFTERS:
-            raise SpeculateError(NEEDS_MODEL_DRAFTER)
         for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "shutdown_grace"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
@@ -66,7 +69,7 @@ class ServerConfig:
         if self.api_key is not None and not self.api_key:
             raise SpeculateError("--api-key must not be empty")
         object.__setattr__(self, "drafter", resolve(self.drafter, self.model))  # auto: by the model's name
-        object.__setattr__(self, "drafter_options", parse_options(self.drafter, self.drafter_options))
+        object.__setattr__(self, "drafter_options", spec.drafter_options)
 
     @property
     def verifier_params(self) -> dict:

@@ -11,34 +11,31 @@ recently returned goes first. A decoder whose generation failed is not returned.
 
 from __future__ import annotations
 
-import json
 import threading
 from typing import Callable
 
 from ..engine import SpeculativeDecoder
 from ..models.kv import shared_prefix
+from ..spec import SpeculativeSpec
 
 
 class Decoders:
-    def __init__(self, build: Callable[[dict], SpeculativeDecoder], keep: int):
+    """``settings``: a :class:`~speculate.spec.SpeculativeSpec` (frozen, compared by value: the key)."""
+
+    def __init__(self, build: Callable[[SpeculativeSpec], SpeculativeDecoder], keep: int):
         self.build, self.keep = build, keep
-        self._idle: list[tuple[str, SpeculativeDecoder]] = []  # oldest first
+        self._idle: list[tuple[SpeculativeSpec, SpeculativeDecoder]] = []  # oldest first
         self._lock = threading.Lock()
 
-    @staticmethod
-    def key(settings: dict) -> str:
-        return json.dumps(settings, sort_keys=True, default=str)
-
-    def take(self, settings: dict, ids: list[int]) -> SpeculativeDecoder:
-        key = self.key(settings)
+    def take(self, settings: SpeculativeSpec, ids: list[int]) -> SpeculativeDecoder:
         with self._lock:
-            mine = [i for i, (k, _) in enumerate(self._idle) if k == key]
+            mine = [i for i, (k, _) in enumerate(self._idle) if k == settings]
             if mine:
                 best = max(mine, key=lambda i: (shared_prefix(self._idle[i][1].held.tokens, ids), i))
                 return self._idle.pop(best)[1]
         return self.build(settings)
 
-    def give_back(self, settings: dict, decoder: SpeculativeDecoder) -> None:
+    def give_back(self, settings: SpeculativeSpec, decoder: SpeculativeDecoder) -> None:
         with self._lock:
-            self._idle.append((self.key(settings), decoder))
+            self._idle.append((settings, decoder))
             del self._idle[: max(0, len(self._idle) - self.keep)]

@@ -22,10 +22,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..drafters import MODEL_DRAFTERS, get_drafter, resolve
 from ..engine import Generation, SpeculativeDecoder, Stream
 from ..errors import SpeculateError
 from ..models.loader import LoadedModel
+from ..spec import SpeculativeSpec
+from ..spec import build_decoder as build_from_spec
 from ..text import encode_prompt
 from .config import ServerConfig
 from .decoders import Decoders
@@ -40,7 +41,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; cha
 class Prepared:
     ids: list[int]  # the prompt's tokens
     max_tokens: int
-    settings: dict  # the speculative settings in force: drafter, verifier, k, params
+    settings: SpeculativeSpec  # the speculative settings in force, the verifier named
     sampling: dict  # the engine's stream() arguments besides the prompt and max_new_tokens
 
     @property
@@ -91,9 +92,10 @@ def prepare(config: ServerConfig, target: LoadedModel, req: CompletionRequest | 
         raise APIError(400, f"this model's context window is {window} tokens; the prompt has {len(ids)} tokens "
                             f"and {budget_param} is {budget}: shorten the prompt or lower {budget_param}",
                        prompt_param, "context_length_exceeded")
-    settings = merge_settings(config, req.speculative)
-    if settings["verifier"] is None:  # the engine's own default, named so that the stats can report it
-        settings["verifier"] = "greedy" if req.temperature == 0 else "sample"
+    try:  # (the engine's own default verifier named, so that the stats can report it)
+        settings = merge_settings(config, req.speculative).with_verifier(req.temperature == 0)
+    except SpeculateError as e:
+        raise APIError(400, f"speculative: {e}", "speculative", "invalid_value") from None
     return Prepared(ids, budget, settings, {"temperature": req.temperature, "top_p": req.top_p,
                                             "top_k": max(req.top_k or 0, 0), "seed": req.seed, "stop": stops})
 
@@ -133,36 +135,18 @@ def _encode(fn, param: str) -> list[int]:
         raise APIError(400, f"{param}: {e}", param, "invalid_value") from None
 
 
-def merge_settings(config: ServerConfig, spec: SpeculativeSettings | None) -> dict:
-    """The request's speculative settings over the server's flags. A request that names its own verifier
-    does not inherit the server's verifier parameters (they were meant for another rule)."""
-    spec = spec or SpeculativeSettings()
-    if spec.verifier is not None and spec.verifier != config.verifier:
-        params = spec.verifier_params()
-    else:
-        params = {**config.verifier_params, **spec.verifier_params()}
-    drafter = resolve(spec.drafter, config.model) if spec.drafter else config.drafter  # (config's is resolved)
-    return {"drafter": drafter, "drafter_options": config.drafter_options if drafter == config.drafter else {},
-            "verifier": spec.verifier if spec.verifier is not None else config.verifier,
-            "k": spec.k if spec.k is not None else config.k,
-            "params": params}
+def merge_settings(config: ServerConfig, spec: SpeculativeSettings | None) -> SpeculativeSpec:
+    """The request's speculative settings over the server's flags (``SpeculativeSpec.from_request``)."""
+    return SpeculativeSpec.from_request(spec, config.spec, config.model, config.drafter)
 
 
-def build_decoder(target: LoadedModel, draft: LoadedModel | None, settings: dict,
+def build_decoder(target: LoadedModel, draft: LoadedModel | None, settings: SpeculativeSpec,
                   prefix_cache: bool = False) -> SpeculativeDecoder:
-    name = settings["drafter"]
+    """``spec.build_decoder`` with the server's models; a refusal is a 400 at the request's ``speculative``.
+    The draft model goes to the drafters that take one without the target: its tokenizer was checked against
+    the target's at startup, and comparing two 150k-token vocabularies costs ~0.3 s a request."""
     try:
-        if name in MODEL_DRAFTERS and draft is None:
-            raise SpeculateError(f"drafter '{name}' needs a draft model: start the server with "
-                                 f"--drafter {name} --draft-model M")
-        # The server's draft model goes to the drafters that take one (without the target: its tokenizer was
-        # checked against the target's at startup, and comparing two 150k-token vocabularies costs ~0.3 s a
-        # request); a request may also ask for a drafter that takes none (lookup, the heads, ...).
-        with_draft = name in MODEL_DRAFTERS
-        drafter = get_drafter(name, draft if with_draft else None, None if with_draft else target,
-                              **settings["drafter_options"])
-        return SpeculativeDecoder(target, drafter, settings["verifier"], k=settings["k"], prefix_cache=prefix_cache,
-                                  **settings["params"])
+        return build_from_spec(settings, target, draft, prefix_cache, check_tokenizer=False)
     except SpeculateError as e:
         raise APIError(400, f"speculative: {e}", "speculative", "invalid_value") from None
 

@@ -7,6 +7,7 @@ import time
 import uuid
 
 from ..engine import Generation
+from ..spec import SpeculativeSpec
 
 
 def new_id(kind: str) -> str:
@@ -18,15 +19,15 @@ def usage(gen: Generation) -> dict:
     return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": n, "total_tokens": gen.prompt_tokens + n}
 
 
-def speculative_stats(gen: Generation, settings: dict) -> dict:
-    return {**gen.stats.to_dict(), "drafter": settings["drafter"], "verifier": settings["verifier"],
-            "k": settings["k"], **({"verifier_params": settings["params"]} if settings["params"] else {})}
+def speculative_stats(gen: Generation, settings: SpeculativeSpec) -> dict:
+    return {**gen.stats.to_dict(), "drafter": settings.registry_name, "verifier": settings.verifier,
+            "k": settings.k, **({"verifier_params": settings.verifier_params} if settings.params else {})}
 
 
 class Shaper:
     """Builds the response objects of one request (``kind``: 'chat' or 'text')."""
 
-    def __init__(self, kind: str, model: str, settings: dict):
+    def __init__(self, kind: str, model: str, settings: SpeculativeSpec):
         self.kind, self.model, self.settings = kind, model, settings
         self.id = new_id(kind)
         self.created = int(time.time())

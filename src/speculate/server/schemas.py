@@ -5,18 +5,18 @@ extra ``speculative`` object is strict: an unknown key there is a 400."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..drafters import ALL_DRAFTERS
+from ..drafters import ALL_DRAFTERS, check_name
 from ..errors import SpeculateError
+from ..spec import parse_k
 from ..text import ROLES, check_unicode
 from ..verifiers import PARAMS, VERIFIERS, check_params, param_help
 from .errors import APIError
 
-MAX_K = 64
 MAX_STOP = 4  # stop sequences a request may give (OpenAI's limit)
 MAX_STOP_CHARS = 1024  # characters of one stop sequence: each is searched in the text after every token
 
@@ -24,9 +24,20 @@ MAX_STOP_CHARS = 1024  # characters of one stop sequence: each is searched in th
 class _Speculative(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    drafter: Literal[tuple(ALL_DRAFTERS)] | None = None
+    drafter: str | None = Field(None, description="one of: " + ", ".join(ALL_DRAFTERS))
     verifier: Literal[tuple(VERIFIERS)] | None = None
-    k: Annotated[int, Field(ge=1, le=MAX_K)] | Literal["auto"] | None = None  # auto: sized per round (calc/auto.py)
+    k: int | Literal["auto"] | None = None  # auto: sized per round (calc/auto.py); 1..64: spec.parse_k
+
+    @field_validator("drafter", "k")
+    @classmethod
+    def _check_once(cls, value, info):
+        """The drafter's name and k, by the checks every settings path makes (drafters.check_name, spec.parse_k),
+        with their text."""
+        check = {"drafter": check_name, "k": parse_k}[info.field_name]
+        try:
+            return None if value is None else check(value)
+        except SpeculateError as e:
+            raise PydanticCustomError("invalid_value", "{message}", {"message": str(e)}) from None
 
     def verifier_params(self) -> dict:
         return {key: getattr(self, key) for key in PARAMS if getattr(self, key) is not None}

@@ -74,6 +74,16 @@ def default_name(greedy: bool) -> str:
     return "greedy" if greedy else "sample"
 
 
+def verifier_for(name: str | None, greedy: bool) -> str:
+    """The verifier that runs: ``name``, or the default at this temperature (:func:`default_name`). ValueError
+    for ``greedy`` at a temperature above 0 (it would not sample)."""
+    name = name or default_name(greedy)
+    if name == "greedy" and not greedy:
+        raise ValueError("verifier 'greedy' decodes deterministically: use temperature 0, or the lossless "
+                         "verifier 'sample' to sample at temperature > 0")
+    return name
+
+
 def verifier_class(name: str) -> type[Verifier]:
     """The class registered as ``name``, or ValueError naming the choices."""
     cls = VERIFIERS.get(name)
@@ -147,4 +157,5 @@ __all__ = [
     "param_help",
     "tree_rule_missing",
     "verifier_class",
+    "verifier_for",
 ]

@@ -1,0 +1,276 @@
+"""One frozen, hashable settings object for speculative decoding, parsed and validated once.
+
+A :class:`SpeculativeSpec` says which drafter (its canonical name and options), which verifier (a name, or None
+for the default at the request's temperature: ``verifiers.default_name``) with its parameters, k (1..64 or
+'auto') and, where a settings path carries it, the precision. Every settings path builds one, with the same
+checks and so the same error text for the same mistake:
+
+- ``speculate generate`` / ``serve`` flags: :meth:`SpeculativeSpec.from_cli`;
+- an HTTP request's ``speculative`` object over the server's defaults: :meth:`SpeculativeSpec.from_request`;
+- a bench method string or matrix entry, and a TOML table: :meth:`SpeculativeSpec.from_table`
+  (``bench/methods.py`` reads both into it).
+
+:func:`build_decoder` turns a spec plus the loaded models into a :class:`SpeculativeDecoder`; the engine gets a
+built drafter. Drafter variants are options: ``eagle`` / ``medusa`` take ``tree`` (default true) and ``lookup``
+(default false); the old names (``eagle-chain``, ``medusa+lookup``, ``eagle-chain+lookup``, ...) are aliases
+that give the same spec (:data:`VARIANTS`), and the drafter registry (``drafters.get_drafter``) still builds by
+the old names (:attr:`SpeculativeSpec.registry_name`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .drafters import MODEL_DRAFTERS, check_name, NEEDS_MODEL_DRAFTER, draft_model_error, parse_options, resolve
+from .errors import SpeculateError
+from .verifiers import PARAMS, VERIFIERS, check_params, is_auto
+
+MAX_K = 64
+AUTO = "auto"
+
+# Drafters whose variants are options (tree, lookup) and the old names that stand for them.
+_VARIANT_BASES = ("eagle", "medusa")
+_VARIANT_DEFAULTS = {"tree": True, "lookup": False}
+VARIANTS: dict[str, tuple[str, dict]] = {}
+for _base in _VARIANT_BASES:
+    for _tree in (True, False):
+        for _lookup in (False, True):
+            _name = f"{_base}{'' if _tree else '-chain'}{'+lookup' if _lookup else ''}"
+            VARIANTS[_name] = (_base, {"tree": _tree, "lookup": _lookup})
+
+
+def parse_k(value) -> int | str:
+    """k as every settings path takes it: an integer in 1..64, or 'auto' (the engine sizes each round).
+    Text or a value; SpeculateError otherwise, with one text whichever path it came by."""
+    if is_auto(value):
+        return AUTO
+    number = value
+    if isinstance(value, str):
+        try:
+            number = int(value.strip())
+        except ValueError:
+            number = None
+    if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= MAX_K:
+        raise SpeculateError(f"k must be an integer in 1..{MAX_K} or 'auto', got {value!r}")
+    return number
+
+
+def _bool(name: str, key: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise SpeculateError(f"drafter '{name}': option {key} wants true or false, got {value!r}")
+
+
+def _pairs(items) -> dict:
+    """Options as a dict, from a dict, (key, value) pairs or ``KEY=VALUE`` strings."""
+    if items is None:
+        return {}
+    if isinstance(items, dict):
+        return dict(items)
+    out = {}
+    for item in items:
+        key, value = item.partition("=")[::2] if isinstance(item, str) else item
+        out[str(key).strip()] = value
+    return out
+
+
+def canonical_drafter(name: str, options=None) -> tuple[str, tuple]:
+    """``(drafter, options)`` in canonical form: an alias name becomes its base with ``tree`` / ``lookup``
+    options (defaults dropped), the other options typed and checked by ``drafters.parse_options`` against the
+    drafter they select, sorted. SpeculateError for an unknown drafter or option."""
+    check_name(name)
+    given = _pairs(options)
+    base, variant = VARIANTS.get(name, (name, None))
+    if variant is not None:
+        variant = dict(variant)
+        for key in _VARIANT_DEFAULTS:
+            if key in given:
+                value = _bool(name, key, given.pop(key))
+                if name != base and value != variant[key]:
+                    raise SpeculateError(f"drafter '{name}' is {base} with {key}={str(variant[key]).lower()}; "
+                                         f"it cannot take {key}={str(value).lower()}")
+                variant[key] = value
+        registry = f"{base}{'' if variant['tree'] else '-chain'}{'+lookup' if variant['lookup'] else ''}"
+    else:
+        registry = name
+    typed = parse_options(registry, given)
+    if variant is not None:
+        typed.update({key: value for key, value in variant.items() if value != _VARIANT_DEFAULTS[key]})
+    return base, tuple(sorted(typed.items()))
+
+
+@dataclass(frozen=True)
+class SpeculativeSpec:
+    """The speculative settings, validated when made (``__post_init__``); equal settings are equal specs and
+    hash alike (the server keeps decoders per spec). ``options`` and ``params`` are sorted (key, value) pairs;
+    ``verifier`` None: ``greedy`` at temperature 0, else ``sample``. ``dtype``: the target's precision where the
+    settings path carries one (None elsewhere)."""
+
+    drafter: str = "auto"
+    options: tuple = ()
+    verifier: str | None = None
+    params: tuple = ()
+    k: int | str = 6
+    dtype: str | None = None
+
+    def __post_init__(self):
+        drafter, options = canonical_drafter(self.drafter, self.options)
+        object.__setattr__(self, "drafter", drafter)
+        object.__setattr__(self, "options", options)
+        object.__setattr__(self, "k", parse_k(self.k))
+        if self.verifier is not None and self.verifier not in VERIFIERS:
+            raise SpeculateError(f"unknown verifier '{self.verifier}'; choose one of: {', '.join(VERIFIERS)}")
+        params = {key: value for key, value in _pairs(self.params).items() if value is not None}
+        if self.verifier is not None:
+            try:  # (without a verifier the parameters are checked against the default one, once it is known)
+                params = check_params(self.verifier, params)
+            except ValueError as e:
+                raise SpeculateError(str(e)) from None
+        else:
+            unknown = sorted(set(params) - set(PARAMS))
+            if unknown:
+                raise SpeculateError(f"no verifier takes {', '.join(unknown)}; the parameters are: {', '.join(PARAMS)}")
+        object.__setattr__(self, "params", tuple(sorted(params.items())))
+        if self.dtype is not None:
+            from .models import DTYPES
+
+            if self.dtype not in DTYPES:
+                raise SpeculateError(f"unknown precision '{self.dtype}'; choose one of: {', '.join(DTYPES)}")
+
+    # -- what it says -----------------------------------------------------------------------------------
+    @property
+    def registry_name(self) -> str:
+        """The drafter's name in the registry (``drafters.get_drafter``): ``eagle-chain+lookup`` for ``eagle``
+        with tree=false, lookup=true; the canonical name for the others."""
+        if self.drafter not in _VARIANT_BASES:
+            return self.drafter
+        opts = dict(self.options)
+        tree, lookup = opts.get("tree", True), opts.get("lookup", False)
+        return f"{self.drafter}{'' if tree else '-chain'}{'+lookup' if lookup else ''}"
+
+    @property
+    def drafter_options(self) -> dict:
+        """The options the registry's drafter takes (the variant options are in :attr:`registry_name`)."""
+        return {key: value for key, value in self.options
+                if not (self.drafter in _VARIANT_BASES and key in _VARIANT_DEFAULTS)}
+
+    @property
+    def verifier_params(self) -> dict:
+        return dict(self.params)
+
+    @property
+    def needs_draft_model(self) -> bool:
+        return self.registry_name in MODEL_DRAFTERS
+
+    def label(self) -> str:
+        """``lookup/greedy k=6`` (the verifier as named; None shown as the default's rule)."""
+        return f"{self.registry_name}/{self.verifier or 'default'} k={self.k}"
+
+    # -- checks that need what a path knows besides the settings ---------------------------------------------
+    def check_draft_model(self, available: bool, given_for_it: bool = False) -> SpeculativeSpec:
+        """SpeculateError when the drafter needs a draft model and none is ``available``, or (``given_for_it``:
+        a ``--draft-model`` flag given for this drafter) when one was given to a drafter that takes none."""
+        if given_for_it and not self.needs_draft_model and self.drafter != "auto":
+            raise SpeculateError(NEEDS_MODEL_DRAFTER)
+        error = draft_model_error(self.registry_name, available) if self.needs_draft_model else None
+        if error:
+            raise SpeculateError(error)
+        return self
+
+    def resolved(self, target) -> SpeculativeSpec:
+        """``auto`` replaced by the drafter it stands for on ``target`` (a LoadedModel or a model alias/folder);
+        the options stay (auto takes the options of either drafter it may stand for)."""
+        if self.drafter != "auto":
+            return self
+        return replace(self, drafter=resolve("auto", target))
+
+    def with_verifier(self, greedy: bool) -> SpeculativeSpec:
+        """The verifier named: the given one, else the default at this temperature (``greedy`` at 0)."""
+        from .verifiers import default_name
+
+        return self if self.verifier is not None else replace(self, verifier=default_name(greedy))
+
+    # -- constructors, one per settings path ---------------------------------------------------------------
+    @classmethod
+    def from_cli(cls, args) -> SpeculativeSpec:
+        """``speculate generate`` / ``serve`` flags: --drafter (resolved for --model), --drafter-opt, --heads,
+        --verifier and its parameters, --k, --dtype; --draft-model checked against the drafter."""
+        from .drafters import HEAD_DRAFTERS
+
+        options = _pairs(getattr(args, "drafter_opt", None) or [])
+        name = resolve(args.drafter, args.model)
+        if getattr(args, "heads", None):
+            if name not in HEAD_DRAFTERS:
+                raise SpeculateError(f"--heads is for the drafters with trained heads: {', '.join(HEAD_DRAFTERS)}")
+            options["heads"] = args.heads
+        params = {key: getattr(args, key, None) for key in PARAMS}
+        spec = cls(name, options, args.verifier, params, args.k, getattr(args, "dtype", None))
+        return spec.check_draft_model(bool(getattr(args, "draft_model", None)), bool(getattr(args, "draft_model", None)))
+
+    @classmethod
+    def from_request(cls, request, defaults: SpeculativeSpec, model=None,
+                     default_name: str | None = None) -> SpeculativeSpec:
+        """A request's ``speculative`` object (a ``SpeculativeSettings`` or a dict; None: nothing) over the
+        server's ``defaults``. A drafter named by the request gets its own defaults unless it is the server's own
+        (``default_name``: the name the server was started with); a request that names another verifier than the
+        server's does not inherit the server's verifier parameters (they were meant for another rule)."""
+        if request is None:
+            given: dict = {}
+        elif isinstance(request, dict):
+            given = {key: value for key, value in request.items() if value is not None}
+        else:
+            given = {key: value for key, value in request.model_dump().items() if value is not None}
+        params = {key: given.pop(key) for key in list(given) if key in PARAMS}
+        verifier = given.pop("verifier", None)
+        drafter = given.pop("drafter", None)
+        k = given.pop("k", None)
+        if given:
+            raise SpeculateError(f"unknown speculative settings: {', '.join(sorted(given))}")
+        if verifier is None or verifier == defaults.verifier:
+            params = {**defaults.verifier_params, **params}
+        drafter_spec = (defaults.drafter, defaults.options)
+        if drafter is not None:
+            drafter = resolve(drafter, model)
+            if drafter != (default_name or defaults.registry_name):
+                drafter_spec = (drafter, ())
+        return cls(*drafter_spec, verifier if verifier is not None else defaults.verifier, params,
+                   k if k is not None else defaults.k, defaults.dtype)
+
+    @classmethod
+    def from_table(cls, table: dict, keys: tuple = (), params: tuple | None = None) -> SpeculativeSpec:
+        """A table of settings — a TOML table, or a bench method string split into ``{key: text}``: ``drafter``,
+        ``verifier``, ``k``, ``dtype``, the verifier parameters by name, and any other key a drafter option.
+        Values may be text or typed. ``keys``: further keys the caller reads itself (left out here); ``params``:
+        the verifier parameters this table may set (default all; bench methods: eps, beta, D)."""
+        table = {key: value for key, value in table.items() if key not in keys}
+        params = {key: table.pop(key) for key in list(table) if key in (PARAMS if params is None else params)}
+        drafter, verifier = table.pop("drafter", "auto"), table.pop("verifier", None)
+        k, dtype = table.pop("k", 6), table.pop("dtype", None)
+        return cls(str(drafter).strip(), table, None if verifier is None else str(verifier).strip(), params, k,
+                   dtype)
+
+
+def build_decoder(spec: SpeculativeSpec, target, draft_model=None, prefix_cache: bool = False,
+                  check_tokenizer: bool = True):
+    """The decoder for ``spec`` on the loaded ``target`` (and ``draft_model`` for the drafters that take one;
+    it is not passed to the others, so a server's draft model may sit beside a request's lookup). ``check_tokenizer``
+    False: the draft model's tokenizer was already compared with the target's (the server does it at startup)."""
+    from .drafters import get_drafter
+    from .engine import SpeculativeDecoder
+
+    spec = spec.resolved(target).check_draft_model(draft_model is not None)
+    if spec.needs_draft_model:
+        drafter = get_drafter(spec.registry_name, draft_model, target if check_tokenizer else None,
+                              **spec.drafter_options)
+    else:
+        drafter = get_drafter(spec.registry_name, None, target, **spec.drafter_options)
+    return SpeculativeDecoder(target, drafter, spec.verifier, k=spec.k, prefix_cache=prefix_cache,
+                              **spec.verifier_params)
+
+
+__all__ = ["MAX_K", "VARIANTS", "SpeculativeSpec", "build_decoder", "canonical_drafter", "parse_k"]
