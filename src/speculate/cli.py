@@ -25,7 +25,7 @@ def _drafter_opt_help() -> str:
 
 
 def _k_arg(value: str):
-    from .spec import parse_k
+    from .draft_length import parse_k
 
     try:
         return parse_k(value)

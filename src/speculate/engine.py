@@ -35,7 +35,7 @@ from .models.loader import LoadedModel, check_thread
 from .sampling import Sampling, one_hot, warp
 from .stats import Stats
 from .text import Detokenizer, encode_prompt, eos_ids
-from .spec import parse_k
+from .draft_length import parse_k
 from .verifiers import Verdict, Verifier, check_auto, get_verifier, tree_rule_missing, verifier_class, verifier_for
 
 

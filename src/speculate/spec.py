@@ -21,12 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .drafters import MODEL_DRAFTERS, check_name, NEEDS_MODEL_DRAFTER, draft_model_error, parse_options, resolve
+from .draft_length import MAX_K, parse_k
+from .drafters import (HEAD_DRAFTERS, MODEL_DRAFTERS, NEEDS_MODEL_DRAFTER, check_name, draft_model_error, get_drafter,
+                       parse_options, resolve)
+from .engine import SpeculativeDecoder
 from .errors import SpeculateError
-from .verifiers import PARAMS, VERIFIERS, check_params, is_auto
+from .models import DTYPES
+from .verifiers import PARAMS, VERIFIERS, check_params, default_name
 
-MAX_K = 64
-AUTO = "auto"
 
 # Drafters whose variants are options (tree, lookup) and the old names that stand for them.
 _VARIANT_BASES = ("eagle", "medusa")
@@ -37,22 +39,6 @@ for _base in _VARIANT_BASES:
         for _lookup in (False, True):
             _name = f"{_base}{'' if _tree else '-chain'}{'+lookup' if _lookup else ''}"
             VARIANTS[_name] = (_base, {"tree": _tree, "lookup": _lookup})
-
-
-def parse_k(value) -> int | str:
-    """k as every settings path takes it: an integer in 1..64, or 'auto' (the engine sizes each round).
-    Text or a value; SpeculateError otherwise, with one text whichever path it came by."""
-    if is_auto(value):
-        return AUTO
-    number = value
-    if isinstance(value, str):
-        try:
-            number = int(value.strip())
-        except ValueError:
-            number = None
-    if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= MAX_K:
-        raise SpeculateError(f"k must be an integer in 1..{MAX_K} or 'auto', got {value!r}")
-    return number
 
 
 def _bool(name: str, key: str, value) -> bool:
@@ -137,8 +123,6 @@ class SpeculativeSpec:
                 raise SpeculateError(f"no verifier takes {', '.join(unknown)}; the parameters are: {', '.join(PARAMS)}")
         object.__setattr__(self, "params", tuple(sorted(params.items())))
         if self.dtype is not None:
-            from .models import DTYPES
-
             if self.dtype not in DTYPES:
                 raise SpeculateError(f"unknown precision '{self.dtype}'; choose one of: {', '.join(DTYPES)}")
 
@@ -191,8 +175,6 @@ class SpeculativeSpec:
 
     def with_verifier(self, greedy: bool) -> SpeculativeSpec:
         """The verifier named: the given one, else the default at this temperature (``greedy`` at 0)."""
-        from .verifiers import default_name
-
         return self if self.verifier is not None else replace(self, verifier=default_name(greedy))
 
     # -- constructors, one per settings path ---------------------------------------------------------------
@@ -200,8 +182,6 @@ class SpeculativeSpec:
     def from_cli(cls, args) -> SpeculativeSpec:
         """``speculate generate`` / ``serve`` flags: --drafter (resolved for --model), --drafter-opt, --heads,
         --verifier and its parameters, --k, --dtype; --draft-model checked against the drafter."""
-        from .drafters import HEAD_DRAFTERS
-
         options = _pairs(getattr(args, "drafter_opt", None) or [])
         name = resolve(args.drafter, args.model)
         if getattr(args, "heads", None):
@@ -260,9 +240,6 @@ def build_decoder(spec: SpeculativeSpec, target, draft_model=None, prefix_cache:
     """The decoder for ``spec`` on the loaded ``target`` (and ``draft_model`` for the drafters that take one;
     it is not passed to the others, so a server's draft model may sit beside a request's lookup). ``check_tokenizer``
     False: the draft model's tokenizer was already compared with the target's (the server does it at startup)."""
-    from .drafters import get_drafter
-    from .engine import SpeculativeDecoder
-
     spec = spec.resolved(target).check_draft_model(draft_model is not None)
     if spec.needs_draft_model:
         drafter = get_drafter(spec.registry_name, draft_model, target if check_tokenizer else None,

@@ -12,7 +12,7 @@ from pydantic_core import PydanticCustomError
 
 from ..drafters import ALL_DRAFTERS, check_name
 from ..errors import SpeculateError
-from ..spec import parse_k
+from ..draft_length import parse_k
 from ..text import ROLES, check_unicode
 from ..verifiers import PARAMS, VERIFIERS, check_params, param_help
 from .errors import APIError
