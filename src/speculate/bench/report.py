@@ -29,6 +29,7 @@ import numpy as np
 from ..models.cache import atomic_write_text
 from ..stats import alpha_mle
 from .metrics import bootstrap_ci, rouge_l
+from .records import RUN_FILE, SAMPLES_FILE, read_records
 
 QUALITY = {"humaneval": "pass@1", "gsm8k": "accuracy", "mt_bench": "ROUGE-L vs target greedy (proxy)",
            "copy": "ROUGE-L vs target greedy (proxy)"}
@@ -270,7 +271,6 @@ def plot(rows: list[dict], run: dict, out: Path) -> list[Path]:
 
 def write_report(out: Path) -> list[dict]:
     """summary.md, summary.csv and the plots from ``out``'s samples.jsonl and run.json (atomically)."""
-    from .runner import RUN_FILE, SAMPLES_FILE, read_records
 
     out = Path(out)
     run = json.loads((out / RUN_FILE).read_text()) if (out / RUN_FILE).is_file() else {}

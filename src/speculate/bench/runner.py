@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import resource
 import sys
 import time
@@ -35,9 +34,8 @@ from ..text import Detokenizer, encode_prompt, eos_ids
 from . import machine_header
 from .datasets import Sample, load_dataset
 from .methods import Method, baseline
+from .records import RUN_FILE, SAMPLES_FILE, append_record, read_records, read_run_file  # noqa: F401 (re-exported)
 
-SAMPLES_FILE = "samples.jsonl"
-RUN_FILE = "run.json"
 #: Settings that change what a method outputs: an output folder holds one value of each.
 FIXED = ("model", "draft_model", "dtype", "draft_dtype", "max_new_tokens", "shots", "seed")
 
@@ -202,52 +200,7 @@ def run_sample(runner: Runner, sample: Sample, cfg: BenchConfig) -> dict:
             "spec": runner.method.to_dict()}
 
 
-# --- the results file --------------------------------------------------------------------------------------
-
-def read_records(path: Path, repair: bool = True) -> list[dict]:
-    """The records of ``samples.jsonl``. A torn last line (a run killed mid-write) is dropped, and with
-    ``repair`` (a run about to append) the file rewritten without it so that appends continue on a clean
-    line; readers that only analyse (``speculate calc --from-results``) leave the file as it is."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpeculateError(f"{path}: cannot read it ({e.__class__.__name__})") from None
-    records, good = [], []
-    for i, line in enumerate(lines):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if i != len(lines) - 1:
-                raise SpeculateError(f"{path}: line {i + 1} is not JSON; the file is damaged") from None
-            continue
-        if not (isinstance(record, dict) and all(isinstance(record.get(k), str) for k in ("method", "dataset", "id"))
-                and isinstance(record.get("turns"), list) and isinstance(record.get("quality"), dict)):
-            raise SpeculateError(f"{path}: line {i + 1} is not a result record; the file is damaged")
-        records.append(record)
-        good.append(line if line.endswith("\n") else line + "\n")
-    if repair and (len(good) != len(lines) or (lines and not lines[-1].endswith("\n"))):
-        atomic_write_text(path, "".join(good))
-    return records
-
-
-def append_record(path: Path, record: dict) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def read_run_file(folder: Path) -> dict | None:
-    """``run.json`` of a results folder as a dict; None when it is unreadable or not a JSON object."""
-    try:
-        run = json.loads((Path(folder) / RUN_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return run if isinstance(run, dict) else None
-
+# --- the results file: bench/records.py ------------------------------------------------------------------
 
 def _check_run_file(out: Path, cfg: BenchConfig) -> dict:
     path = out / RUN_FILE

@@ -302,7 +302,7 @@ def _from_results(args) -> int:
     from pathlib import Path
 
     from ..bench.report import summarise
-    from ..bench.runner import RUN_FILE, SAMPLES_FILE, read_records, read_run_file
+    from ..bench.records import RUN_FILE, SAMPLES_FILE, read_records, read_run_file
 
     folder = Path(args.from_results)
     if not (folder / RUN_FILE).is_file() or not (folder / SAMPLES_FILE).is_file():

@@ -76,7 +76,7 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
         asyncio.get_running_loop().call_later(config.shutdown_grace, pool.end_running, error)
 
     app.state.begin_shutdown = begin_shutdown
-    install_error_handlers(app, config.api_key)
+    install_error_handlers(app, partial(check_api_key, api_key=config.api_key))
     app.router.redirect_slashes = False  # its 307 built the Location from the (client's) Host header
     app.add_middleware(HostGuard, bound_host=config.host, allowed_hosts=config.allowed_hosts,
                        keyless=config.api_key is None)

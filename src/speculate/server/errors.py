@@ -75,8 +75,9 @@ def _path_in(data, loc: list) -> list:
     return path
 
 
-def install_error_handlers(app: FastAPI, api_key: str | None = None) -> None:
-    """``api_key``: an unknown /v1 path answers 401 before 404 to a client without it (no route map for them)."""
+def install_error_handlers(app: FastAPI, authorize=None) -> None:
+    """``authorize(request)``: raises the 401 for a client without the key (server/auth.py); an unknown /v1 path
+    answers it before its 404, so that no client without the key learns the route map."""
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return exc.response()
@@ -95,11 +96,9 @@ def install_error_handlers(app: FastAPI, api_key: str | None = None) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        if request.url.path.startswith("/v1/"):
-            from .auth import check_api_key
-
+        if authorize is not None and request.url.path.startswith("/v1/"):
             try:
-                check_api_key(request, api_key)
+                authorize(request)
             except APIError as refused:
                 return refused.response()
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
