@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from speculate import SpeculativeDecoder
-from speculate.calc import auto
-from speculate.calc.auto import AutoK, calibrate_eps, mean_nll, profile_for, profile_path
+from speculate import auto
+from speculate.auto import AutoK, calibrate_eps, mean_nll, profile_for, profile_path
 from speculate.calc.speedup import best_k, expected_tokens
 from speculate.drafters import get_drafter
 from speculate.errors import SpeculateError

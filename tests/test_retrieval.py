@@ -161,14 +161,15 @@ def test_options_refusals_and_the_command_line(tiny, tiny_folders, tmp_path, cap
     capsys.readouterr()
     assert main(["generate", "abc", "--model", model, "--drafter", "retrieval", "--max-new-tokens", "8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "no answer store ships for" in err[0] and "--kind answers" in err[0]
+    assert len(err) == 1 and "no answer store ships for" in err[0] and "speculate train-answers" in err[0]
 
 
-def test_train_heads_writes_an_answer_store(tiny_folders, tmp_path, capsys):
-    """`speculate train-heads --kind answers`: the data's answers (no hidden states, no training) as a store
-    the drafter loads; a later run with the same data reads them instead of generating again."""
+@pytest.mark.parametrize("command", [["train-answers"], ["train-heads", "--kind", "answers"]])  # (the old spelling)
+def test_train_answers_writes_an_answer_store(tiny_folders, tmp_path, capsys, command):
+    """`speculate train-answers`: the data's answers (no hidden states, no training) as a store the drafter
+    loads; a later run with the same data reads them instead of generating again."""
     out = tmp_path / "answers"
-    args = ["train-heads", "--kind", "answers", "--model", str(tiny_folders[0]), "--out", str(out), "--prompts", "4",
+    args = [*command, "--model", str(tiny_folders[0]), "--out", str(out), "--prompts", "4",
             "--max-new-tokens", "6", "--quiet"]
     assert main(args) == 0
     store = AnswerStore.load(out / FILE, min_count=1)

@@ -43,7 +43,7 @@ def _drafter_arg(value: str) -> str:
 
 
 def _eps_arg(value: str):
-    from .calc.auto import parse_auto
+    from .auto import parse_auto
 
     try:
         return parse_auto(value, float, "--eps")
@@ -214,6 +214,13 @@ def _parser() -> argparse.ArgumentParser:
         description="Self-distillation: the target answers a prompt set, its hidden states are cached, and "
                     "draft heads are trained on them (resumable; writes safetensors + config.json)."))
 
+    from .answers import add_arguments as add_answers_arguments
+
+    add_answers_arguments(sub.add_parser(
+        "train-answers", help="build the retrieval drafter's answer store from a target's own answers",
+        description="The target answers the self-distillation prompt set (greedy; cached, shared with train-heads) "
+                    "and its answers become an n-gram table the retrieval drafter drafts from (no training)."))
+
     from .bench.command import add_arguments as add_bench_arguments
 
     add_bench_arguments(sub.add_parser(
@@ -291,7 +298,15 @@ def _calc(args) -> int:
 
 
 def _train_heads(args) -> int:
+    if args.kind == "answers":  # the former spelling of train-answers
+        return _train_answers(args)
     from .heads.command import run
+
+    return run(args)
+
+
+def _train_answers(args) -> int:
+    from .answers import run
 
     return run(args)
 
@@ -320,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             warnings.showwarning = _one_line_warnings(warnings.showwarning)
             args = _parser().parse_args(argv)
             return {"generate": _generate, "serve": _serve, "calc": _calc, "bench": _bench,
-                    "train-heads": _train_heads}[args.command](args)
+                    "train-heads": _train_heads, "train-answers": _train_answers}[args.command](args)
     except SpeculateError as e:
         print(f"speculate: error: {e}", file=sys.stderr)
         return 2

@@ -26,7 +26,7 @@ from typing import Iterator
 
 import torch
 
-from .calc.auto import AutoK, FixedK, calibrate_eps, is_auto, profile_for
+from .auto import AutoK, FixedK, calibrate_eps, is_auto, profile_for
 from .drafters import Drafter, get_drafter
 from .errors import SpeculateError
 from .models import exactness

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass, fields
 
-from ..calc.auto import is_auto
+from ..auto import is_auto
 from ..errors import SpeculateError
 from ..spec import SpeculativeSpec
 from ..verifiers import VERIFIERS, verifier_for

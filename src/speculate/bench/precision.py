@@ -16,7 +16,7 @@ import json
 import sys
 from datetime import date
 
-from ..calc.auto import teacher_forced
+from ..auto import teacher_forced
 from ..models import DEFAULT_MODEL, DTYPES, load_model
 from . import emit, machine_header, script
 from .datasets import default_data_dir

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from ..calc.auto import calibrate_eps, chinchilla_eps, profile_for, teacher_forced
+from ..auto import calibrate_eps, chinchilla_eps, profile_for, teacher_forced
 from ..engine import SpeculativeDecoder
 from ..spec import build_decoder
 from ..errors import SpeculateError

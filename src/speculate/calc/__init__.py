@@ -8,7 +8,7 @@
 
 ``recommend_k(load_profile(path), alpha, c)`` picks k from a saved profile, with c = 0 for prompt lookup
 or ``profile.c`` for the draft model the profile was measured with; ``--k auto`` does that every round with
-the running α estimate (:mod:`.auto`).
+the running α estimate (:mod:`speculate.auto`, beside the engine).
 """
 
 from .profile import Profile, load_profile, measure_profile, save_profile

@@ -329,7 +329,7 @@ def _eps_auto(args) -> int:
     from pathlib import Path
 
     from ..models import DEFAULT_MODEL, load_model
-    from .auto import calibrate_eps, calibration_text, chinchilla_eps, mean_nll
+    from ..auto import calibrate_eps, calibration_text, chinchilla_eps, mean_nll
 
     text = calibration_text()
     if args.calibration:

@@ -151,8 +151,8 @@ def find_store(target, path: str | Path | None = None, **settings) -> AnswerStor
     if path is None:
         folder = shipped_store(target)
         if folder is None:
-            raise SpeculateError(f"no answer store ships for '{target.name}'; build one with `speculate train-heads "
-                                 f"--kind answers --model {target.name} --out DIR` and pass store=DIR")
+            raise SpeculateError(f"no answer store ships for '{target.name}'; build one with `speculate train-answers "
+                                 f"--model {target.name} --out DIR` and pass store=DIR")
         path = folder
     path = Path(path)
     if path.is_dir():

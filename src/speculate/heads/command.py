@@ -24,16 +24,15 @@ DEFAULTS = {"prompts": 2048, "max_new_tokens": 160, "batch": 16, "medusa_steps":
             "heads": 4, "vocab_subset": 8192, "unroll": 2}
 
 
-def add_arguments(parser) -> None:
+def add_data_arguments(parser, out_help: str) -> None:
+    """The flags of the self-distillation data (the target answering a prompt set), shared with
+    ``speculate train-answers`` (speculate/answers.py)."""
     from ..models import ALIASES, DEFAULT_MODEL
 
-    parser.add_argument("--kind", required=True, choices=("medusa", "eagle", "answers"),
-                        help="which heads to train; answers: no training, the answer store of the retrieval drafter "
-                             "(the data's answers, written to --out/answers.safetensors)")
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"target model: an alias ({', '.join(ALIASES)}) or a local Hugging Face folder "
                              f"(default {DEFAULT_MODEL})")
-    parser.add_argument("--out", required=True, help="output folder: the heads, the checkpoint and the data cache")
+    parser.add_argument("--out", required=True, help=out_help)
     parser.add_argument("--data-dir", help="where to cache the self-distillation data (default: --out)")
     parser.add_argument("--prompts", type=int, default=DEFAULTS["prompts"],
                         help=f"prompts to answer for the training data (default {DEFAULTS['prompts']})")
@@ -41,6 +40,33 @@ def add_arguments(parser) -> None:
                         help=f"longest answer per prompt (default {DEFAULTS['max_new_tokens']})")
     parser.add_argument("--gen-batch", type=int, default=DEFAULTS["batch"],
                         help=f"prompts per generate() batch (default {DEFAULTS['batch']})")
+
+
+def data_folders(args) -> tuple[Path, Path]:
+    """(--out, --data-dir) after checking the data flags and creating both folders — before any model loads, so a
+    mistake is one line, not a traceback later."""
+    from ..models.cache import make_folder
+
+    for flag, value in (("--prompts", args.prompts), ("--max-new-tokens", args.max_new_tokens),
+                        ("--gen-batch", args.gen_batch)):
+        if value < 1:
+            raise SpeculateError(f"{flag} must be >= 1, got {value}")
+    out = Path(args.out)
+    data_dir = Path(args.data_dir) if args.data_dir else out
+    for flag, folder in (("--out", out), ("--data-dir", data_dir)):
+        make_folder(folder, flag)
+    return out, data_dir
+
+
+def log(msg: str) -> None:
+    print(f"speculate: {msg}", file=sys.stderr, flush=True)
+
+
+def add_arguments(parser) -> None:
+    # "answers" is the former spelling of `speculate train-answers` (cli.py routes it there).
+    parser.add_argument("--kind", required=True, choices=("medusa", "eagle", "answers"),
+                        help="which heads to train (answers: the same as `speculate train-answers`)")
+    add_data_arguments(parser, "output folder: the heads, the checkpoint and the data cache")
     parser.add_argument("--steps", type=int,
                         help=f"optimizer steps (default {DEFAULTS['medusa_steps']} for medusa, "
                              f"{DEFAULTS['eagle_steps']} for eagle; --epochs instead sets them from the data size)")
@@ -71,14 +97,11 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from ..models import load_model
-    from ..models.cache import make_folder
     from .data import build_data
     from .io import check_feature_layers, save_heads
     from .train import train_heads
 
-    for flag, value, low in (("--prompts", args.prompts, 1), ("--max-new-tokens", args.max_new_tokens, 1),
-                             ("--gen-batch", args.gen_batch, 1), ("--heads", args.heads, 1),
-                             ("--checkpoint-every", args.checkpoint_every, 1),
+    for flag, value, low in (("--heads", args.heads, 1), ("--checkpoint-every", args.checkpoint_every, 1),
                              ("--vocab-subset", args.vocab_subset, 0), ("--unroll", args.unroll, 1)):
         if value < low:
             raise SpeculateError(f"{flag} must be >= {low}, got {value}")
@@ -91,18 +114,9 @@ def run(args) -> int:
     feature_layers = _layers(args.feature_layers, args.kind)
     loss_weights = _loss_weights(args.loss_weights, args.kind)
     progress = not args.quiet
-    out = Path(args.out)
-    data_dir = Path(args.data_dir) if args.data_dir else out
-    for flag, folder in (("--out", out), ("--data-dir", data_dir)):
-        make_folder(folder, flag)  # before the model loads: one line, not a traceback later
-
-    def log(msg):
-        print(f"speculate: {msg}", file=sys.stderr, flush=True)
-
+    out, data_dir = data_folders(args)
     t0 = time.perf_counter()
     target = load_model(args.model, progress=progress)
-    if args.kind == "answers":
-        return _answer_store(target, args, data_dir, out, progress, log)
     check_feature_layers(feature_layers, target, "--feature-layers")
     data = build_data(target, data_dir, args.prompts, args.max_new_tokens, args.gen_batch, progress=progress,
                       feature_layers=feature_layers)
@@ -128,20 +142,6 @@ def run(args) -> int:
     save_heads(out, heads, target.name, vocab_size, meta, torch.float32 if args.fp32 else torch.float16)
     log(f"saved {args.kind} heads to {out} (held-out top-1: {meta.get('heldout_top1')}, vocabulary coverage "
         f"{meta['vocab_coverage']:.1%}) in {meta['train_seconds_total']:.0f} s")
-    return 0
-
-
-def _answer_store(target, args, data_dir: Path, out: Path, progress: bool, log) -> int:
-    """``--kind answers``: the data's answers (generated unless cached) as the retrieval drafter's store."""
-    from ..drafters.answer_store import FILE, save_store
-    from .data import build_answers
-
-    answers = build_answers(target, data_dir, args.prompts, args.max_new_tokens, args.gen_batch, progress)
-    meta = {"model": target.name, "vocab_size": int(target.model.get_output_embeddings().out_features),
-            "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
-            "answer_tokens": sum(len(a) for a in answers)}
-    save_store(out / FILE, answers, meta)
-    log(f"saved the answer store ({len(answers)} answers, {meta['answer_tokens']} tokens) to {out / FILE}")
     return 0
 
 

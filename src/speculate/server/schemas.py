@@ -26,7 +26,7 @@ class _Speculative(BaseModel):
 
     drafter: str | None = Field(None, description="one of: " + ", ".join(ALL_DRAFTERS))
     verifier: Literal[tuple(VERIFIERS)] | None = None
-    k: int | Literal["auto"] | None = None  # auto: sized per round (calc/auto.py); 1..64: spec.parse_k
+    k: int | Literal["auto"] | None = None  # auto: sized per round (speculate/auto.py); 1..64: spec.parse_k
 
     @field_validator("drafter", "k")
     @classmethod

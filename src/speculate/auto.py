@@ -35,11 +35,11 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from ..errors import SpeculateError
-from ..stats import alpha_mle
-from .profile import Profile, load_profile, measure_profile, save_profile
-from .scaling import chinchilla_loss
-from .speedup import best_k
+from .calc.profile import Profile, load_profile, measure_profile, save_profile
+from .calc.scaling import chinchilla_loss
+from .calc.speedup import best_k
+from .errors import SpeculateError
+from .stats import alpha_mle
 
 #: Largest k that ``--k auto`` considers (the profile covers n = 1..AUTO_K_MAX + 1).
 AUTO_K_MAX = 8
@@ -61,7 +61,7 @@ def profile_path(target, draft=None) -> Path:
     another precision says nothing about this one."""
     import torch
 
-    from ..models.cache import cache_root
+    from .models.cache import cache_root
 
     parts = [f"{target.name}@{target.dtype}"]
     if draft is not None:
