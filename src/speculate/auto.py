@@ -40,6 +40,7 @@ from .calc.scaling import chinchilla_loss
 from .calc.speedup import best_k
 from .errors import SpeculateError
 from .stats import alpha_mle
+from .verifiers.params import is_auto  # noqa: F401 (one reading of 'auto', re-exported for the settings paths)
 
 #: Largest k that ``--k auto`` considers (the profile covers n = 1..AUTO_K_MAX + 1).
 AUTO_K_MAX = 8
@@ -200,10 +201,6 @@ def chinchilla_eps(loaded) -> float | None:
         return None
     n_params = sum(p.numel() for p in loaded.model.parameters())
     return chinchilla_loss(n_params, tokens)
-
-
-def is_auto(value) -> bool:
-    return isinstance(value, str) and value.strip().lower() == "auto"
 
 
 def parse_auto(value: str, kind: type, flag: str):

@@ -15,7 +15,7 @@ AUTO = "auto"
 
 
 def is_auto(value) -> bool:
-    """The value 'auto' (any case, surrounding spaces), as ``speculate.auto.is_auto`` reads it."""
+    """The value 'auto' (any case, surrounding spaces): the one reading of it (``speculate.auto`` re-exports it)."""
     return isinstance(value, str) and value.strip().lower() == AUTO
 
 
