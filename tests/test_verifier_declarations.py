@@ -23,7 +23,6 @@ from speculate.verifiers.consultant import ConsultantVerifier
 from speculate.verifiers.greedy import GreedyVerifier
 from speculate.verifiers.mentored import MentoredVerifier
 from speculate.verifiers.sample import SampleVerifier
-from speculate.verifiers.typical import TypicalVerifier
 
 from conftest import noisy_copy
 

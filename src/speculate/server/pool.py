@@ -59,7 +59,10 @@ class Job:
 
     def stopped(self) -> None:
         """From the worker: the job stopped early — 'error' with what ended it, else 'cancelled'."""
-        self.emit("error", self.ended_by) if self.ended_by is not None else self.emit("cancelled")
+        if self.ended_by is not None:
+            self.emit("error", self.ended_by)
+        else:
+            self.emit("cancelled")
 
 
 class _Call:
