@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from speculate import load_model
-from speculate.models.loader import int8_cache_folder
+from speculate.models.loader import QUANTIZED, quantized_cache_folder
 from speculate.models.tiny import save_tiny_model
 
 
@@ -21,7 +21,8 @@ def tiny_folders(tmp_path_factory):
     # Tests that load these at int8 without a cache of their own quantize into the user's cache, under this
     # session's temporary paths: remove those entries, or every run would leave new ones behind.
     for folder in folders.values():
-        shutil.rmtree(int8_cache_folder(str(folder), folder), ignore_errors=True)
+        for kind in QUANTIZED:
+            shutil.rmtree(quantized_cache_folder(str(folder), folder, kind), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -159,7 +159,7 @@ def test_int8_model_structure_and_fast_path(int8_tiny, tiny):
     model = int8_tiny.model
     layer = model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, quantize.Int8Linear)
-    assert isinstance(layer.self_attn.q_proj, quantize.Int8Part)
+    assert isinstance(layer.self_attn.q_proj, quantize.LinearPart)
     assert isinstance(model.lm_head, quantize.Int8Linear)
     # No fp32 copy of a quantized layer is left, and the embedding stays fp32 for the lookup.
     assert not any(isinstance(m, nn.Linear) for m in model.modules())

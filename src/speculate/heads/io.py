@@ -183,7 +183,7 @@ def drafting_parts(loaded, kind: str, folder: str | Path | None = None) -> Draft
         weight = subset_weight(lm_head_weight(loaded.model), heads.vocab)
         lm = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         lm.weight = nn.Parameter(weight, requires_grad=False)
-        if getattr(loaded, "dtype", "fp32") == "int8":
+        if getattr(loaded, "dtype", "fp32") in ("int8", "q4"):
             heads, lm = quantize_linears(heads), quantize_linears(lm)
         parts = DraftingParts(heads, config, where, lm, feature_scale(loaded.model), weight_bytes(loaded.model))
         if key is None:

@@ -9,8 +9,8 @@ moving a length back. The Hugging Face modules are re-pointed at views of the fu
 paths share one copy and the HF model stays usable (it is the reference in the tests).
 
 The linear layers are callables: ``F.linear`` on the fused fp32 weights, or, for a model loaded with
-``dtype="int8"``, the fused int8 layers that models/quantize.py built (the HF modules are then views of
-those). int8 models also use an attention whose every sum runs in a fixed order over a row's own keys (the
+``dtype="int8"`` or ``"q4"``, the fused layers that models/quantize.py or models/blocks.py built (the HF modules
+are then views of those). Quantized models also use an attention whose every sum runs in a fixed order over a row's own keys (the
 compiled kernel of models/kernel.py, or integer sums in models/exact_attention.py), so that a row's logits are
 the same bits whether it is verified with others or decoded alone; models/exactness.py checks it at load.
 
@@ -29,7 +29,7 @@ from torch import nn
 from ..tree_shape import depths_and_ancestors
 from . import exact_attention, exactness, kernel
 from .loader import LoadedModel
-from .quantize import Int8Linear, Int8Part, is_int8
+from .quantize import LinearPart, QuantizedLinear, is_quantized
 
 SUPPORTED = {"llama", "qwen2", "mistral"}
 
@@ -43,16 +43,17 @@ def supports(model: nn.Module) -> bool:
     if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
         return False
     layer = model.model.layers[0]
-    # Plain nn.Linear layers, or the int8 layers of models/quantize.py (fused, as that module builds them).
+    # Plain nn.Linear layers, or the quantized layers of models/quantize.py and blocks.py (fused, as they build them).
     mods = (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj, model.lm_head)
-    return all(type(m) is nn.Linear or is_int8(m) for m in mods)
+    return all(type(m) is nn.Linear or is_quantized(m) for m in mods)
 
 
 def _fuse(modules: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
     """One callable computing the concatenated outputs of ``modules`` with one matmul.
 
     fp32: the weights (and biases) are concatenated and each module is pointed at its slice, so both
-    paths share one copy. int8: quantize.py already fused them (the modules are parts of one layer)."""
+    paths share one copy. int8 and q4: quantize.py / blocks.py already fused them (the modules are parts of one
+    layer)."""
     if all(type(m) is nn.Linear for m in modules):
         if len(modules) == 1:
             m = modules[0]
@@ -76,9 +77,9 @@ def _fuse(modules: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
             row += rows
         modules[0]._speculate_fused = ([id(m) for m in modules], weight, bias, [m.weight.data_ptr() for m in modules])
         return partial(F.linear, weight=weight, bias=bias)
-    if len(modules) == 1 and isinstance(modules[0], Int8Linear):
+    if len(modules) == 1 and isinstance(modules[0], QuantizedLinear):
         return modules[0].matmul_2d
-    if all(isinstance(m, Int8Part) for m in modules):
+    if all(isinstance(m, LinearPart) for m in modules):
         whole, bounds = modules[0].whole, [0] + [m.stop for m in modules]
         if all(m.whole is whole and m.start == bounds[j] for j, m in enumerate(modules)) and \
                 bounds[-1] == whole.out_features:  # the parts are the whole, in order: one matmul
@@ -93,15 +94,15 @@ def _residual(module: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch
         if b is None:
             return lambda residual, x: torch.addmm(residual, x, w_t)
         return lambda residual, x: torch.addmm(residual, x, w_t).add_(b)
-    if isinstance(module, Int8Linear):
+    if isinstance(module, QuantizedLinear):
         return module.add_matmul_2d
     return lambda residual, x: residual + module(x)
 
 
 class FastKVModel:
     def __init__(self, loaded: LoadedModel, exact: bool | None = None):
-        """``exact``: batch-invariant attention (default: for int8 models, whose other ops are row-independent
-        too); False gives int8 models PyTorch's fused attention (benchmarks/probes/attention_cost.py compares)."""
+        """``exact``: batch-invariant attention (default: for int8 and q4 models, whose other ops are row-independent
+        too); False gives them PyTorch's fused attention (benchmarks/probes/attention_cost.py compares)."""
         model = loaded.model
         cfg = model.config
         self.loaded, self.model, self.config = loaded, model, cfg
@@ -120,7 +121,7 @@ class FastKVModel:
         self.layers = []
         for layer in inner.layers:
             a, mlp = layer.self_attn, layer.mlp
-            # Callables: F.linear on fused fp32 weights, or the fused int8 layers (models/quantize.py).
+            # Callables: F.linear on fused fp32 weights, or the fused quantized layers (models/quantize.py, blocks.py).
             # o_proj and down_proj also add their input's residual (one op).
             self.layers.append((layer.input_layernorm.weight, _fuse([a.q_proj, a.k_proj, a.v_proj]),
                                 _residual(a.o_proj), layer.post_attention_layernorm.weight,
@@ -130,11 +131,11 @@ class FastKVModel:
         self.dtype = self.embed.dtype
         self.length = 0
         self.k_cache = self.v_cache = None
-        # int8: an attention whose rows do not depend on the other rows of a forward, so that a row's logits are
+        # int8 and q4: an attention whose rows do not depend on the other rows of a forward, so that a row's logits are
         # the same bits verified with others or decoded alone: the compiled kernel (models/kernel.py, exact
         # fp32 arithmetic in a fixed order), else integer sums in PyTorch ops (models/exact_attention.py).
         # fp32 and bf16: PyTorch's fused attention (their matmuls are not row-independent anyway).
-        self.invariant = any(is_int8(m) for m in model.modules()) if exact is None else exact
+        self.invariant = any(is_quantized(m) for m in model.modules()) if exact is None else exact
         self.kernel = kernel.load() if self.invariant else None
         self.attention = "fused" if not self.invariant else "kernel" if self.kernel else "integer"
         self.exact_bits = exact_attention.budgets(self.head_dim, loaded.context_window)
@@ -241,7 +242,7 @@ class FastKVModel:
 
     def _attention(self, start: int, allowed: torch.Tensor | None):
         """attend(layer, q [n, heads, hd]) → [n, heads·hd] over slots 0..end-1, row r seeing the slots where
-        ``allowed[r]`` (None: all). int8 models: exact integer sums (models/exact_attention.py), so a row's
+        ``allowed[r]`` (None: all). quantized models: exact integer sums (models/exact_attention.py), so a row's
         result does not depend on the other rows or on where its keys sit; fp32: PyTorch's fused attention."""
         end = allowed.shape[1] if allowed is not None else start + 1
         if self.attention == "kernel":

@@ -53,50 +53,55 @@ def _compiler() -> str | None:
 
 
 def load():
-    """The kernel's function, or None where it cannot be built (no compiler, or a failed build; logged)."""
+    """The attention kernel's function, or None where it cannot be built (no compiler, or a failed build; logged)."""
     with _lock:
-        if "attend" in _loaded:
-            return _loaded["attend"]
-        _loaded["attend"] = fn = _build()
-        return fn
+        if "attend" not in _loaded:
+            lib = library("attention.c")
+            fn = None if lib is None else lib.speculate_attend
+            if fn is not None:
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                               ctypes.c_void_p]
+            _loaded["attend"] = fn
+        return _loaded["attend"]
 
 
-def _build():
+def library(source: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """kernels/``source`` compiled for this CPU (cached by source, flags and CPU) and loaded; None where it cannot
+    be (no compiler, a failed build: logged). ``extra``: more flags, each tried and dropped when the compiler
+    refuses it (``-fopenmp`` where the compiler has no OpenMP: the code then runs on one thread)."""
     if os.environ.get("SPECULATE_NO_KERNEL"):
         return None
     cc = _compiler()
     if cc is None:
-        log.info("no C compiler: exact attention runs on PyTorch ops")
+        log.info("no C compiler: %s is not built", source)
         return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([cc, *FLAGS, _cpu()]).encode()).hexdigest()[:16]
-    library = cache_root() / "kernels" / f"attention-{key}.so"
-    if not library.is_file():
+    path = SOURCE.with_name(source)
+    text = path.read_bytes()
+    stem = path.stem
+    for flags in ([*FLAGS, *extra], FLAGS) if extra else (FLAGS,):
+        key = hashlib.sha256(text + " ".join([cc, *flags, _cpu()]).encode()).hexdigest()[:16]
+        built = cache_root() / "kernels" / f"{stem}-{key}.so"
+        if not built.is_file():
+            try:
+                with atomic_path(built) as tmp:
+                    subprocess.run([cc, *flags, "-o", str(tmp), str(path), "-lm"], check=True,
+                                   capture_output=True, timeout=120)
+            except (OSError, subprocess.SubprocessError) as error:
+                detail = (getattr(error, "stderr", b"") or b"").decode(errors="replace")[:300]
+                log.warning("could not compile %s with %s (%s %s)", source, " ".join(flags), error, detail)
+                continue
+            # Builds of an older source (or another CPU on a shared home: rebuilt there in a second) are dropped,
+            # so they do not pile up; a process that has one loaded keeps its mapping.
+            for old in built.parent.glob(f"{stem}-*.so"):
+                if old != built:
+                    old.unlink(missing_ok=True)
         try:
-            with atomic_path(library) as tmp:
-                subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE), "-lm"], check=True,
-                               capture_output=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as error:
-            detail = getattr(error, "stderr", b"") or b""
-            log.warning("could not compile the attention kernel (%s %s); exact attention runs on PyTorch ops",
-                        error, detail.decode(errors="replace")[:300])
-            return None
-        # Builds of an older source (or another CPU on a shared home: rebuilt there in a second) are dropped, so
-        # they do not pile up; a process that has one loaded keeps its mapping.
-        for old in library.parent.glob("attention-*.so"):
-            if old != library:
-                old.unlink(missing_ok=True)
-    try:
-        lib = ctypes.CDLL(str(library))
-    except OSError as error:
-        log.warning("could not load the attention kernel (%s); exact attention runs on PyTorch ops", error)
-        return None
-    fn = lib.speculate_attend
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                   ctypes.c_void_p]
-    return fn
+            return ctypes.CDLL(str(built))
+        except OSError as error:
+            log.warning("could not load %s (%s)", built, error)
+    return None
 
 
 def mask(allowed: torch.Tensor | None) -> torch.Tensor | None:

