@@ -46,29 +46,28 @@ def reference(blocks_: torch.Tensor, kind: str, x: torch.Tensor, bias=None, resi
     dw = b[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # [out, nb]
     if kind == "Q8_0":
         qw = b[..., 2:].contiguous().view(torch.int8).long()
-        mw = torch.zeros_like(dw)
+        mw = None
     else:
         qs = b[..., 4:] if kind == "Q4_1" else b[..., 2:]
         qw = torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()
-        mw = b[..., 2:4].contiguous().view(torch.float16).float()[..., 0] if kind == "Q4_1" else -8.0 * dw
+        mw = b[..., 2:4].contiguous().view(torch.float16).float()[..., 0] if kind == "Q4_1" else None
     # Activations: int8 per block of 32, d = max|x| / 127, round half to even.
     xb = x.reshape(rows, nb, 32)
     amax = xb.abs().amax(-1)
     da = amax / 127
-    inv = torch.where(da != 0, 127 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax != 0, 127 / amax, torch.zeros_like(amax))
     qa = torch.round(xb * inv[..., None]).long()
-    sa = da * qa.sum(-1).float()
-    lanes = (qw[None] * qa[:, None]).reshape(rows, qw.shape[0], nb, 8, 4).sum(-1).float()  # exact integers
-    scale = dw[None] * da[:, None]  # [rows, out, nb]
-    acc = [torch.zeros(rows, qw.shape[0], 8), torch.zeros(rows, qw.shape[0], 8)]
+    sums = qa.sum(-1)
+    dots = (qw[None] * qa[:, None]).sum(-1)  # [rows, out, nb], exact integers
+    if kind == "Q4_0":
+        dots = dots - 8 * sums[:, None]
+    acc = torch.zeros(rows, qw.shape[0])
     mt = torch.zeros(rows, qw.shape[0])
     for j in range(nb):  # the folds, in block order
-        acc[j & 1] = acc[j & 1] + lanes[:, :, j] * scale[:, :, j, None]
-        if kind != "Q8_0":
-            mt = mt + mw[None, :, j] * sa[:, None, j]
-    v = acc[0] + acc[1]
-    s = ((v[..., 0] + v[..., 4]) + (v[..., 2] + v[..., 6])) + ((v[..., 1] + v[..., 5]) + (v[..., 3] + v[..., 7]))
-    y = s + mt
+        acc = acc + dots[:, :, j].float() * (dw[None, :, j] * da[:, None, j])
+        if kind == "Q4_1":
+            mt = mt + mw[None, :, j] * (da[:, j] * sums[:, j].float())[:, None]
+    y = acc + mt if kind == "Q4_1" else acc
     if bias is not None:
         y = y + bias
     if residual is not None:
@@ -89,6 +88,16 @@ def test_kernel_reproduces_its_arithmetic_exactly_on_random_blocks(kind):
         assert torch.equal(layer.add_matmul_2d(residual, x), reference(w, kind, x, bias, residual))
         plain = blocks.BlockLinear(w, kind, k)
         assert torch.equal(plain(x), reference(w, kind, x))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_interleaved_layout_is_a_permutation_of_the_blocks(kind):
+    for out in (1, 8, 13, 40):
+        w = random_blocks(kind, out, 96, out)
+        packed = blocks.interleave(w, kind)
+        assert packed.numel() == -(-out // blocks.GROUP) * blocks.GROUP * w.shape[1]
+        assert torch.equal(blocks.deinterleave(packed, kind, out), w)
+        assert torch.equal(blocks.BlockLinear(w, kind, 96).blocks, w)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -34,6 +34,7 @@ QK = 32  # weights a block
 # ggml type number, bytes a block
 TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 _NAMES = {number: name for name, (number, _) in TYPES.items()}
+GROUP = 8  # outputs interleaved in the layout the kernel runs (kernels/blocks.c, GROUP)
 _lock = threading.Lock()
 _fn: list = []
 
@@ -47,11 +48,49 @@ def _kernel():
             if fn is not None:
                 fn.restype = ctypes.c_int
                 fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                if lib.speculate_block_group() != GROUP:
+                    raise RuntimeError("kernels/blocks.c and models/blocks.py disagree on GROUP")
             _fn.append(fn)
         if _fn[0] is None:
             raise SpeculateError("dtype q4 needs a C compiler (cc) to build its kernel; use int8 or fp32")
         return _fn[0]
+
+
+def _parts(kind: str) -> tuple[int, int, int]:
+    """(bytes a block, fp16 scales a block, bytes of quants a block)."""
+    size = TYPES[kind][1]
+    scales = 2 if kind == "Q4_1" else 1
+    return size, scales, size - 2 * scales
+
+
+def interleave(blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """GGUF blocks [out, nb · bytes] → the layout the kernel runs (kernels/blocks.c, "Layout as run"): groups of
+    GROUP outputs, per block their scales, then their quants in units of 4 bytes, unit c of every output in turn;
+    outputs padded to a multiple of GROUP with zero blocks."""
+    size, ns, qb = _parts(kind)
+    out = blocks.shape[0]
+    groups = -(-out // GROUP)
+    padded = torch.zeros(groups * GROUP, blocks.shape[1], dtype=torch.uint8)
+    padded[:out] = blocks
+    b = padded.view(groups, GROUP, -1, size)  # [g, lane, nb, bytes]
+    scales = b[..., : 2 * ns].reshape(groups, GROUP, -1, ns, 2).permute(0, 2, 3, 1, 4)  # [g, nb, ns, lane, 2]
+    quants = b[..., 2 * ns:].reshape(groups, GROUP, -1, qb // 4, 4).permute(0, 2, 3, 1, 4)  # [g, nb, c, lane, 4]
+    nb = b.shape[2]
+    return torch.cat([scales.reshape(groups, nb, -1), quants.reshape(groups, nb, -1)], -1).reshape(groups, -1)
+
+
+def deinterleave(packed: torch.Tensor, kind: str, out: int) -> torch.Tensor:
+    """:func:`interleave`'s inverse: GGUF blocks [out, nb · bytes]."""
+    size, ns, qb = _parts(kind)
+    groups = packed.shape[0]
+    p = packed.view(groups, -1, GROUP * size)
+    nb = p.shape[1]
+    scales = p[..., : 2 * ns * GROUP].reshape(groups, nb, ns, GROUP, 2).permute(0, 3, 1, 2, 4)
+    quants = p[..., 2 * ns * GROUP:].reshape(groups, nb, qb // 4, GROUP, 4).permute(0, 3, 1, 2, 4)
+    b = torch.cat([scales.reshape(groups, GROUP, nb, -1), quants.reshape(groups, GROUP, nb, -1)], -1)
+    return b.reshape(groups * GROUP, nb * size)[:out].contiguous()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -92,26 +131,31 @@ class BlockLinear(QuantizedLinear):
         self.out_features, self.in_features = blocks.shape[0], in_features
         if blocks.dtype != torch.uint8 or blocks.shape[1] != in_features // QK * TYPES[kind][1]:
             raise SpeculateError(f"{kind} blocks of shape {tuple(blocks.shape)} do not hold {in_features} inputs")
-        self.register_buffer("blocks", blocks.contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self._fn = _kernel()
+        # Only the interleaved copy is kept (the GGUF layout is a permutation of its bytes: deinterleave).
+        self.register_buffer("packed", interleave(blocks, kind))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
-    def tensors(self) -> tuple[torch.Tensor, str]:
-        return self.blocks, self.kind
+    @property
+    def blocks(self) -> torch.Tensor:
+        """The GGUF blocks [out, nb · bytes]."""
+        return deinterleave(self.packed, self.kind, self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize(self.blocks, self.kind)
 
     def weight_bytes(self) -> int:
-        return self.blocks.numel()
+        return self.packed.numel()
 
-    def _run(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor | None = None,
+             eps: float = 0.0, act: bool = False) -> torch.Tensor:
         x = x.float().contiguous()
         rows = x.shape[0]
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
         if residual is not None:
             residual = residual.float().contiguous()
-        rc = self._fn(self.type, self.blocks.data_ptr(), self.out_features, self.in_features, x.data_ptr(), rows,
+        rc = self._fn(self.type, self.packed.data_ptr(), self.out_features, self.in_features, x.data_ptr(), rows,
+                      None if norm is None else norm.data_ptr(), eps, int(act),
                       None if self.bias is None else self.bias.data_ptr(),
                       None if residual is None else residual.data_ptr(), y.data_ptr(), torch.get_num_threads())
         if rc:
@@ -123,6 +167,14 @@ class BlockLinear(QuantizedLinear):
 
     def add_matmul_2d(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, residual)
+
+    def norm_matmul_2d(self, x: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+        """``matmul_2d(rms_norm(x) · norm)``, the norm computed in the kernel (kernels/blocks.c, prepare_row)."""
+        return self._run(x, None, norm, eps)
+
+    def add_silu_matmul_2d(self, residual: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        """``residual + matmul_2d(silu(gate) · up)`` for gate_up = [gate | up], the SiLU in the kernel."""
+        return self._run(gate_up, residual, act=True)
 
     def extra_repr(self) -> str:
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}, " \

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..tree_shape import depths_and_ancestors
 from . import exact_attention, exactness, kernel
+from .blocks import BlockLinear
 from .loader import LoadedModel
 from .quantize import LinearPart, QuantizedLinear, is_quantized
 
@@ -87,6 +88,11 @@ def _fuse(modules: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: torch.cat([m(x) for m in modules], dim=-1)  # any other mix: correct, unfused
 
 
+def _whole(module: nn.Module) -> nn.Module:
+    """The fused layer a :class:`LinearPart` belongs to, or the module itself."""
+    return module.whole if isinstance(module, LinearPart) else module
+
+
 def _residual(module: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``f(residual, x) = residual + module(x)`` with the sum fused into the matmul (o_proj, down_proj)."""
     if type(module) is nn.Linear:
@@ -143,6 +149,15 @@ class FastKVModel:
         self.k_slot_dim = 3 if self.attention == "kernel" else 2  # the kernel's keys are stored transposed
         # Whether a batched forward gives each row the bits it gets alone is checked once per loaded model on
         # this machine (models/exactness.py); where not, rows run one at a time (exact, slower).
+        # q4: each layer in five kernel calls (norms, rotary, cache writes and SiLU inside them; _block_layers).
+        self.blocks = None
+        if self.attention == "kernel" and kernel.load_rope():
+            wholes = [[_whole(m) for m in (a.q_proj, a.o_proj, mlp.gate_proj, mlp.down_proj)]
+                      for a, mlp in ((layer.self_attn, layer.mlp) for layer in inner.layers)]
+            if all(isinstance(w, BlockLinear) for ws in wholes for w in ws):
+                self.blocks = [(layer.input_layernorm.weight.float().contiguous(), qkv, o,
+                                layer.post_attention_layernorm.weight.float().contiguous(), gate_up, down)
+                               for layer, (qkv, o, gate_up, down) in zip(inner.layers, wholes)]
         self.row_by_row = False
         if self.invariant:
             self.row_by_row = not exactness.check(self)
@@ -204,6 +219,8 @@ class FastKVModel:
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
         """The decoder over new rows at cache slots length.., then ``length`` moves past them. Returns the
         final-normed rows, followed (EAGLE-3) by the outputs of the layers in ``taps``."""
+        if self.blocks is not None:
+            return self._block_layers(tokens, positions, allowed)
         n, start = tokens.shape[0], self.length
         end = start + n
         attend = self._attention(start, allowed)
@@ -237,6 +254,27 @@ class FastKVModel:
             if i in self.taps:  # a fused EAGLE head also reads this layer's output (a new tensor: no copy)
                 tapped.append(x)
         self.length = end
+        x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
+        return torch.cat([x, *tapped], dim=-1) if tapped else x
+
+    def _block_layers(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`_layers` for q4 models: per layer, five compiled calls (kernels/blocks.c, attention.c) and no
+        PyTorch op between them; every one computes a row from that row alone."""
+        n, start = tokens.shape[0], self.length
+        attend = self._attention(start, allowed)
+        eps, nh = self.eps, self.n_heads
+        x = F.embedding(tokens, self.embed)  # [n, hidden]
+        cos, sin = self.rotary(x, positions[None])
+        cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [n, hd]
+        tapped = []
+        for i, (ln1, qkv, o_proj, ln2, gate_up, down) in enumerate(self.blocks):
+            out = qkv.norm_matmul_2d(x, ln1, eps)  # RMSNorm + fused q/k/v
+            q = kernel.rope_write(out, cos, sin, self.k_layers[i], self.v_layers[i], start, nh)  # rotary, cache
+            x = o_proj.add_matmul_2d(x, attend(i, q))  # x + o_proj(attention)
+            x = down.add_silu_matmul_2d(x, gate_up.norm_matmul_2d(x, ln2, eps))  # x + down(silu(gate) · up)
+            if i in self.taps:
+                tapped.append(x)
+        self.length = start + n
         x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
         return torch.cat([x, *tapped], dim=-1) if tapped else x
 

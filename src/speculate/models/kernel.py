@@ -64,7 +64,33 @@ def load():
                                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
                                ctypes.c_void_p]
             _loaded["attend"] = fn
+            rope = None if lib is None else lib.speculate_rope_write
+            if rope is not None:
+                rope.restype = None
+                rope.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                 ctypes.c_int64, ctypes.c_void_p]
+            _loaded["rope"] = rope
         return _loaded["attend"]
+
+
+def load_rope():
+    """The rotary/cache-write function of the attention kernel (None where the kernel is not built)."""
+    load()
+    return _loaded.get("rope")
+
+
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor,
+               start: int, heads: int) -> torch.Tensor:
+    """Rotary embedding of qkv's q and k heads [n, (heads + 2 kv) d] with cos/sin [n, d], keys and values written at
+    slots start.. of one layer's buffers (kernels/attention.c, speculate_rope_write); returns the queries
+    [n, heads, d]. Needs :func:`load` to have built the kernel."""
+    kv, d, capacity = keys_t.shape
+    n = qkv.shape[0]
+    q = torch.empty(n, heads, d, dtype=torch.float32)
+    _loaded["rope"](qkv.data_ptr(), n, heads, kv, d, cos.data_ptr(), sin.data_ptr(), keys_t.data_ptr(),
+                    values.data_ptr(), capacity, start, q.data_ptr())
+    return q
 
 
 def library(source: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:

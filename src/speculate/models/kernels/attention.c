@@ -61,6 +61,34 @@ static inline __attribute__((always_inline)) void weigh(const float *restrict e,
     for (int i = 0; i < d; i++) o[i] = acc[i] * inv;
 }
 
+/* Rotary embedding of the q and k heads of new rows, and their keys and values written into the cache. qkv
+ * [n, (heads + 2 kv_heads) d] (q heads, k heads, v heads); cos, sin [n, d]; x·cos + rotate_half(x)·sin, element i:
+ * x_i c_i − x_{i+h} s_i below h = d/2, x_i c_i + x_{i−h} s_i above, each product and the sum rounded on its own.
+ * Row r goes to slot start + r of kt [kv_heads, d, capacity] (transposed) and v [kv_heads, capacity, d]; the
+ * rotated queries to q [n, heads, d]. */
+void speculate_rope_write(const float *restrict qkv, int n, int heads, int kv_heads, int d,
+                          const float *restrict cos, const float *restrict sin, float *restrict kt,
+                          float *restrict v, int64_t capacity, int64_t start, float *restrict q) {
+    const int h = d / 2, width = (heads + 2 * kv_heads) * d;
+    for (int r = 0; r < n; r++) {
+        const float *row = qkv + (int64_t)r * width, *c = cos + (int64_t)r * d, *s = sin + (int64_t)r * d;
+        for (int head = 0; head < heads + kv_heads; head++) {
+            const float *x = row + head * d;
+            float out[MAX_D];
+            for (int i = 0; i < h; i++) out[i] = x[i] * c[i] - x[i + h] * s[i];
+            for (int i = h; i < d; i++) out[i] = x[i] * c[i] + x[i - h] * s[i];
+            if (head < heads) {
+                memcpy(q + ((int64_t)r * heads + head) * d, out, sizeof(float) * d);
+            } else {
+                float *keys = kt + (int64_t)(head - heads) * d * capacity + start + r;
+                for (int i = 0; i < d; i++) keys[(int64_t)i * capacity] = out[i];
+            }
+        }
+        for (int g = 0; g < kv_heads; g++)
+            memcpy(v + ((int64_t)g * capacity + start + r) * d, row + (heads + kv_heads + g) * d, sizeof(float) * d);
+    }
+}
+
 int speculate_attend(const float *restrict q, const float *restrict kt, const float *restrict v, int64_t capacity,
                      const uint8_t *restrict allowed, int n, int heads, int kv_heads, int d, int length,
                      float scaling, float *restrict out) {
