@@ -55,7 +55,8 @@ def add_arguments(p) -> None:
     p.add_argument("--method", action="append", help="one extra method, e.g. 'verifier=mentored,k=4,D=0.3,"
                                                      "temperature=0.3' (repeatable)")
     p.add_argument("--baselines", help=f"comma-separated from {', '.join(BASELINES[1:])} (plain always runs; "
-                                       f"default hf_generate, plus hf_assisted with a draft model)")
+                                       f"default hf_generate, plus hf_assisted with a draft model; llama_cpp: "
+                                       f"llama.cpp on a model alias's GGUF, needs pip install -e '.[llamacpp]')")
     p.add_argument("--sandbox-timeout", type=float, help="seconds per HumanEval test run (default 10)")
     p.add_argument("--prefix-cache", action="store_true", default=None,
                    help="each method's decoder keeps the KV of the prompt prefix it shares with its last "

@@ -6,7 +6,9 @@ Decoding paper names them (Table 1): SD = speculative decoding with the lossless
 temperature 0, ``sample`` above), MD = Mentored Decoding, CD = Consultant Decoding, TA = Medusa's
 typical acceptance; ``plain`` is our engine with no drafts (the speedup baseline); ``hf_generate``,
 ``hf_assisted`` (``assistant_model=``) and ``hf_lookup`` (``prompt_lookup_num_tokens=``) are Hugging
-Face's own, run on the same target in the same process.
+Face's own, run on the same target in the same process; ``llama_cpp`` is llama.cpp (llama-cpp-python, the
+optional extra ``llamacpp``) greedy on the model alias's own GGUF file, fed the same prompt ids
+(bench/llama_cpp.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from ..errors import SpeculateError
 from ..spec import SpeculativeSpec
 from ..verifiers import VERIFIERS, verifier_for
 
-BASELINES = ("plain", "hf_generate", "hf_assisted", "hf_lookup")
+BASELINES = ("plain", "hf_generate", "hf_assisted", "hf_lookup", "llama_cpp")
 METHOD_KEYS = ("drafter", "verifier", "k", "temperature", "eps", "beta", "D")  # the rest: the drafter's options
 FAMILY = {"greedy": "SD", "sample": "SD", "mentored": "MD", "consultant": "CD", "typical": "TA"}
 MATRIX_PARAMS = ("eps", "beta", "D")  # the verifier parameters a method records and the matrix expands

@@ -7,8 +7,8 @@ resumes where it stopped: a rerun with the same settings skips every pair alread
 change results (models, precisions, token budget, shots, seed) are fixed per output folder
 (``run.json``); methods, datasets and ``--limit`` may grow between runs.
 
-Timing is the wall time of the whole generate call on pre-tokenised prompt ids (our engine and HF
-alike), after one untimed warm-up per method. Quality is scored outside the timed call.
+Timing is the wall time of the whole generate call on pre-tokenised prompt ids (our engine, HF and
+llama.cpp alike), after one untimed warm-up per method. Quality is scored outside the timed call.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Output:
     text: str
     seconds: float
     finish_reason: str
-    stats: dict | None = None  # the engine's Stats.to_dict(); None for Hugging Face's methods
+    stats: dict | None = None  # the engine's Stats.to_dict(); None for Hugging Face's methods and llama.cpp
 
 
 def cut_at_stop(text: str, stops) -> tuple[str, bool]:
@@ -88,6 +88,7 @@ class Runner:
     def __init__(self, method: Method, target, draft, prefix_cache: bool = False):
         self.method, self.target, self.draft = method, target, draft
         self.eos = eos_ids(target)
+        self.backend: dict | None = None  # another runtime's settings, written into each record (llama_cpp)
         if method.kind == "engine":
             spec = method.spec
             self.decoder = build_decoder(spec, target, draft if spec.needs_draft_model else None, prefix_cache)
@@ -95,6 +96,11 @@ class Runner:
             self.decoder = SpeculativeDecoder(target, "none", prefix_cache=prefix_cache)
         elif method.kind == "hf_assisted" and draft is None:
             raise SpeculateError(HF_ASSISTED_NEEDS_DRAFT)
+        elif method.kind == "llama_cpp":
+            from .llama_cpp import LlamaCpp
+
+            self.llama = LlamaCpp(target)
+            self.backend = {"name": "llama.cpp", **self.llama.info}
 
     def __call__(self, ids: list[int], max_new_tokens: int, stops, seed: int) -> Output:
         if self.method.kind in ("engine", "plain"):
@@ -103,7 +109,17 @@ class Runner:
                                       seed=seed, stop=list(stops))
             seconds = time.perf_counter() - start
             return Output(g.token_ids, g.text, seconds, g.finish_reason, g.stats.to_dict())
+        if self.method.kind == "llama_cpp":
+            return self._llama_cpp(ids, max_new_tokens, stops)
         return self._hf(ids, max_new_tokens, stops)
+
+    def _llama_cpp(self, ids, max_new_tokens, stops) -> Output:
+        """llama.cpp's greedy tokens (bench/llama_cpp.py: EOS included, stopped on text as the engine does),
+        the text decoded by our tokenizer as for the HF baselines."""
+        out, seconds, finish = self.llama.generate(ids, max_new_tokens, stops, self.eos)
+        text, _ = cut_at_stop(self.target.tokenizer.decode([t for t in out if t not in self.eos],
+                                                           skip_special_tokens=True), stops)
+        return Output(out, text, seconds, finish)
 
     @torch.inference_mode()
     def _hf(self, ids, max_new_tokens, stops) -> Output:
@@ -194,10 +210,13 @@ def run_sample(runner: Runner, sample: Sample, cfg: BenchConfig) -> dict:
         turns.append(turn)
         answers.append(out.text)
         messages.append({"role": "assistant", "content": out.text})
-    return {"method": runner.method.name, "dataset": sample.dataset, "id": sample.id, "turns": turns,
-            "quality": score(sample, answers, cfg.sandbox_timeout),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-            "spec": runner.method.to_dict()}
+    record = {"method": runner.method.name, "dataset": sample.dataset, "id": sample.id, "turns": turns,
+              "quality": score(sample, answers, cfg.sandbox_timeout),
+              "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+              "spec": runner.method.to_dict()}
+    if runner.backend:
+        record["backend"] = runner.backend
+    return record
 
 
 # --- the results file: bench/records.py ------------------------------------------------------------------
@@ -234,6 +253,10 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
             m.spec.check_draft_model(bool(cfg.draft_model))
         elif m.kind == "hf_assisted" and not cfg.draft_model:
             raise SpeculateError(HF_ASSISTED_NEEDS_DRAFT)
+        elif m.kind == "llama_cpp":  # (before any model loads: an alias, and llama-cpp-python installed)
+            from .llama_cpp import check_usable
+
+            check_usable(cfg.model)
     make_folder(out, "--out")  # after the checks above (a refused run leaves no empty folder), before loading
     if progress:  # (after the checks: a refused run prints its one error line only)
         print(f"speculate bench: {len(methods)} methods (plain included) × {', '.join(cfg.datasets)} → {out}",
