@@ -94,9 +94,10 @@ def test_kernel_reproduces_its_arithmetic_exactly_on_random_blocks(kind):
 def test_the_interleaved_layout_is_a_permutation_of_the_blocks(kind):
     for out in (1, 8, 13, 40):
         w = random_blocks(kind, out, 96, out)
-        packed = blocks.interleave(w, kind)
-        assert packed.numel() == -(-out // blocks.GROUP) * blocks.GROUP * w.shape[1]
-        assert torch.equal(blocks.deinterleave(packed, kind, out), w)
+        for width in (8, 16):
+            packed = blocks.interleave(w, kind, width)
+            assert packed.numel() == -(-out // width) * width * w.shape[1]
+            assert torch.equal(blocks.deinterleave(packed, kind, out, width), w)
         assert torch.equal(blocks.BlockLinear(w, kind, 96).blocks, w)
 
 

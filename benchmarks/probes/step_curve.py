@@ -1,7 +1,7 @@
-"""Probe: the default model's step cost T(n) at fp32 and int8, interleaved in one process (docs/benchmarks.md,
+"""Probe: the default model's step cost T(n) at fp32, int8 and q4 (or --dtypes), interleaved in one process (docs/benchmarks.md,
 "Verification cost T(n)" and "Step cost": the verification curve T(n)/T(1) and int8 against fp32).
 
-    python benchmarks/probes/step_curve.py [--threads 2] [--rounds 10]
+    python benchmarks/probes/step_curve.py [--threads 2] [--rounds 10] [--dtypes fp32,int8,q4]
 
 Both precisions through the lean decoder (FastKVModel, what the engine uses), a 200-token random context
 prefilled once; each round times, for each precision (their order alternating by round) and each n, 15
@@ -25,17 +25,18 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--dtypes", default="fp32,int8,q4")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     context = torch.randint(0, 40000, (200,), generator=torch.Generator().manual_seed(0))
     models = {dtype: FastKVModel(load_model("smollm2-135m-instruct", dtype=dtype, progress=False))
-              for dtype in ("fp32", "int8")}
+              for dtype in args.dtypes.split(",")}
     for kv in models.values():
         kv.reset(512)
         kv.forward(context)
     times = {(dtype, n): [] for dtype in models for n in ROWS}
     for r in range(args.rounds):
-        for dtype in (list(models) if r % 2 == 0 else list(models)[::-1]):
+        for dtype in (list(models)[r % len(models):] + list(models)[: r % len(models)]):  # rotated by round
             kv = models[dtype]
             for n in ROWS:
                 ts = []

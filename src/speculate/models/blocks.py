@@ -34,9 +34,8 @@ QK = 32  # weights a block
 # ggml type number, bytes a block
 TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 _NAMES = {number: name for name, (number, _) in TYPES.items()}
-GROUP = 8  # outputs interleaved in the layout the kernel runs (kernels/blocks.c, GROUP)
 _lock = threading.Lock()
-_fn: list = []
+_fn: list = []  # [the matmul, GROUP]: outputs interleaved in the layout it runs (16 with AVX-512, else 8)
 
 
 def _kernel():
@@ -50,12 +49,16 @@ def _kernel():
                 fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-                if lib.speculate_block_group() != GROUP:
-                    raise RuntimeError("kernels/blocks.c and models/blocks.py disagree on GROUP")
-            _fn.append(fn)
+            _fn[:] = [fn, None if lib is None else lib.speculate_block_group()]
         if _fn[0] is None:
             raise SpeculateError("dtype q4 needs a C compiler (cc) to build its kernel; use int8 or fp32")
         return _fn[0]
+
+
+def group() -> int:
+    """Outputs a vector of the compiled kernel holds: the interleaving of its layout."""
+    _kernel()
+    return _fn[1]
 
 
 def _parts(kind: str) -> tuple[int, int, int]:
@@ -65,32 +68,32 @@ def _parts(kind: str) -> tuple[int, int, int]:
     return size, scales, size - 2 * scales
 
 
-def interleave(blocks: torch.Tensor, kind: str) -> torch.Tensor:
+def interleave(blocks: torch.Tensor, kind: str, width: int) -> torch.Tensor:
     """GGUF blocks [out, nb · bytes] → the layout the kernel runs (kernels/blocks.c, "Layout as run"): groups of
-    GROUP outputs, per block their scales, then their quants in units of 4 bytes, unit c of every output in turn;
-    outputs padded to a multiple of GROUP with zero blocks."""
+    ``width`` outputs (:func:`group`), per block their scales, then their quants in units of 4 bytes, unit c of every output in turn;
+    outputs padded to a multiple of ``width`` with zero blocks."""
     size, ns, qb = _parts(kind)
     out = blocks.shape[0]
-    groups = -(-out // GROUP)
-    padded = torch.zeros(groups * GROUP, blocks.shape[1], dtype=torch.uint8)
+    groups = -(-out // width)
+    padded = torch.zeros(groups * width, blocks.shape[1], dtype=torch.uint8)
     padded[:out] = blocks
-    b = padded.view(groups, GROUP, -1, size)  # [g, lane, nb, bytes]
-    scales = b[..., : 2 * ns].reshape(groups, GROUP, -1, ns, 2).permute(0, 2, 3, 1, 4)  # [g, nb, ns, lane, 2]
-    quants = b[..., 2 * ns:].reshape(groups, GROUP, -1, qb // 4, 4).permute(0, 2, 3, 1, 4)  # [g, nb, c, lane, 4]
+    b = padded.view(groups, width, -1, size)  # [g, lane, nb, bytes]
+    scales = b[..., : 2 * ns].reshape(groups, width, -1, ns, 2).permute(0, 2, 3, 1, 4)  # [g, nb, ns, lane, 2]
+    quants = b[..., 2 * ns:].reshape(groups, width, -1, qb // 4, 4).permute(0, 2, 3, 1, 4)  # [g, nb, c, lane, 4]
     nb = b.shape[2]
     return torch.cat([scales.reshape(groups, nb, -1), quants.reshape(groups, nb, -1)], -1).reshape(groups, -1)
 
 
-def deinterleave(packed: torch.Tensor, kind: str, out: int) -> torch.Tensor:
+def deinterleave(packed: torch.Tensor, kind: str, out: int, width: int) -> torch.Tensor:
     """:func:`interleave`'s inverse: GGUF blocks [out, nb · bytes]."""
     size, ns, qb = _parts(kind)
     groups = packed.shape[0]
-    p = packed.view(groups, -1, GROUP * size)
+    p = packed.view(groups, -1, width * size)
     nb = p.shape[1]
-    scales = p[..., : 2 * ns * GROUP].reshape(groups, nb, ns, GROUP, 2).permute(0, 3, 1, 2, 4)
-    quants = p[..., 2 * ns * GROUP:].reshape(groups, nb, qb // 4, GROUP, 4).permute(0, 3, 1, 2, 4)
-    b = torch.cat([scales.reshape(groups, GROUP, nb, -1), quants.reshape(groups, GROUP, nb, -1)], -1)
-    return b.reshape(groups * GROUP, nb * size)[:out].contiguous()
+    scales = p[..., : 2 * ns * width].reshape(groups, nb, ns, width, 2).permute(0, 3, 1, 2, 4)
+    quants = p[..., 2 * ns * width:].reshape(groups, nb, qb // 4, width, 4).permute(0, 3, 1, 2, 4)
+    b = torch.cat([scales.reshape(groups, width, nb, -1), quants.reshape(groups, width, nb, -1)], -1)
+    return b.reshape(groups * width, nb * size)[:out].contiguous()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -133,13 +136,17 @@ class BlockLinear(QuantizedLinear):
             raise SpeculateError(f"{kind} blocks of shape {tuple(blocks.shape)} do not hold {in_features} inputs")
         self._fn = _kernel()
         # Only the interleaved copy is kept (the GGUF layout is a permutation of its bytes: deinterleave).
-        self.register_buffer("packed", interleave(blocks, kind))
+        self.width = group()
+        self.register_buffer("packed", interleave(blocks, kind, self.width))
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        # Plain attributes for the hot call (nn.Module's buffer lookups cost more than the rest of its Python); the
+        # same tensor objects as the buffers, so a deep copy keeps them together.
+        self._hot = (self.packed, self.bias)
 
     @property
     def blocks(self) -> torch.Tensor:
         """The GGUF blocks [out, nb · bytes]."""
-        return deinterleave(self.packed, self.kind, self.out_features)
+        return deinterleave(self.packed, self.kind, self.out_features, self.width)
 
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize(self.blocks, self.kind)
@@ -151,12 +158,12 @@ class BlockLinear(QuantizedLinear):
              eps: float = 0.0, act: bool = False) -> torch.Tensor:
         x = x.float().contiguous()
         rows = x.shape[0]
+        packed, bias = self._hot
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
         if residual is not None:
             residual = residual.float().contiguous()
-        rc = self._fn(self.type, self.packed.data_ptr(), self.out_features, self.in_features, x.data_ptr(), rows,
-                      None if norm is None else norm.data_ptr(), eps, int(act),
-                      None if self.bias is None else self.bias.data_ptr(),
+        rc = self._fn(self.type, packed.data_ptr(), self.out_features, self.in_features, x.data_ptr(), rows,
+                      None if norm is None else norm.data_ptr(), eps, int(act), None if bias is None else bias.data_ptr(),
                       None if residual is None else residual.data_ptr(), y.data_ptr(), torch.get_num_threads())
         if rc:
             raise RuntimeError(f"block matmul failed ({rc})")

@@ -28,14 +28,20 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__) && defined(__F16C__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
-#define VECTOR 1
+#define WIDE 1   /* 512-bit vectors: 16 outputs a vector */
+#define GROUP 16
+#elif defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define VECTOR 1 /* 256-bit vectors: 8 outputs a vector */
+#define GROUP 8
+#else
+#define GROUP 8  /* the scalar loops take any group */
 #endif
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* ggml's type numbers */
 #define QK 32
-#define GROUP 8 /* outputs interleaved: the lanes of one 256-bit vector */
 #define TILE 4  /* rows computed together: a group's block unpacked once, used by each */
 
 static int block_bytes(int type) { return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : 0; }
@@ -45,7 +51,7 @@ static int scale_count(int type) { return type == Q4_1 ? 2 : 1; }
 int speculate_block_group(void) { return GROUP; }
 
 static float half_to_float(uint16_t h) {
-#ifdef VECTOR
+#if defined(VECTOR) || defined(WIDE)
     return _cvtsh_ss(h);
 #else
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
@@ -130,7 +136,51 @@ static inline __m256i bcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); ret
 static void group_tile(int type, const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q,
                        const float *restrict da, const int32_t *restrict sums, int64_t k, int nr, float *out) {
     const int bytes = block_bytes(type), ns = scale_count(type);
-#ifdef VECTOR
+#if defined(WIDE)
+    __m512 acc[TILE], mt[TILE];
+    for (int r = 0; r < nr; r++) acc[r] = mt[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * GROUP * bytes, *qs = blk + 2 * ns * GROUP;
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 mw = type == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 2 * GROUP)))
+                                       : _mm512_setzero_ps();
+        __m512i w[8];
+        if (type == Q8_0) {  /* w + 128 as unsigned bytes: Σ w a = Σ (w + 128) a − 128 Σ a */
+            for (int c = 0; c < 8; c++) w[c] = _mm512_xor_si512(_mm512_loadu_si512(qs + c * 64), flip);
+        } else {
+            for (int c = 0; c < 4; c++) {
+                const __m512i raw = _mm512_loadu_si512(qs + c * 64);
+                w[c] = _mm512_and_si512(raw, low);
+                w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            const int8_t *a = q + r * k + b * QK;
+            int32_t a4[8];
+            memcpy(a4, a, 32);
+            __m512i isum = _mm512_setzero_si512();
+            if (type == Q8_0) {
+                for (int c = 0; c < 8; c++) isum = _mm512_dpbusd_epi32(isum, w[c], _mm512_set1_epi32(a4[c]));
+                isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * sums[r * nb + b]));
+            } else {
+                for (int c = 0; c < 4; c++) {
+                    isum = _mm512_dpbusd_epi32(isum, w[c], _mm512_set1_epi32(a4[c]));
+                    isum = _mm512_dpbusd_epi32(isum, w[c + 4], _mm512_set1_epi32(a4[c + 4]));
+                }
+                if (type == Q4_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * sums[r * nb + b]));
+            }
+            const __m512 d = _mm512_set1_ps(da[r * nb + b]);
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, d)));
+            if (type == Q4_1) {
+                const __m512 sa = _mm512_set1_ps(da[r * nb + b] * (float)sums[r * nb + b]);
+                mt[r] = _mm512_add_ps(mt[r], _mm512_mul_ps(mw, sa));
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        _mm512_storeu_ps(out + r * GROUP, type == Q4_1 ? _mm512_add_ps(acc[r], mt[r]) : acc[r]);
+#elif defined(VECTOR)
     __m256 acc[TILE], mt[TILE];
     for (int r = 0; r < nr; r++) acc[r] = mt[r] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0f);
