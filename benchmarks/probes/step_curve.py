@@ -52,9 +52,11 @@ def main():
     for dtype in models:
         print(f"| {dtype} | {1e3 * med[dtype, 1]:.1f} ms | "
               + " | ".join(f"{med[dtype, n] / med[dtype, 1]:.2f}" for n in ROWS[1:]) + " |")
-    ratios = sorted(a / b for a, b in zip(times["fp32", 1], times["int8", 1]))
-    print(f"int8 over fp32 at one row: {med['fp32', 1] / med['int8', 1]:.2f}x "
-          f"(per round {ratios[0]:.2f}-{ratios[-1]:.2f})")
+    first = next(iter(models))
+    for dtype in list(models)[1:]:  # each precision against the first, at one row
+        ratios = sorted(a / b for a, b in zip(times[first, 1], times[dtype, 1]))
+        print(f"{dtype} over {first} at one row: {med[first, 1] / med[dtype, 1]:.2f}x "
+              f"(per round {ratios[0]:.2f}-{ratios[-1]:.2f})")
 
 
 if __name__ == "__main__":

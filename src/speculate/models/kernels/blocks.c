@@ -117,6 +117,10 @@ static void quantize_row(const float *restrict x, int64_t k, int8_t *restrict q,
     }
 }
 
+#ifdef WIDE
+static inline __m512i bcast16(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+#endif
+
 #ifdef VECTOR
 /* Per 32-bit lane: Σ of 4 products of unsigned bytes u and signed bytes s, added to acc (|pair| < 2^15). */
 static inline __m256i madd(__m256i acc, __m256i u, __m256i s) {
@@ -132,9 +136,11 @@ static inline __m256i madd(__m256i acc, __m256i u, __m256i s) {
 static inline __m256i bcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 #endif
 
-/* One output group, rows 0..nr-1 (nr <= TILE) of the tile: out[r * GROUP + lane]. */
-static void group_tile(int type, const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q,
-                       const float *restrict da, const int32_t *restrict sums, int64_t k, int nr, float *out) {
+/* One output group, rows 0..nr-1 (nr <= TILE) of the tile: out[r * GROUP + lane]. Always inlined into
+ * group_tile's cases, so that type and nr are constants there: no branches in the loop, accumulators in registers. */
+static inline __attribute__((always_inline)) void
+tile_body(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q,
+          const float *restrict da, const int32_t *restrict sums, int64_t k, const int nr, float *out) {
     const int bytes = block_bytes(type), ns = scale_count(type);
 #if defined(WIDE)
     __m512 acc[TILE], mt[TILE];
@@ -157,16 +163,14 @@ static void group_tile(int type, const uint8_t *restrict wg, int64_t nb, const i
         }
         for (int r = 0; r < nr; r++) {
             const int8_t *a = q + r * k + b * QK;
-            int32_t a4[8];
-            memcpy(a4, a, 32);
             __m512i isum = _mm512_setzero_si512();
             if (type == Q8_0) {
-                for (int c = 0; c < 8; c++) isum = _mm512_dpbusd_epi32(isum, w[c], _mm512_set1_epi32(a4[c]));
+                for (int c = 0; c < 8; c++) isum = _mm512_dpbusd_epi32(isum, w[c], bcast16(a + 4 * c));
                 isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * sums[r * nb + b]));
             } else {
                 for (int c = 0; c < 4; c++) {
-                    isum = _mm512_dpbusd_epi32(isum, w[c], _mm512_set1_epi32(a4[c]));
-                    isum = _mm512_dpbusd_epi32(isum, w[c + 4], _mm512_set1_epi32(a4[c + 4]));
+                    isum = _mm512_dpbusd_epi32(isum, w[c], bcast16(a + 4 * c));
+                    isum = _mm512_dpbusd_epi32(isum, w[c + 4], bcast16(a + 16 + 4 * c));
                 }
                 if (type == Q4_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * sums[r * nb + b]));
             }
@@ -254,6 +258,16 @@ static void group_tile(int type, const uint8_t *restrict wg, int64_t nb, const i
         }
     }
 #endif
+}
+
+/* tile_body with constant type and row count: one specialised copy each. */
+static void group_tile(int type, const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q,
+                       const float *restrict da, const int32_t *restrict sums, int64_t k, int nr, float *out) {
+#define CASE(T, N) case T * 8 + N: tile_body(T, wg, nb, q, da, sums, k, N, out); break;
+#define ROWS(T) CASE(T, 1) CASE(T, 2) CASE(T, 3) CASE(T, 4)
+    switch (type * 8 + nr) { ROWS(Q4_0) ROWS(Q4_1) ROWS(Q8_0) default: break; }
+#undef ROWS
+#undef CASE
 }
 
 /* x [rows, k] fp32 (k a multiple of 32; [rows, 2k] with ``act``), prepared as prepare_row says (``norm`` [k] or
