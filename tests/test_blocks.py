@@ -210,3 +210,15 @@ def test_default_model_q4_runs_the_ggufs_own_blocks(default_model):
         for prompt in prompts:
             ref = plain.generate(prompt, max_new_tokens=32)
             assert decoder.generate(prompt, max_new_tokens=32).token_ids == ref.token_ids, (method, prompt)
+
+
+def test_auto_precision_is_q4_only_where_the_gguf_runs_as_it_ships(tiny_folders):
+    from speculate.models import resolve_dtype
+
+    assert resolve_dtype("smollm2-135m-instruct", "auto") == "q4"  # Q4_1 layers and a Q8_0 head
+    assert resolve_dtype("qwen2.5-coder-1.5b-instruct", "auto") == "fp32"  # Q4_K / Q6_K: not read yet
+    assert resolve_dtype(str(tiny_folders[0]), "auto") == "fp32"  # a folder: q4 would quantize it
+    assert resolve_dtype(str(tiny_folders[0]), "int8") == "int8"
+    assert load_model(str(tiny_folders[0]), dtype="auto").dtype == "fp32"
+    with pytest.raises(SpeculateError, match="auto"):
+        load_model(str(tiny_folders[0]), dtype="q3")

@@ -13,6 +13,9 @@ K_HELP = ("draft length per round (default 6: a target forward over 7 tokens cos
           "\"Verification cost T(n)\")")
 K_AUTO_HELP = K_HELP[:-1] + ("; 'auto': per round, the k with the best predicted speedup on this machine's "
                              "measured cost curve at the acceptance rate seen so far)")
+DTYPE_HELP = ("weight precision: fp32, bf16, int8 (ours: SmoothQuant, per-row int8), q4 (a GGUF's own 4-bit blocks; "
+              "other folders quantized to Q4_1) or auto (default: q4 for a model that ships as a GGUF q4 reads, "
+              "the default model among them; else fp32)")
 
 def _drafter_opt_help() -> str:
     """--drafter-opt's help, from drafters.OPTIONS (what parse_options checks against)."""
@@ -114,7 +117,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     from .drafters import ALL_DRAFTERS
-    from .models import ALIASES, DEFAULT_MODEL, DTYPES
+    from .models import ALIASES, CHOICES, DEFAULT_MODEL
     from .verifiers import VERIFIERS
 
     p = _Parser(prog="speculate", description="Speculative decoding for LLMs, offline.")
@@ -144,8 +147,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--seed", type=int, help="seed for every random draw (reproducible runs)")
     g.add_argument("--stop", action="append", help="stop string (repeatable); not included in the output")
-    g.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="weight precision (default fp32)")
-    g.add_argument("--draft-dtype", choices=list(DTYPES), help="the draft model's precision (default: --dtype)")
+    g.add_argument("--dtype", default="auto", choices=list(CHOICES), help=DTYPE_HELP)
+    g.add_argument("--draft-dtype", choices=list(CHOICES), help="the draft model's precision (default: --dtype)")
     g.add_argument("--no-chat", action="store_true", help="send the raw prompt, without the chat template")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
@@ -166,7 +169,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="default verifier; default greedy at temperature 0, sample (lossless) otherwise")
     s.add_argument("--k", type=_k_arg, default=6, help=K_AUTO_HELP)
     _add_verifier_params(s)  # the server's default verifier parameters: each verifier's declared ones
-    s.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="weight precision (default fp32)")
+    s.add_argument("--dtype", default="auto", choices=list(CHOICES), help=DTYPE_HELP)
     s.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: loopback only; 0.0.0.0 exposes the server)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")

@@ -26,7 +26,7 @@ from .drafters import (HEAD_DRAFTERS, MODEL_DRAFTERS, NEEDS_MODEL_DRAFTER, check
                        parse_options, resolve)
 from .engine import SpeculativeDecoder
 from .errors import SpeculateError
-from .models import DTYPES
+from .models import CHOICES
 from .verifiers import PARAMS, VERIFIERS, check_params, default_name
 
 
@@ -123,8 +123,8 @@ class SpeculativeSpec:
                 raise SpeculateError(f"no verifier takes {', '.join(unknown)}; the parameters are: {', '.join(PARAMS)}")
         object.__setattr__(self, "params", tuple(sorted(params.items())))
         if self.dtype is not None:
-            if self.dtype not in DTYPES:
-                raise SpeculateError(f"unknown precision '{self.dtype}'; choose one of: {', '.join(DTYPES)}")
+            if self.dtype not in CHOICES:
+                raise SpeculateError(f"unknown precision '{self.dtype}'; choose one of: {', '.join(CHOICES)}")
 
     # -- what it says -----------------------------------------------------------------------------------
     @property

@@ -1,4 +1,4 @@
-from .loader import DTYPES, LoadedModel, load_model
+from .loader import CHOICES, DTYPES, LoadedModel, load_model, resolve_dtype
 from .registry import ALIASES, DEFAULT_MODEL
 
-__all__ = ["ALIASES", "DEFAULT_MODEL", "DTYPES", "LoadedModel", "load_model"]
+__all__ = ["ALIASES", "CHOICES", "DEFAULT_MODEL", "DTYPES", "LoadedModel", "load_model", "resolve_dtype"]

@@ -33,6 +33,17 @@ from .registry import ALIASES, DEFAULT_MODEL, GGUFSource  # noqa: E402
 # in the GGUF file's own 4-bit blocks (blocks.py; other folders: their weights quantized to Q4_1 by llama.cpp's rule).
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32, "q4": torch.float32}
 QUANTIZED = ("int8", "q4")
+AUTO = "auto"  # q4 for a model whose GGUF q4 runs as it ships (the default model), else fp32: resolve_dtype
+CHOICES = (*DTYPES, AUTO)  # what --dtype takes
+
+
+def resolve_dtype(name_or_path: str, dtype: str) -> str:
+    """``dtype``, with ``auto`` resolved: q4 where the model is an alias whose GGUF blocks q4 runs as they are (the
+    file's own model, and the fastest here), else fp32 (a local folder: q4 would quantize its weights, a loss)."""
+    if dtype != AUTO:
+        return dtype
+    src = ALIASES.get(name_or_path)
+    return "q4" if src is not None and src.q4 else "fp32"
 
 
 class SlowPrecisionWarning(SpeculateWarning):
@@ -142,9 +153,11 @@ class LoadedModel:
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = "fp32", progress: bool = True) -> LoadedModel:
-    """Load an alias (converted once into the cache) or a local Hugging Face model folder."""
-    if dtype not in DTYPES:
-        raise SpeculateError(f"unknown dtype '{dtype}'; choose one of: {', '.join(DTYPES)}")
+    """Load an alias (converted once into the cache) or a local Hugging Face model folder; ``dtype``: one of
+    DTYPES, or ``auto`` (:func:`resolve_dtype`)."""
+    if dtype not in CHOICES:
+        raise SpeculateError(f"unknown dtype '{dtype}'; choose one of: {', '.join(CHOICES)}")
+    dtype = resolve_dtype(name_or_path, dtype)
     warn_if_slow(dtype)
     if name_or_path in ALIASES:
         folder = ensure_converted(ALIASES[name_or_path], progress=progress)

