@@ -222,3 +222,13 @@ def test_auto_precision_is_q4_only_where_the_gguf_runs_as_it_ships(tiny_folders)
     assert load_model(str(tiny_folders[0]), dtype="auto").dtype == "fp32"
     with pytest.raises(SpeculateError, match="auto"):
         load_model(str(tiny_folders[0]), dtype="q3")
+
+
+def test_without_a_compiler_auto_is_fp32_and_q4_says_why(tiny_folders, cache, monkeypatch):
+    from speculate.models import resolve_dtype
+
+    monkeypatch.setattr(blocks, "_fn", [])
+    monkeypatch.setenv("SPECULATE_NO_KERNEL", "1")
+    assert resolve_dtype("smollm2-135m-instruct", "auto") == "fp32"
+    with pytest.raises(SpeculateError, match="C compiler"):
+        load_model(str(tiny_folders[1]), dtype="q4")

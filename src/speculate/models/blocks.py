@@ -55,6 +55,15 @@ def _kernel():
         return _fn[0]
 
 
+def available() -> bool:
+    """Whether the kernel builds here (a C compiler, and SPECULATE_NO_KERNEL unset)."""
+    try:
+        _kernel()
+    except SpeculateError:
+        return False
+    return True
+
+
 def group() -> int:
     """Outputs a vector of the compiled kernel holds: the interleaving of its layout."""
     _kernel()

@@ -39,11 +39,16 @@ CHOICES = (*DTYPES, AUTO)  # what --dtype takes
 
 def resolve_dtype(name_or_path: str, dtype: str) -> str:
     """``dtype``, with ``auto`` resolved: q4 where the model is an alias whose GGUF blocks q4 runs as they are (the
-    file's own model, and the fastest here), else fp32 (a local folder: q4 would quantize its weights, a loss)."""
+    file's own model, and the fastest here) and its kernel builds (a C compiler), else fp32 (a local folder: q4
+    would quantize its weights, a loss)."""
     if dtype != AUTO:
         return dtype
     src = ALIASES.get(name_or_path)
-    return "q4" if src is not None and src.q4 else "fp32"
+    if src is None or not src.q4:
+        return "fp32"
+    from . import blocks
+
+    return "q4" if blocks.available() else "fp32"
 
 
 class SlowPrecisionWarning(SpeculateWarning):
@@ -184,6 +189,8 @@ def _to_quantized(loaded: LoadedModel, name: str, kind: str) -> None:
 
     from . import blocks, quantize
 
+    if kind == "q4" and not blocks.available():  # before any work: the layers need the compiled kernel
+        raise SpeculateError("dtype q4 needs a C compiler (cc) to build its kernel; use int8 or fp32")
     folder = quantized_cache_folder(name, loaded.path, kind)
     file = folder / f"{kind}.safetensors"
     meta = quantize.settings() if kind == "int8" else blocks.settings()
