@@ -8,6 +8,12 @@ the same GGUF; and greedy speculative decoding at q4 equals plain q4 decoding.
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +24,7 @@ from speculate.models import blocks
 from speculate.models.fast import FastKVModel
 
 KINDS = list(blocks.TYPES)
+SIMPLE = ["Q4_0", "Q4_1", "Q8_0"]  # what gguf-py also quantizes, and what a folder's weights become
 
 
 @pytest.fixture
@@ -27,21 +34,25 @@ def cache(tmp_path, monkeypatch):
 
 
 def random_blocks(kind: str, rows: int, k: int, seed: int) -> torch.Tensor:
-    """Random bytes for the quants, random finite fp16 scales (and minimums) of either sign."""
+    """Random bytes for the quants (and the K types' sub-block scales), random finite fp16 scales (and minimums)
+    of either sign."""
     g = torch.Generator().manual_seed(seed)
-    size = blocks.TYPES[kind][1]
-    raw = torch.randint(0, 256, (rows, k // 32, size), generator=g, dtype=torch.uint8)
-    n_scales = 2 if kind == "Q4_1" else 1
-    scales = ((torch.rand(rows, k // 32, n_scales, generator=g) - 0.5) * 0.02).half()
-    raw[..., : 2 * n_scales] = scales.view(torch.uint8).reshape(rows, k // 32, 2 * n_scales)
+    _, elems, size = blocks.TYPES.get(kind) or (0, 32, 22)  # Q5_0: 22 bytes a block
+    raw = torch.randint(0, 256, (rows, k // elems, size), generator=g, dtype=torch.uint8)
+    at = {"Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}.get(kind, [0])  # where the fp16 scales sit
+    for offset in at:
+        scale = ((torch.rand(rows, k // elems, 1, generator=g) - 0.5) * 0.02).half()
+        raw[..., offset: offset + 2] = scale.view(torch.uint8).reshape(rows, k // elems, 2)
     return raw.reshape(rows, -1)
 
 
 def reference(blocks_: torch.Tensor, kind: str, x: torch.Tensor, bias=None, residual=None) -> torch.Tensor:
     """kernels/blocks.c's arithmetic in PyTorch float32 ops, each one rounding as the C code's."""
+    if kind in ("Q4_K", "Q6_K"):
+        return k_reference(blocks_, kind, x, bias, residual)
     rows, k = x.shape
     nb = k // 32
-    size = blocks.TYPES[kind][1]
+    size = blocks.TYPES[kind][2]
     b = blocks_.reshape(-1, nb, size)
     dw = b[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # [out, nb]
     if kind == "Q8_0":
@@ -75,9 +86,43 @@ def reference(blocks_: torch.Tensor, kind: str, x: torch.Tensor, bias=None, resi
     return y
 
 
+def activations(x: torch.Tensor):
+    """The kernel's int8 activations: per row and block of 32, da = max|x| / 127, qa = round-half-even(x · 127 / max)."""
+    rows, k = x.shape
+    xb = x.reshape(rows, k // 32, 32)
+    amax = xb.abs().amax(-1)
+    inv = torch.where(amax != 0, 127 / amax, torch.zeros_like(amax))
+    return torch.round(xb * inv[..., None]).long(), amax / 127
+
+
+def k_reference(raw: torch.Tensor, kind: str, x: torch.Tensor, bias=None, residual=None) -> torch.Tensor:
+    """The K types' arithmetic (kernels/blocks.c, "K types"), from the fields the kernel reads."""
+    v = blocks.k_integers(blocks.fields(raw, kind), kind)
+    qw = v["q"].long()  # [out, nb, 32]
+    qa, da = activations(x)  # [rows, nb, 32], [rows, nb]
+    acc = torch.zeros(x.shape[0], qw.shape[0])
+    mt = torch.zeros_like(acc)
+    for j in range(qw.shape[1]):
+        if kind == "Q4_K":
+            dots = (qw[None, :, j] * qa[:, None, j]).sum(-1).float()
+            acc = acc + dots * (v["dw"][None, :, j] * da[:, None, j])
+            mt = mt + v["mw"][None, :, j] * (da[:, j] * qa[:, j].sum(-1).float())[:, None]
+        else:
+            for half, scale in ((slice(0, 16), "dlo"), (slice(16, 32), "dhi")):
+                dots = (qw[None, :, j, half] * qa[:, None, j, half]).sum(-1) - 32 * qa[:, None, j, half].sum(-1)
+                acc = acc + dots.float() * (v[scale][None, :, j] * da[:, None, j])
+    y = acc + mt if kind == "Q4_K" else acc
+    if bias is not None:
+        y = y + bias
+    return y if residual is None else residual + y
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_kernel_reproduces_its_arithmetic_exactly_on_random_blocks(kind):
-    for seed, (rows, out, k) in enumerate([(1, 7, 32), (3, 40, 96), (9, 33, 256), (13, 300, 64)]):
+    shapes = [(1, 7, 32), (3, 40, 96), (9, 33, 256), (13, 300, 64)]
+    if kind in ("Q4_K", "Q6_K"):  # super-blocks of 256 inputs
+        shapes = [(1, 7, 256), (3, 40, 512), (9, 33, 256), (13, 70, 768)]
+    for seed, (rows, out, k) in enumerate(shapes):
         w = random_blocks(kind, out, k, seed)
         g = torch.Generator().manual_seed(100 + seed)
         x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4
@@ -91,21 +136,58 @@ def test_kernel_reproduces_its_arithmetic_exactly_on_random_blocks(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_interleaved_layout_is_a_permutation_of_the_blocks(kind):
+def test_the_interleaved_layout_is_a_permutation_of_the_fields(kind):
+    k = 256 if kind in ("Q4_K", "Q6_K") else 96
     for out in (1, 8, 13, 40):
-        w = random_blocks(kind, out, 96, out)
+        w = random_blocks(kind, out, k, out)
+        parts = blocks.fields(w, kind)
+        assert sum(f[0].numel() for f in parts) == w.shape[1] or kind == "Q4_K"  # Q4_K: 12 packed scale bytes → 16
         for width in (8, 16):
             packed = blocks.interleave(w, kind, width)
-            assert packed.numel() == -(-out // width) * width * w.shape[1]
-            assert torch.equal(blocks.deinterleave(packed, kind, out, width), w)
-        assert torch.equal(blocks.BlockLinear(w, kind, 96).blocks, w)
+            assert packed.numel() == -(-out // width) * width * sum(f[0].numel() for f in parts)
+            assert all(torch.equal(a, b) for a, b in zip(blocks.deinterleave(packed, kind, out, width), parts))
+        if kind in SIMPLE:
+            assert torch.equal(blocks.BlockLinear(w, kind, k).blocks, w)
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "Q5_0"])
+def test_the_fields_dequantize_to_ggmls_weights(kind):
+    """What the kernel reads (the fields, and Q5_0 converted to Q8_0) de-quantizes to exactly gguf-py's weights."""
+    k = 512 if kind in ("Q4_K", "Q6_K") else 128
+    raw = random_blocks(kind, 24, k, 3)
+    want = blocks.dequantize(raw, kind)
+    converted, as_kind = blocks.convert(raw, kind)
+    assert as_kind == blocks.CONVERTED.get(kind, kind)
+    assert torch.equal(blocks.dequantize_fields(blocks.fields(converted, as_kind), as_kind), want)
+    layer = blocks.BlockLinear(converted, as_kind, k)
+    assert torch.equal(layer.dequantized_weight(), want)
+
+
+def test_a_layer_of_parts_of_several_types_equals_its_parts(cache):
+    """A fused layer whose members differ in type (a GGUF's q, k in Q4_K and v in Q6_K): each part's columns are
+    what that part computes alone, with its slice of the bias and the residual."""
+    parts = [("Q4_K", random_blocks("Q4_K", 24, 256, 1)), ("Q6_K", random_blocks("Q6_K", 8, 256, 2)),
+             ("Q4_1", random_blocks("Q4_1", 5, 256, 3))]
+    bias, x, residual = torch.randn(37), torch.randn(6, 256), torch.randn(6, 37)
+    layer = blocks.BlockLinear.from_parts(parts, 256, bias)
+    assert layer.kind == "Q4_K+Q6_K+Q4_1" and layer.out_features == 37
+    got = layer.add_matmul_2d(residual, x)
+    start = 0
+    for kind, raw in parts:
+        n = raw.shape[0]
+        alone = blocks.BlockLinear(raw, kind, 256, bias[start: start + n])
+        assert torch.equal(got[:, start: start + n], alone.add_matmul_2d(residual[:, start: start + n].contiguous(), x))
+        start += n
+    assert torch.equal(layer.dequantized_weight(),
+                       torch.cat([blocks.dequantize(raw, kind) for kind, raw in parts]))
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_rows_do_not_depend_on_the_other_rows_or_the_thread_count(kind):
-    w = random_blocks(kind, 520, 192, 7)
-    layer = blocks.BlockLinear(w, kind, 192)
-    x = torch.randn(61, 192)
+    k = 256 if kind in ("Q4_K", "Q6_K") else 192
+    w = random_blocks(kind, 520, k, 7)
+    layer = blocks.BlockLinear(w, kind, k)
+    x = torch.randn(61, k)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -119,7 +201,7 @@ def test_rows_do_not_depend_on_the_other_rows_or_the_thread_count(kind):
         assert torch.equal(layer.matmul_2d(x[:n]), batched[:n])
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", SIMPLE)
 def test_quantize_and_dequantize_are_ggmls(kind):
     """Our blocks for models that do not come as GGUF: gguf-py's (llama.cpp's reference rules), within each
     format's step of the weights; and the layer is close to x Wᵀ with the de-quantized W (int8 activations)."""
@@ -137,6 +219,25 @@ def test_quantize_and_dequantize_are_ggmls(kind):
     exact = x @ deq.T
     got = blocks.BlockLinear(b, kind, 128).matmul_2d(x)
     assert ((got - exact).norm() / exact.norm()) < 0.01
+
+
+@pytest.mark.skipif(os.environ.get("SPECULATE_KERNEL_FLAGS") is not None, reason="already another code path")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])  # AVX2 (8 outputs a vector), and the scalar loops
+def test_the_other_code_paths_compute_the_same(march, tmp_path):
+    """The kernel's AVX2 and scalar paths, compiled here with another -march, pass this file's kernel tests (the
+    same bit-exact reference, row and thread invariance) in a fresh process."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86-64 code paths")
+    env = {**os.environ, "SPECULATE_KERNEL_FLAGS": f"-march={march}", "SPECULATE_CACHE": str(tmp_path)}
+    here = Path(__file__).resolve()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here), "-k",
+                           "arithmetic or thread_count or several_types or dequantize_to"], env=env,
+                          cwd=here.parent.parent, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout
+    probe = subprocess.run([sys.executable, "-c", "from speculate.models import blocks; print(blocks.group())"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert probe.stdout.strip() == "8", probe.stderr[-1000:]  # the 256-bit or scalar layout, not this CPU's
 
 
 def test_bad_blocks_are_refused():

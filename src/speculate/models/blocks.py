@@ -27,13 +27,13 @@ from torch import nn
 
 from ..errors import SpeculateError
 from . import kernel
-from .quantize import LinearPart, QuantizedLinear
+from .quantize import LinearPart, QuantizedLinear, plan
 
-FORMAT = 1  # bump when the meaning of the cached tensors changes
+FORMAT = 2  # bump when the meaning of the cached tensors changes
 QK = 32  # weights a block
-# ggml type number, bytes a block
-TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
-_NAMES = {number: name for name, (number, _) in TYPES.items()}
+# ggml type number, weights a block, bytes a block (the K types: super-blocks of 256)
+TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}
+CONVERTED = {"Q5_0": "Q8_0"}  # read exactly into another type: 5-bit values fit int8, with the same fp16 scale
 _lock = threading.Lock()
 _fn: list = []  # [the matmul, GROUP]: outputs interleaved in the layout it runs (16 with AVX-512, else 8)
 
@@ -48,7 +48,7 @@ def _kernel():
                 fn.restype = ctypes.c_int
                 fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
             _fn[:] = [fn, None if lib is None else lib.speculate_block_group()]
         if _fn[0] is None:
             raise SpeculateError("dtype q4 needs a C compiler (cc) to build its kernel; use int8 or fp32")
@@ -70,39 +70,124 @@ def group() -> int:
     return _fn[1]
 
 
-def _parts(kind: str) -> tuple[int, int, int]:
-    """(bytes a block, fp16 scales a block, bytes of quants a block)."""
-    size = TYPES[kind][1]
-    scales = 2 if kind == "Q4_1" else 1
-    return size, scales, size - 2 * scales
+def fields(raw: torch.Tensor, kind: str) -> list[torch.Tensor]:
+    """GGUF blocks [out, blocks · bytes] → the fields the kernel reads, each [out, blocks, ..., unit bytes], in its
+    order (kernels/blocks.c: "Formats", "K types"). Q4_0/Q4_1/Q8_0: d, (m), the quants in units of 4 bytes. Q4_K: d,
+    dmin, the 8 six-bit scales and mins unpacked, the nibbles of each block of 32 in Q4_1's order. Q6_K: d, the 16
+    int8 scales, the low 4 bits of each block of 32 in Q4_1's order, their high 2 bits in two words per block."""
+    _, elems, size = TYPES[kind]
+    out = raw.shape[0]
+    b = raw.reshape(out, -1, size)
+    n = b.shape[1]
+    if kind in ("Q4_0", "Q4_1", "Q8_0"):
+        ns = 2 if kind == "Q4_1" else 1
+        return [b[..., 2 * i: 2 * i + 2] for i in range(ns)] + [b[..., 2 * ns:].reshape(out, n, -1, 4)]
+    if kind == "Q4_K":
+        sc12 = b[..., 4:16].reshape(out, n, 3, 4)
+        dd, mm, md = sc12[..., 0, :], sc12[..., 1, :], sc12[..., 2, :]  # ggml's get_scale_min_k4
+        sc = torch.cat([dd & 63, (md & 15) | ((dd >> 2) & 48)], -1)
+        m = torch.cat([mm & 63, (md >> 4) | ((mm >> 2) & 48)], -1)
+        qs = b[..., 16:].reshape(out, n, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)
+        q = (qs & 15).reshape(out, n, 8, 32)  # block j: chunk j // 2, low (even j) or high nibbles
+        nibbles = q[..., :16] | (q[..., 16:] << 4)
+        return [b[..., 0:2], b[..., 2:4], sc[..., None], m[..., None], nibbles.reshape(out, n, 8, 4, 4)]
+    if kind == "Q6_K":
+        ql = b[..., :128].reshape(out, n, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)
+        qh = b[..., 128:192].reshape(out, n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)
+        q = (ql & 15).reshape(out, n, 8, 32) | ((qh & 3).reshape(out, n, 8, 32) << 4)  # 6-bit, element 32 j + e
+        low = (q[..., :16] & 15) | ((q[..., 16:] & 15) << 4)
+        hi = q >> 4
+        lo_half, hi_half = hi[..., :16].reshape(out, n, 8, 2, 2, 4), hi[..., 16:].reshape(out, n, 8, 2, 2, 4)
+        words = lo_half[..., 0, :] | (hi_half[..., 0, :] << 2) | (lo_half[..., 1, :] << 4) | (hi_half[..., 1, :] << 6)
+        return [b[..., 208:210], b[..., 192:208][..., None], low.reshape(out, n, 8, 4, 4), words]
+    raise SpeculateError(f"block type {kind} is not supported (supported: {', '.join(TYPES)})")
 
 
-def interleave(blocks: torch.Tensor, kind: str, width: int) -> torch.Tensor:
-    """GGUF blocks [out, nb · bytes] → the layout the kernel runs (kernels/blocks.c, "Layout as run"): groups of
-    ``width`` outputs (:func:`group`), per block their scales, then their quants in units of 4 bytes, unit c of every output in turn;
-    outputs padded to a multiple of ``width`` with zero blocks."""
-    size, ns, qb = _parts(kind)
-    out = blocks.shape[0]
+def _field_shapes(kind: str) -> list[tuple[int, ...]]:
+    """The trailing shape of each of :func:`fields`' tensors."""
+    return {"Q4_0": [(2,), (4, 4)], "Q4_1": [(2,), (2,), (4, 4)], "Q8_0": [(2,), (8, 4)],
+            "Q4_K": [(2,), (2,), (8, 1), (8, 1), (8, 4, 4)], "Q6_K": [(2,), (16, 1), (8, 4, 4), (8, 2, 4)]}[kind]
+
+
+def interleave(raw: torch.Tensor, kind: str, width: int) -> torch.Tensor:
+    """GGUF blocks [out, blocks · bytes] → the layout the kernel runs: groups of ``width`` outputs (:func:`group`);
+    per group and block, each field of :func:`fields` for the ``width`` outputs in turn (the output axis just before
+    a field's last, unit axis: 4 quant bytes of every output, then the next 4); outputs padded with zero blocks."""
+    parts = fields(raw, kind)
+    out = raw.shape[0]
     groups = -(-out // width)
-    padded = torch.zeros(groups * width, blocks.shape[1], dtype=torch.uint8)
-    padded[:out] = blocks
-    b = padded.view(groups, width, -1, size)  # [g, lane, nb, bytes]
-    scales = b[..., : 2 * ns].reshape(groups, width, -1, ns, 2).permute(0, 2, 3, 1, 4)  # [g, nb, ns, lane, 2]
-    quants = b[..., 2 * ns:].reshape(groups, width, -1, qb // 4, 4).permute(0, 2, 3, 1, 4)  # [g, nb, c, lane, 4]
-    nb = b.shape[2]
-    return torch.cat([scales.reshape(groups, nb, -1), quants.reshape(groups, nb, -1)], -1).reshape(groups, -1)
+    packed = []
+    for f in parts:
+        pad = torch.zeros(groups * width, *f.shape[1:], dtype=torch.uint8)
+        pad[:out] = f
+        v = pad.view(groups, width, *f.shape[1:])  # [g, lane, n, ..., unit]
+        nd = v.dim()
+        packed.append(v.permute(0, 2, *range(3, nd - 1), 1, nd - 1).reshape(groups, f.shape[1], -1))
+    return torch.cat(packed, -1).reshape(groups, -1).contiguous()
 
 
-def deinterleave(packed: torch.Tensor, kind: str, out: int, width: int) -> torch.Tensor:
-    """:func:`interleave`'s inverse: GGUF blocks [out, nb · bytes]."""
-    size, ns, qb = _parts(kind)
+def deinterleave(packed: torch.Tensor, kind: str, out: int, width: int) -> list[torch.Tensor]:
+    """:func:`interleave`'s inverse: the fields of :func:`fields`."""
+    shapes = _field_shapes(kind)
+    sizes = [width * int(np.prod(shape)) for shape in shapes]
     groups = packed.shape[0]
-    p = packed.view(groups, -1, width * size)
-    nb = p.shape[1]
-    scales = p[..., : 2 * ns * width].reshape(groups, nb, ns, width, 2).permute(0, 3, 1, 2, 4)
-    quants = p[..., 2 * ns * width:].reshape(groups, nb, qb // 4, width, 4).permute(0, 3, 1, 2, 4)
-    b = torch.cat([scales.reshape(groups, width, nb, -1), quants.reshape(groups, width, nb, -1)], -1)
-    return b.reshape(groups * width, nb * size)[:out].contiguous()
+    p = packed.view(groups, -1, sum(sizes))
+    n, result, offset = p.shape[1], [], 0
+    for shape, size in zip(shapes, sizes):
+        v = p[..., offset: offset + size].reshape(groups, n, *shape[:-1], width, shape[-1])
+        nd = v.dim()
+        v = v.permute(0, nd - 2, 1, *range(2, nd - 2), nd - 1).reshape(groups * width, n, *shape)
+        result.append(v[:out])
+        offset += size
+    return result
+
+
+def k_integers(parts: list[torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
+    """A K type's :func:`fields` as per-block values, [out, blocks of 32, ...]: ``q`` (the integers), and the fp32
+    scales the kernel forms: Q4_K ``dw`` = d · sc and ``mw`` = −(dmin · m); Q6_K ``dlo``, ``dhi`` = d · sc of the
+    block's two halves (q − 32 is what they scale)."""
+    d = parts[0].contiguous().view(torch.float16).float()  # [out, n, 1]
+    out, n = d.shape[:2]
+    if kind == "Q4_K":
+        dmin = parts[1].contiguous().view(torch.float16).float()
+        nib = parts[4].reshape(out, n, 8, 16)
+        q = torch.cat([nib & 15, nib >> 4], -1).reshape(out, n * 8, 32)
+        return {"q": q, "dw": (d * parts[2][..., 0].float()).reshape(out, -1),
+                "mw": -(dmin * parts[3][..., 0].float()).reshape(out, -1)}
+    low, words = parts[2].reshape(out, n, 8, 16), parts[3]  # words [out, n, 8, 2, 4]
+    bits = [(words >> shift) & 3 for shift in (0, 2, 4, 6)]  # elements 8h+i, 16+8h+i, 8h+4+i, 16+8h+4+i
+    lo_half = torch.stack([bits[0], bits[2]], -2).reshape(out, n, 8, 16)
+    hi_half = torch.stack([bits[1], bits[3]], -2).reshape(out, n, 8, 16)
+    q = torch.cat([(low & 15) | (lo_half << 4), (low >> 4) | (hi_half << 4)], -1).reshape(out, n * 8, 32)
+    scaled = (d * parts[1][..., 0].view(torch.int8).float()).reshape(out, n * 8, 2)
+    return {"q": q, "dlo": scaled[..., 0], "dhi": scaled[..., 1]}
+
+
+def dequantize_fields(parts: list[torch.Tensor], kind: str) -> torch.Tensor:
+    """fp32 [out, in] from :func:`fields`' tensors: ggml's formulas, each product and sum one float32 operation."""
+    if kind not in ("Q4_K", "Q6_K"):
+        out, n = parts[0].shape[:2]
+        return dequantize(torch.cat([f.reshape(out, n, -1) for f in parts], -1).reshape(out, -1), kind)
+    v = k_integers(parts, kind)
+    q = v["q"].float()
+    if kind == "Q4_K":
+        return (v["dw"][..., None] * q + v["mw"][..., None]).reshape(q.shape[0], -1)
+    w = torch.cat([v["dlo"][..., None] * (q[..., :16] - 32), v["dhi"][..., None] * (q[..., 16:] - 32)], -1)
+    return w.reshape(q.shape[0], -1)
+
+
+def convert(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, str]:
+    """Blocks of a type read into another exactly (:data:`CONVERTED`): Q5_0 → Q8_0."""
+    if kind != "Q5_0":
+        return raw, kind
+    out = raw.shape[0]
+    b = raw.reshape(out, -1, 22)
+    bits = b[..., 2:6].contiguous().view(torch.int32)  # [out, n, 1]: bit e is element e's fifth bit
+    high = (bits >> torch.arange(32, dtype=torch.int32)) & 1
+    qs = b[..., 6:22]
+    q = torch.cat([qs & 15, qs >> 4], -1).to(torch.int32) | (high << 4)
+    q8 = (q - 16).to(torch.int8).view(torch.uint8)
+    return torch.cat([b[..., 0:2], q8], -1).reshape(out, -1).contiguous(), "Q8_0"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -132,50 +217,80 @@ def quantize(weight: torch.Tensor, kind: str) -> torch.Tensor:
 # The layer.
 
 class BlockLinear(QuantizedLinear):
-    """``y = x Wᵀ + b`` with W in GGUF blocks of ``kind``, rows of x quantized to int8 per block (kernels/blocks.c).
-    A row's result does not depend on the other rows of the call, nor on the number of threads."""
+    """``y = x Wᵀ + b`` with W in GGUF blocks, rows of x quantized to int8 per block (kernels/blocks.c). A row's
+    result does not depend on the other rows of the call, nor on the number of threads.
+
+    ``BlockLinear(blocks, kind, in_features, bias)``, or :meth:`from_parts` for a fused layer whose members have
+    different types (a GGUF's q and k in Q4_K, its v in Q6_K): one kernel call per part, each writing its columns."""
 
     def __init__(self, blocks: torch.Tensor, kind: str, in_features: int, bias: torch.Tensor | None = None):
         super().__init__()
-        if kind not in TYPES:
-            raise SpeculateError(f"block type {kind} is not supported (supported: {', '.join(TYPES)})")
-        self.kind, self.type = kind, TYPES[kind][0]
-        self.out_features, self.in_features = blocks.shape[0], in_features
-        if blocks.dtype != torch.uint8 or blocks.shape[1] != in_features // QK * TYPES[kind][1]:
-            raise SpeculateError(f"{kind} blocks of shape {tuple(blocks.shape)} do not hold {in_features} inputs")
+        self._setup([(kind, blocks)], in_features, bias)
+
+    @classmethod
+    def from_parts(cls, parts: list[tuple[str, torch.Tensor]], in_features: int,
+                   bias: torch.Tensor | None = None) -> "BlockLinear":
+        layer = cls.__new__(cls)
+        QuantizedLinear.__init__(layer)
+        layer._setup(parts, in_features, bias)
+        return layer
+
+    def _setup(self, parts: list[tuple[str, torch.Tensor]], in_features: int, bias: torch.Tensor | None) -> None:
         self._fn = _kernel()
-        # Only the interleaved copy is kept (the GGUF layout is a permutation of its bytes: deinterleave).
         self.width = group()
-        self.register_buffer("packed", interleave(blocks, kind, self.width))
+        self.in_features = in_features
+        self.kinds, hot, start = [], [], 0
+        for i, (kind, blocks) in enumerate(parts):
+            if kind not in TYPES:
+                raise SpeculateError(f"block type {kind} is not supported (supported: {', '.join(TYPES)})")
+            number, elems, size = TYPES[kind]
+            if blocks.dtype != torch.uint8 or in_features % elems or blocks.shape[1] != in_features // elems * size:
+                raise SpeculateError(f"{kind} blocks of shape {tuple(blocks.shape)} do not hold {in_features} inputs")
+            # Only the interleaved copy is kept (the GGUF layout is a permutation of its bytes: deinterleave).
+            self.register_buffer(f"packed{i}", interleave(blocks, kind, self.width))
+            rows = blocks.shape[0]
+            self.kinds.append((kind, start, rows))
+            hot.append((number, getattr(self, f"packed{i}"), start, rows))
+            start += rows
+        self.out_features = start
+        self.kind = "+".join(dict.fromkeys(k for k, _, _ in self.kinds))
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         # Plain attributes for the hot call (nn.Module's buffer lookups cost more than the rest of its Python); the
         # same tensor objects as the buffers, so a deep copy keeps them together.
-        self._hot = (self.packed, self.bias)
+        self._hot = (hot, self.bias)
 
     @property
     def blocks(self) -> torch.Tensor:
-        """The GGUF blocks [out, nb · bytes]."""
-        return deinterleave(self.packed, self.kind, self.out_features, self.width)
+        """The GGUF blocks [out, nb · bytes] (one part of Q4_0, Q4_1 or Q8_0)."""
+        (kind, _, rows), = self.kinds
+        parts = deinterleave(self.packed0, kind, rows, self.width)
+        return torch.cat([f.reshape(rows, f.shape[1], -1) for f in parts], -1).reshape(rows, -1)
 
     def dequantized_weight(self) -> torch.Tensor:
-        return dequantize(self.blocks, self.kind)
+        return torch.cat([dequantize_fields(deinterleave(getattr(self, f"packed{i}"), kind, rows, self.width), kind)
+                          for i, (kind, _, rows) in enumerate(self.kinds)])
 
     def weight_bytes(self) -> int:
-        return self.packed.numel()
+        return sum(getattr(self, f"packed{i}").numel() for i in range(len(self.kinds)))
 
     def _run(self, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor | None = None,
              eps: float = 0.0, act: bool = False) -> torch.Tensor:
         x = x.float().contiguous()
-        rows = x.shape[0]
-        packed, bias = self._hot
-        y = torch.empty(rows, self.out_features, dtype=torch.float32)
+        rows, out = x.shape[0], self.out_features
+        hot, bias = self._hot
+        y = torch.empty(rows, out, dtype=torch.float32)
         if residual is not None:
             residual = residual.float().contiguous()
-        rc = self._fn(self.type, packed.data_ptr(), self.out_features, self.in_features, x.data_ptr(), rows,
-                      None if norm is None else norm.data_ptr(), eps, int(act), None if bias is None else bias.data_ptr(),
-                      None if residual is None else residual.data_ptr(), y.data_ptr(), torch.get_num_threads())
-        if rc:
-            raise RuntimeError(f"block matmul failed ({rc})")
+        x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
+        norm_ptr = None if norm is None else norm.data_ptr()
+        threads = torch.get_num_threads()
+        for number, packed, start, n in hot:  # each part writes its columns (4 bytes a float)
+            rc = self._fn(number, packed.data_ptr(), n, self.in_features, x_ptr, rows, norm_ptr, eps, int(act),
+                          None if bias is None else bias.data_ptr() + 4 * start,
+                          None if residual is None else residual.data_ptr() + 4 * start, y_ptr + 4 * start, out,
+                          threads)
+            if rc:
+                raise RuntimeError(f"block matmul failed ({rc})")
         return y
 
     def matmul_2d(self, x: torch.Tensor) -> torch.Tensor:
@@ -210,11 +325,6 @@ def settings() -> dict[str, str]:
     return {"format": str(FORMAT), "kind": "q4"}
 
 
-def _linear_names(model: nn.Module) -> list[tuple[str, list[str]]]:
-    from .quantize import plan
-    return plan(model)
-
-
 def _gguf_name(name: str, tied: bool) -> str:
     if name == "lm_head":
         return "token_embd.weight" if tied else "output.weight"
@@ -222,16 +332,17 @@ def _gguf_name(name: str, tied: bool) -> str:
     return f"blk.{parts[2]}.{_GGUF['.'.join(parts[3:])]}.weight"
 
 
-def _from_gguf(reader, name: str, weight: torch.Tensor, tied: bool) -> tuple[torch.Tensor, str]:
-    """The GGUF's blocks for the module ``name``, rows in the order of ``weight`` (the converter's de-quantized
-    copy of the same tensor), checked to de-quantize to exactly ``weight``."""
+def _from_gguf(tensors: dict, name: str, weight: torch.Tensor, tied: bool) -> tuple[torch.Tensor, str]:
+    """The GGUF's blocks for the module ``name`` (``tensors``: the file's, by name), rows in the order of ``weight``
+    (the converter's de-quantized copy of the same tensor), checked to de-quantize to exactly ``weight``."""
     gname = _gguf_name(name, tied)
-    tensor = next((t for t in reader.tensors if t.name == gname), None)
+    tensor = tensors.get(gname)
     if tensor is None:
         raise SpeculateError(f"dtype q4: the GGUF has no tensor {gname} for {name}")
     kind = tensor.tensor_type.name
-    if kind not in TYPES:
-        raise SpeculateError(f"dtype q4 runs {', '.join(TYPES)} blocks; {gname} is {kind} (not supported)")
+    if kind not in TYPES and kind not in CONVERTED:
+        raise SpeculateError(f"dtype q4 runs {', '.join([*TYPES, *CONVERTED])} blocks; {gname} is {kind} "
+                             "(not supported)")
     blocks = torch.from_numpy(np.array(tensor.data, copy=True)).reshape(weight.shape[0], -1)
     deq = dequantize(blocks, kind)
     if not torch.equal(deq, weight):
@@ -242,37 +353,40 @@ def _from_gguf(reader, name: str, weight: torch.Tensor, tied: bool) -> tuple[tor
         except KeyError:
             raise SpeculateError(f"dtype q4: the blocks of {gname} do not de-quantize to the converted weights") from None
         blocks = blocks[order]
-        if not torch.equal(dequantize(blocks, kind), weight):
-            raise SpeculateError(f"dtype q4: the blocks of {gname} do not de-quantize to the converted weights")
-    return blocks.contiguous(), kind
+    blocks, kind = convert(blocks.contiguous(), kind)
+    if not torch.equal(dequantize_fields(fields(blocks, kind), kind), weight):  # what the kernel will read
+        raise SpeculateError(f"dtype q4: the blocks of {gname} do not de-quantize to the converted weights")
+    return blocks, kind
 
 
 def build(model: nn.Module, gguf: Path | None) -> dict[str, torch.Tensor]:
-    """The tensors :func:`apply` takes: ``blocks.<kind>.<layer>`` (uint8) and ``bias.<layer>`` per fused layer of
-    :func:`quantize.plan`, from the GGUF file (``gguf``) or quantized from the fp32 weights (None)."""
-    reader = None
+    """The tensors :func:`apply` takes, per fused layer of :func:`quantize.plan`: ``part.<layer>.<i>.<kind>`` (uint8
+    blocks; consecutive members of one type in one part) and ``bias.<layer>``, from the GGUF file (``gguf``) or
+    quantized from the fp32 weights (None: Q4_1, the LM head Q8_0)."""
+    tensors = None
     if gguf is not None:
         from gguf import GGUFReader
-        reader = GGUFReader(str(gguf))
+        tensors = {t.name: t for t in GGUFReader(str(gguf)).tensors}
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     out: dict[str, torch.Tensor] = {}
-    for fused, members in _linear_names(model):
-        parts, kinds, biases = [], set(), []
+    for fused, members in plan(model):
+        parts: list[tuple[str, list[torch.Tensor]]] = []
+        biases = []
         for name in members:
             module = model.get_submodule(name)
             weight = module.weight.detach().float()
-            if reader is not None and (name == "lm_head" or name.startswith("model.layers.")):
-                blocks, kind = _from_gguf(reader, name, weight, tied)
+            if tensors is not None and (name == "lm_head" or name.startswith("model.layers.")):
+                blocks, kind = _from_gguf(tensors, name, weight, tied)
             else:
                 kind = "Q8_0" if name == "lm_head" else "Q4_1"
                 blocks = quantize(weight, kind)
-            parts.append(blocks)
-            kinds.add(kind)
+            if parts and parts[-1][0] == kind:
+                parts[-1][1].append(blocks)
+            else:
+                parts.append((kind, [blocks]))
             biases.append(module.bias)
-        if len(kinds) > 1:  # members of different types cannot share one matmul
-            raise SpeculateError(f"dtype q4: {fused} mixes block types {sorted(kinds)} (not supported)")
-        kind = kinds.pop()
-        out[f"blocks.{kind}.{fused}"] = torch.cat(parts).contiguous()
+        for i, (kind, pieces) in enumerate(parts):
+            out[f"part.{fused}.{i}.{kind}"] = torch.cat(pieces).contiguous()
         if all(b is not None for b in biases):
             out[f"bias.{fused}"] = torch.cat([b.detach().float() for b in biases]).contiguous()
     return out
@@ -283,17 +397,21 @@ def apply(model: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
     members views of it (:class:`LinearPart`), as quantize.apply does for int8."""
     from .quantize import _set
 
-    kinds = {key.split(".", 2)[2]: key.split(".")[1] for key in tensors if key.startswith("blocks.")}
-    for fused, members in _linear_names(model):
-        if fused not in kinds:
+    parts: dict[str, list[tuple[int, str, torch.Tensor]]] = {}
+    for key, tensor in tensors.items():
+        if key.startswith("part."):
+            fused, index, kind = key[len("part."):].rsplit(".", 2)
+            parts.setdefault(fused, []).append((int(index), kind, tensor))
+    for fused, members in plan(model):
+        if fused not in parts:
             continue
         in_features = model.get_submodule(members[0]).in_features
-        layer = BlockLinear(tensors[f"blocks.{kinds[fused]}.{fused}"], kinds[fused], in_features,
-                            tensors.get(f"bias.{fused}"))
-        parts = [] if members == [fused] else [(name, model.get_submodule(name).out_features) for name in members]
+        layer = BlockLinear.from_parts([(kind, t) for _, kind, t in sorted(parts[fused], key=lambda p: p[0])],
+                                       in_features, tensors.get(f"bias.{fused}"))
+        views = [] if members == [fused] else [(name, model.get_submodule(name).out_features) for name in members]
         _set(model, fused, layer)
         start = 0
-        for name, rows in parts:
+        for name, rows in views:
             _set(model, name, LinearPart(layer, start, start + rows))
             start += rows
     return model

@@ -106,7 +106,10 @@ def library(source: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     path = SOURCE.with_name(source)
     text = path.read_bytes()
     stem = path.stem
-    for flags in ([*FLAGS, *extra], FLAGS) if extra else (FLAGS,):
+    # SPECULATE_KERNEL_FLAGS: more flags after ours, e.g. -march=x86-64-v3 to build another CPU's code paths (AVX2,
+    # or scalar with x86-64-v2) on this one: the tests run the kernels' exactness checks under them too.
+    base = [*FLAGS, *os.environ.get("SPECULATE_KERNEL_FLAGS", "").split()]
+    for flags in ([*base, *extra], base) if extra else (base,):
         key = hashlib.sha256(text + " ".join([cc, *flags, _cpu()]).encode()).hexdigest()[:16]
         built = cache_root() / "kernels" / f"{stem}-{key}.so"
         if not built.is_file():

@@ -40,12 +40,16 @@
 #define GROUP 8  /* the scalar loops take any group */
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* ggml's type numbers */
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml's type numbers */
 #define QK 32
 #define TILE 4  /* rows computed together: a group's block unpacked once, used by each */
 
-static int block_bytes(int type) { return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : 0; }
-static int quant_bytes(int type) { return type == Q8_0 ? 32 : 16; }
+/* Bytes a block of 32 per output (the K types: a super-block of 256 per output, see "K types" below). */
+static int block_bytes(int type) {
+    return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : type == Q4_K ? 148 : type == Q6_K ? 210 : 0;
+}
+static int is_k(int type) { return type == Q4_K || type == Q6_K; }
+__attribute__((unused)) static int quant_bytes(int type) { return type == Q8_0 ? 32 : 16; }
 static int scale_count(int type) { return type == Q4_1 ? 2 : 1; }
 
 int speculate_block_group(void) { return GROUP; }
@@ -100,20 +104,22 @@ static void prepare_row(const float *restrict x, int64_t k, const float *restric
 
 /* One row of x: int8 per block, da per block, and the block's Σ qa. */
 static void quantize_row(const float *restrict x, int64_t k, int8_t *restrict q, float *restrict da,
-                         int32_t *restrict sums) {
+                         int32_t *restrict sums, int32_t *restrict lows) {
     for (int64_t b = 0; b < k / QK; b++) {
         const float *xb = x + b * QK;
         float amax = 0.f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
         const float inv = amax != 0.f ? 127.f / amax : 0.f;
-        int sum = 0;
+        int sum = 0, low = 0;
         for (int j = 0; j < QK; j++) {
             const int v = (int)nearbyintf(xb[j] * inv);
             q[b * QK + j] = (int8_t)v;
             sum += v;
+            if (j < 16) low += v;
         }
         da[b] = amax / 127.f;
         sums[b] = sum;
+        lows[b] = low; /* Q6_K's scales cover 16 values: Σ qa of the block's first half */
     }
 }
 
@@ -260,55 +266,199 @@ tile_body(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *
 #endif
 }
 
+/* K types (llama.cpp's k-quants), as run: per group and super-block of 256 inputs (8 blocks of 32), for Q4_K the
+ * GROUP d's and dmin's (fp16), each block's 6-bit scale and min per output (8 × GROUP bytes each, unpacked from
+ * the file's 12), and per block the nibbles in Q4_1's order (low: elements 0-15, high: 16-31), units of 4 bytes as
+ * above; w = (d · sc) q − (dmin · m). For Q6_K the GROUP d's, 16 int8 scales per output (one per 16 inputs), per
+ * block the low 4 bits in Q4_1's order and the high 2 bits (two words per output: byte i of word h holds the high
+ * bits of elements 8h+i, 16+8h+i, 8h+4+i, 16+8h+4+i in bits 0-1, 2-3, 4-5, 6-7); w = (d · sc) (q − 32). The same
+ * integer dots, then per block acc = acc + (float)I · ((d · sc) · da) and (Q4_K) mt = mt + (−(dmin · m)) · sa; Q6_K's
+ * two halves of a block each add their own term, first half first. */
+static inline float negate(float x) { union { float f; uint32_t u; } v = {x}; v.u ^= 0x80000000u; return v.f; }
+
+__attribute__((unused)) static void k_scalar(int type, const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q,
+                     const float *restrict da, const int32_t *restrict sums, const int32_t *restrict lows, int64_t k,
+                     int nr, float *out) {
+    const int64_t rec = (int64_t)block_bytes(type) * GROUP, G = GROUP;
+    for (int r = 0; r < nr; r++) {
+        for (int lane = 0; lane < GROUP; lane++) {
+            float acc = 0.f, mt = 0.f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *base = wg + (b / 8) * rec;
+                const int j = (int)(b % 8);
+                const int8_t *a = q + r * k + b * QK;
+                const int64_t ab = r * nb + b;
+                uint16_t h;
+                memcpy(&h, base + 2 * lane, 2);
+                const float d = half_to_float(h);
+                if (type == Q4_K) {
+                    memcpy(&h, base + 2 * G + 2 * lane, 2);
+                    const float dmin = half_to_float(h);
+                    const float dw = d * (float)base[4 * G + j * G + lane];
+                    const float mw = negate(dmin * (float)base[12 * G + j * G + lane]);
+                    const uint8_t *qs = base + 20 * G + j * 16 * G;
+                    int32_t isum = 0;
+                    for (int c = 0; c < 4; c++) {
+                        const uint8_t *u = qs + (c * G + lane) * 4;
+                        for (int i = 0; i < 4; i++) isum += (u[i] & 0x0f) * a[4 * c + i] + (u[i] >> 4) * a[16 + 4 * c + i];
+                    }
+                    acc = acc + (float)isum * (dw * da[ab]);
+                    mt = mt + mw * (da[ab] * (float)sums[ab]);
+                } else {
+                    const float dlo = d * (float)(int8_t)base[2 * G + 2 * j * G + lane];
+                    const float dhi = d * (float)(int8_t)base[2 * G + (2 * j + 1) * G + lane];
+                    const uint8_t *ql = base + 18 * G + j * 16 * G, *qh = base + 146 * G + j * 8 * G;
+                    int32_t ilo = 0, ihi = 0;
+                    for (int c = 0; c < 4; c++) {
+                        const uint8_t *u = ql + (c * G + lane) * 4, *hw = qh + ((c >> 1) * G + lane) * 4;
+                        for (int i = 0; i < 4; i++) {
+                            const int lo2 = c & 1 ? (hw[i] >> 4) & 3 : hw[i] & 3;
+                            const int hi2 = c & 1 ? (hw[i] >> 6) & 3 : (hw[i] >> 2) & 3;
+                            ilo += ((u[i] & 0x0f) | lo2 << 4) * a[4 * c + i];
+                            ihi += ((u[i] >> 4) | hi2 << 4) * a[16 + 4 * c + i];
+                        }
+                    }
+                    ilo -= 32 * lows[ab];
+                    ihi -= 32 * (sums[ab] - lows[ab]);
+                    acc = acc + (float)ilo * (dlo * da[ab]);
+                    acc = acc + (float)ihi * (dhi * da[ab]);
+                }
+            }
+            out[r * GROUP + lane] = type == Q4_K ? acc + mt : acc;
+        }
+    }
+}
+
+#ifdef WIDE
+static inline __m512 negate16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
+}
+
+static inline __attribute__((always_inline)) void
+k_wide(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q, const float *restrict da,
+       const int32_t *restrict sums, const int32_t *restrict lows, int64_t k, const int nr, float *out) {
+    const int64_t rec = (int64_t)block_bytes(type) * GROUP, G = GROUP;
+    __m512 acc[TILE], mt[TILE];
+    for (int r = 0; r < nr; r++) acc[r] = mt[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x30);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *base = wg + (b / 8) * rec;
+        const int j = (int)(b % 8);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)base));
+        __m512 dw, dw2 = _mm512_setzero_ps(), mw = _mm512_setzero_ps();
+        __m512i w[8];
+        if (type == Q4_K) {
+            const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(base + 2 * G)));
+            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(base + 4 * G + j * G))));
+            const __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(base + 12 * G + j * G))));
+            dw = _mm512_mul_ps(d, sc);
+            mw = negate16(_mm512_mul_ps(dmin, m));
+            const uint8_t *qs = base + 20 * G + j * 16 * G;
+            for (int c = 0; c < 4; c++) {
+                const __m512i raw = _mm512_loadu_si512(qs + c * 64);
+                w[c] = _mm512_and_si512(raw, low);
+                w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            }
+        } else {
+            dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(base + 2 * G + 2 * j * G)))));
+            dw2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(base + 2 * G + (2 * j + 1) * G)))));
+            const uint8_t *ql = base + 18 * G + j * 16 * G, *qh = base + 146 * G + j * 8 * G;
+            for (int c = 0; c < 4; c++) {
+                const __m512i raw = _mm512_loadu_si512(ql + c * 64), hq = _mm512_loadu_si512(qh + (c >> 1) * 64);
+                const __m512i lo2 = c & 1 ? _mm512_and_si512(hq, two) : _mm512_and_si512(_mm512_slli_epi16(hq, 4), two);
+                const __m512i hi2 = c & 1 ? _mm512_and_si512(_mm512_srli_epi16(hq, 2), two)
+                                          : _mm512_and_si512(_mm512_slli_epi16(hq, 2), two);
+                w[c] = _mm512_or_si512(_mm512_and_si512(raw, low), lo2);
+                w[c + 4] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low), hi2);
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            const int8_t *a = q + r * k + b * QK;
+            const int64_t ab = r * nb + b;
+            __m512i ilo = _mm512_setzero_si512(), ihi = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                ilo = _mm512_dpbusd_epi32(ilo, w[c], bcast16(a + 4 * c));
+                ihi = _mm512_dpbusd_epi32(ihi, w[c + 4], bcast16(a + 16 + 4 * c));
+            }
+            const __m512 dab = _mm512_set1_ps(da[ab]);
+            if (type == Q4_K) {
+                const __m512i isum = _mm512_add_epi32(ilo, ihi);
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dab)));
+                mt[r] = _mm512_add_ps(mt[r], _mm512_mul_ps(mw, _mm512_set1_ps(da[ab] * (float)sums[ab])));
+            } else {
+                ilo = _mm512_sub_epi32(ilo, _mm512_set1_epi32(32 * lows[ab]));
+                ihi = _mm512_sub_epi32(ihi, _mm512_set1_epi32(32 * (sums[ab] - lows[ab])));
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(ilo), _mm512_mul_ps(dw, dab)));
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(ihi), _mm512_mul_ps(dw2, dab)));
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        _mm512_storeu_ps(out + r * GROUP, type == Q4_K ? _mm512_add_ps(acc[r], mt[r]) : acc[r]);
+}
+#endif
+
 /* tile_body with constant type and row count: one specialised copy each. */
 static void group_tile(int type, const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q,
-                       const float *restrict da, const int32_t *restrict sums, int64_t k, int nr, float *out) {
+                       const float *restrict da, const int32_t *restrict sums, const int32_t *restrict lows,
+                       int64_t k, int nr, float *out) {
 #define CASE(T, N) case T * 8 + N: tile_body(T, wg, nb, q, da, sums, k, N, out); break;
 #define ROWS(T) CASE(T, 1) CASE(T, 2) CASE(T, 3) CASE(T, 4)
+#ifdef WIDE
+#define KCASE(T, N) case T * 8 + N: k_wide(T, wg, nb, q, da, sums, lows, k, N, out); break;
+#define KROWS(T) KCASE(T, 1) KCASE(T, 2) KCASE(T, 3) KCASE(T, 4)
+    switch (type * 8 + nr) { ROWS(Q4_0) ROWS(Q4_1) ROWS(Q8_0) KROWS(Q4_K) KROWS(Q6_K) default: break; }
+#undef KROWS
+#undef KCASE
+#else
+    if (is_k(type)) { k_scalar(type, wg, nb, q, da, sums, lows, k, nr, out); return; } /* no vector K path here */
     switch (type * 8 + nr) { ROWS(Q4_0) ROWS(Q4_1) ROWS(Q8_0) default: break; }
+#endif
 #undef ROWS
 #undef CASE
 }
 
 /* x [rows, k] fp32 (k a multiple of 32; [rows, 2k] with ``act``), prepared as prepare_row says (``norm`` [k] or
  * NULL, ``eps``, ``act`` 0/1); w: the interleaved layout of [out] rows of ``type``; bias [out] or NULL; residual
- * [rows, out] or NULL (y = residual + (x Wᵀ + bias)); y [rows, out]. Returns 0, or non-zero for an unknown type,
+ * [rows, ld] or NULL (y = residual + (x Wᵀ + bias)); y [rows, ld], columns 0..out-1 written (``ld``: the row
+ * stride of y and residual, >= out: a layer of parts of several types writes each part's columns). Returns 0, or non-zero for an unknown type,
  * a bad k, or no memory. */
 int speculate_block_matmul(int type, const uint8_t *restrict w, int64_t out, int64_t k, const float *restrict x,
                            int64_t rows, const float *norm, float eps, int act, const float *bias,
-                           const float *residual, float *y, int threads) {
+                           const float *residual, float *y, int64_t ld, int threads) {
     const int bytes = block_bytes(type);
     if (!bytes) return 1;
-    if (k <= 0 || k % QK) return 2;
+    if (k <= 0 || k % (is_k(type) ? 8 * QK : QK)) return 2;
     const int64_t nb = k / QK, groups = (out + GROUP - 1) / GROUP;
     int8_t *q = malloc((size_t)(rows * k));
     float *da = malloc(sizeof(float) * (size_t)(rows * nb));
-    int32_t *sums = malloc(sizeof(int32_t) * (size_t)(rows * nb));
+    int32_t *sums = malloc(sizeof(int32_t) * (size_t)(rows * nb)), *lows = malloc(sizeof(int32_t) * (size_t)(rows * nb));
     float *row = malloc(sizeof(float) * (size_t)k);
-    if (!q || !da || !sums || !row) { free(q); free(da); free(sums); free(row); return 3; }
+    if (!q || !da || !sums || !lows || !row) { free(q); free(da); free(sums); free(lows); free(row); return 3; }
     for (int64_t r = 0; r < rows; r++) {
         prepare_row(x + r * k * (act ? 2 : 1), k, norm, eps, act, row);
-        quantize_row(row, k, q + r * k, da + r * nb, sums + r * nb);
+        quantize_row(row, k, q + r * k, da + r * nb, sums + r * nb, lows + r * nb);
     }
     free(row);
-    const int64_t group_bytes = nb * GROUP * bytes;
+    const int64_t group_bytes = (is_k(type) ? nb / 8 : nb) * GROUP * bytes;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && groups * rows >= 32)
     for (int64_t g = 0; g < groups; g++) {
         float got[TILE * GROUP];
         for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
             const int nr = rows - r0 < TILE ? (int)(rows - r0) : TILE;
-            group_tile(type, w + g * group_bytes, nb, q + r0 * k, da + r0 * nb, sums + r0 * nb, k, nr, got);
+            group_tile(type, w + g * group_bytes, nb, q + r0 * k, da + r0 * nb, sums + r0 * nb, lows + r0 * nb, k, nr,
+                       got);
             for (int r = 0; r < nr; r++) {
                 for (int lane = 0; lane < GROUP && g * GROUP + lane < out; lane++) {
                     const int64_t o = g * GROUP + lane;
                     float v = got[r * GROUP + lane];
                     if (bias) v = v + bias[o];
-                    if (residual) v = residual[(r0 + r) * out + o] + v;
-                    y[(r0 + r) * out + o] = v;
+                    if (residual) v = residual[(r0 + r) * ld + o] + v;
+                    y[(r0 + r) * ld + o] = v;
                 }
             }
         }
     }
-    free(q); free(da); free(sums);
+    free(q); free(da); free(sums); free(lows);
     return 0;
 }
