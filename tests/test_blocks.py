@@ -317,7 +317,8 @@ def test_auto_precision_is_q4_only_where_the_gguf_runs_as_it_ships(tiny_folders)
     from speculate.models import resolve_dtype
 
     assert resolve_dtype("smollm2-135m-instruct", "auto") == "q4"  # Q4_1 layers and a Q8_0 head
-    assert resolve_dtype("qwen2.5-coder-1.5b-instruct", "auto") == "fp32"  # Q4_K / Q6_K: not read yet
+    assert resolve_dtype("qwen2.5-coder-1.5b-instruct", "auto") == "q4"  # Q4_K, Q6_K
+    assert resolve_dtype("gemma-3-270m", "auto") == "fp32"  # not a Llama-family model: q4 is not checked there
     assert resolve_dtype(str(tiny_folders[0]), "auto") == "fp32"  # a folder: q4 would quantize it
     assert resolve_dtype(str(tiny_folders[0]), "int8") == "int8"
     assert load_model(str(tiny_folders[0]), dtype="auto").dtype == "fp32"

@@ -25,7 +25,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("dtype", ["int8"])
+@pytest.mark.parametrize("dtype", ["int8", "q4"])  # q4: the GGUFs' own Q4_K / Q6_K / Q5_0 / Q8_0 blocks
 def test_qwen_pair_greedy_equals_plain_decoding(dtype):
     target = load_model("qwen2.5-coder-1.5b-instruct", dtype=dtype)
     draft = load_model("qwen2.5-coder-0.5b-instruct", dtype=dtype)

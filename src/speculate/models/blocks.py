@@ -1,4 +1,5 @@
-"""``dtype="q4"``: the GGUF file's own quantized blocks, run as they are (4-bit Q4_0/Q4_1, 8-bit Q8_0).
+"""``dtype="q4"``: the GGUF file's own quantized blocks, run as they are (Q4_0, Q4_1, Q8_0, the k-quants Q4_K and
+Q6_K; Q5_0 read into Q8_0 exactly).
 
 Why: the default model ships as a Q4_1 GGUF (its LM head, the tied embedding, as Q8_0); our fp32 weights are
 those blocks de-quantized. Reading the blocks themselves loses nothing against the file and reads ~0.7x the bytes
@@ -8,7 +9,10 @@ The matmul is a compiled kernel (kernels/blocks.c) that quantizes each row of ac
 are the same bits whatever the other rows of the forward are, so greedy speculative decoding is exact here too
 (with the batch-invariant attention of kernel.py; models/exactness.py checks the whole model at load).
 
-Where the blocks come from: for a model alias, the GGUF tensors themselves, each matched row for row against the
+The kernel reads each type as :func:`fields` unpacks it (scales, and the quants in units of 4 bytes), interleaved for
+groups of outputs (:func:`interleave`); a fused layer whose members have different types (the Qwen 1.5B's q and k
+in Q4_K, its v in Q6_K) is a layer of parts. Where the blocks come from: for a model alias, the GGUF tensors
+themselves, each matched row for row against the
 weights the converter de-quantized from the same file (they must be equal bit for bit: this checks the reading,
 and finds the row order — the llama converter permutes q and k rows); for any other model folder, its fp32
 weights quantized with llama.cpp's rules (Q4_1 per 32 weights: d = (max - min) / 15, m = min; the LM head Q8_0).

