@@ -56,13 +56,13 @@ def load():
     """The attention kernel's function, or None where it cannot be built (no compiler, or a failed build; logged)."""
     with _lock:
         if "attend" not in _loaded:
-            lib = library("attention.c")
+            lib = library("attention.c", extra=("-fopenmp",))
             fn = None if lib is None else lib.speculate_attend
             if fn is not None:
                 fn.restype = ctypes.c_int
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                               ctypes.c_void_p]
+                               ctypes.c_void_p, ctypes.c_int]
             _loaded["attend"] = fn
             rope = None if lib is None else lib.speculate_rope_write
             if rope is not None:
@@ -152,7 +152,8 @@ def attend(fn, q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, mask
     q = q.contiguous()
     out = torch.empty(n, heads, d, dtype=torch.float32)
     rc = fn(q.data_ptr(), keys_t.data_ptr(), values.data_ptr(), keys_t.shape[2],
-            None if mask is None else mask.data_ptr(), n, heads, keys_t.shape[0], d, length, scaling, out.data_ptr())
+            None if mask is None else mask.data_ptr(), n, heads, keys_t.shape[0], d, length, scaling, out.data_ptr(),
+            torch.get_num_threads())
     if rc:
         raise RuntimeError(f"attention kernel failed ({rc}): capacity {keys_t.shape[2]}, length {length}")
     return out.view(n, heads * d)

@@ -91,19 +91,25 @@ void speculate_rope_write(const float *restrict qkv, int n, int heads, int kv_he
 
 int speculate_attend(const float *restrict q, const float *restrict kt, const float *restrict v, int64_t capacity,
                      const uint8_t *restrict allowed, int n, int heads, int kv_heads, int d, int length,
-                     float scaling, float *restrict out) {
+                     float scaling, float *restrict out, int threads) {
     const int rep = heads / kv_heads, rows = n * rep;
     const int64_t padded = ((int64_t)length + KEYS - 1) / KEYS * KEYS;
     if (padded > capacity || capacity % KEYS || d > MAX_D || length < 1) return -1;
-    float *scores = malloc(sizeof(float) * rows * padded), *sums = malloc(sizeof(float) * rows);
+    float *all_scores = malloc(sizeof(float) * kv_heads * rows * padded);
+    float *all_sums = malloc(sizeof(float) * kv_heads * rows);
     int64_t *last = malloc(sizeof(int64_t) * n);
-    if (!scores || !sums || !last) { free(scores); free(sums); free(last); return -2; }
+    if (!all_scores || !all_sums || !last) { free(all_scores); free(all_sums); free(last); return -2; }
     /* The last slot each row may see: key blocks past it are not scored (a causal prefill's upper half). */
     for (int r = 0; r < n; r++) {
         last[r] = length - 1;
         while (allowed && last[r] > 0 && !allowed[(int64_t)r * padded + last[r]]) last[r]--;
     }
+    /* KV heads in parallel (OpenMP, PyTorch's runtime): each has its own buffers and its own rows of out, and every
+     * value is computed by the same operations whichever thread runs it. */
+#pragma omp parallel for num_threads(threads) schedule(static) \
+    if (threads > 1 && kv_heads > 1 && (int64_t)rows * padded >= 512)
     for (int g = 0; g < kv_heads; g++) {
+        float *scores = all_scores + (int64_t)g * rows * padded, *sums = all_sums + (int64_t)g * rows;
         const float *keys = kt + (int64_t)g * d * capacity, *values = v + (int64_t)g * capacity * d;
         /* Scores, masked: -inf where a row may not look. */
         for (int64_t l0 = 0; l0 < padded; l0 += KEYS)
@@ -149,8 +155,8 @@ int speculate_attend(const float *restrict q, const float *restrict kt, const fl
             else weigh(s, values, padded, d, inv, o);
         }
     }
-    free(scores);
-    free(sums);
+    free(all_scores);
+    free(all_sums);
     free(last);
     return 0;
 }
