@@ -281,6 +281,14 @@ def test_tiny_model_at_q4_chains_and_trees_equal_one_token_decoding(tiny_folders
     for path in ([0, 1, 3], [0, 1, 4], [0, 2, 5, 6], [7, 8]):
         kv.keep(60)
         assert torch.equal(tree[path], torch.cat([kv.forward(tokens[[t]]) for t in path])), path
+    # The layers in one C call (kernels/decoder.c) and layer by layer from Python give the same bits.
+    assert kv.decoder is not None
+    kv.keep(60)
+    one_call = kv.forward(tokens, tree_parents=parents)
+    kv.decoder, decoder = None, kv.decoder
+    kv.keep(60)
+    assert torch.equal(kv.forward(tokens, tree_parents=parents), one_call)
+    kv.decoder = decoder
     # Greedy speculation (prompt lookup on a repetitive prompt) gives plain q4 decoding's tokens.
     prompt = random_prompt(5, 8) * 5
     ref = SpeculativeDecoder(loaded, "none").generate(prompt, max_new_tokens=40)

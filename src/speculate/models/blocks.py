@@ -297,6 +297,17 @@ class BlockLinear(QuantizedLinear):
                 raise RuntimeError(f"block matmul failed ({rc})")
         return y
 
+    def struct(self):
+        """This layer as kernels/decoder.c's linear_t (pointers into this module's buffers: keep it alive)."""
+        hot, bias = self._hot
+        if len(hot) > 4:
+            raise SpeculateError("a q4 layer of more than 4 parts")
+        s = kernel.Linear(parts=len(hot), bias=None if bias is None else bias.data_ptr(), out=self.out_features,
+                          k=self.in_features)
+        for i, (number, packed, _, rows) in enumerate(hot):
+            s.types[i], s.packed[i], s.rows[i] = number, packed.data_ptr(), rows
+        return s
+
     def matmul_2d(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, None)
 

@@ -19,6 +19,7 @@ Same interface as :class:`speculate.models.kv.HFKVModel`: reset / forward / keep
 
 from __future__ import annotations
 
+import ctypes
 from functools import partial
 from typing import Callable
 
@@ -158,6 +159,9 @@ class FastKVModel:
                 self.blocks = [(layer.input_layernorm.weight.float().contiguous(), qkv, o,
                                 layer.post_attention_layernorm.weight.float().contiguous(), gate_up, down)
                                for layer, (qkv, o, gate_up, down) in zip(inner.layers, wholes)]
+        # ...and, where it builds, all layers in one call (kernels/decoder.c: the same calls, without the Python).
+        self.decoder = kernel.load_decoder() if self.blocks is not None else None
+        self._structs, self._structs_for = None, None
         self.row_by_row = False
         if self.invariant:
             self.row_by_row = not exactness.check(self)
@@ -259,13 +263,26 @@ class FastKVModel:
 
     def _block_layers(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
         """:meth:`_layers` for q4 models: per layer, five compiled calls (kernels/blocks.c, attention.c) and no
-        PyTorch op between them; every one computes a row from that row alone."""
+        PyTorch op between them; every one computes a row from that row alone. Without taps, the layers run in one
+        call to kernels/decoder.c, which makes the same calls in C."""
         n, start = tokens.shape[0], self.length
-        attend = self._attention(start, allowed)
         eps, nh = self.eps, self.n_heads
         x = F.embedding(tokens, self.embed)  # [n, hidden]
         cos, sin = self.rotary(x, positions[None])
         cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [n, hd]
+        if self.decoder is not None and not self.taps:
+            x = x.float().contiguous()
+            mask = kernel.mask(allowed)
+            length = allowed.shape[1] if allowed is not None else start + n
+            rc = self.decoder(ctypes.addressof(self._layer_structs()), len(self.blocks), x.data_ptr(), n,
+                              self.hidden_size, nh, self.n_kv, self.head_dim, cos.data_ptr(), sin.data_ptr(),
+                              self.k_layers[0].shape[2], start, None if mask is None else mask.data_ptr(), length,
+                              self.scaling, eps, torch.get_num_threads())
+            if rc:
+                raise RuntimeError(f"decoder kernel failed ({rc})")
+            self.length = start + n
+            return F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
+        attend = self._attention(start, allowed)
         tapped = []
         for i, (ln1, qkv, o_proj, ln2, gate_up, down) in enumerate(self.blocks):
             out = qkv.norm_matmul_2d(x, ln1, eps)  # RMSNorm + fused q/k/v
@@ -277,6 +294,17 @@ class FastKVModel:
         self.length = start + n
         x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
         return torch.cat([x, *tapped], dim=-1) if tapped else x
+
+    def _layer_structs(self):
+        """kernels/decoder.c's layer_t array for the current cache buffers (rebuilt when they grow)."""
+        if self._structs_for is not self.k_cache:
+            layers = (kernel.Layer * len(self.blocks))()
+            for i, (ln1, qkv, o_proj, ln2, gate_up, down) in enumerate(self.blocks):
+                layers[i] = kernel.Layer(ln1=ln1.data_ptr(), ln2=ln2.data_ptr(), qkv=qkv.struct(), o=o_proj.struct(),
+                                         gate_up=gate_up.struct(), down=down.struct(),
+                                         kt=self.k_layers[i].data_ptr(), v=self.v_layers[i].data_ptr())
+            self._structs, self._structs_for = layers, self.k_cache
+        return self._structs
 
     def _attention(self, start: int, allowed: torch.Tensor | None):
         """attend(layer, q [n, heads, hd]) → [n, heads·hd] over slots 0..end-1, row r seeing the slots where

@@ -74,6 +74,35 @@ def load():
         return _loaded["attend"]
 
 
+class Linear(ctypes.Structure):
+    """kernels/decoder.c's linear_t: a BlockLinear's parts (blocks.BlockLinear.struct)."""
+    _fields_ = [("parts", ctypes.c_int), ("types", ctypes.c_int * 4), ("packed", ctypes.c_void_p * 4),
+                ("rows", ctypes.c_int64 * 4), ("bias", ctypes.c_void_p), ("out", ctypes.c_int64),
+                ("k", ctypes.c_int64)]
+
+
+class Layer(ctypes.Structure):
+    """kernels/decoder.c's layer_t."""
+    _fields_ = [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p), ("qkv", Linear), ("o", Linear),
+                ("gate_up", Linear), ("down", Linear), ("kt", ctypes.c_void_p), ("v", ctypes.c_void_p)]
+
+
+def load_decoder():
+    """kernels/decoder.c's speculate_decoder (a q4 model's layers in one call), or None where it cannot be built."""
+    with _lock:
+        if "decoder" not in _loaded:
+            lib = library("decoder.c", extra=("-fopenmp",), also=("blocks.c", "attention.c"))
+            fn = None if lib is None else lib.speculate_decoder
+            if fn is not None:
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_float,
+                               ctypes.c_int]
+            _loaded["decoder"] = fn
+        return _loaded["decoder"]
+
+
 def load_rope():
     """The rotary/cache-write function of the attention kernel (None where the kernel is not built)."""
     load()
@@ -93,10 +122,11 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys_t: 
     return q
 
 
-def library(source: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+def library(source: str, extra: tuple[str, ...] = (), also: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """kernels/``source`` compiled for this CPU (cached by source, flags and CPU) and loaded; None where it cannot
     be (no compiler, a failed build: logged). ``extra``: more flags, each tried and dropped when the compiler
-    refuses it (``-fopenmp`` where the compiler has no OpenMP: the code then runs on one thread)."""
+    refuses it (``-fopenmp`` where the compiler has no OpenMP: the code then runs on one thread). ``also``: more
+    sources compiled into the same library (the decoder calls the matmul and attention kernels)."""
     if os.environ.get("SPECULATE_NO_KERNEL"):
         return None
     cc = _compiler()
@@ -104,7 +134,8 @@ def library(source: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         log.info("no C compiler: %s is not built", source)
         return None
     path = SOURCE.with_name(source)
-    text = path.read_bytes()
+    sources = [path, *(SOURCE.with_name(name) for name in also)]
+    text = b"".join(p.read_bytes() for p in sources)
     stem = path.stem
     # SPECULATE_KERNEL_FLAGS: more flags after ours, e.g. -march=x86-64-v3 to build another CPU's code paths (AVX2,
     # or scalar with x86-64-v2) on this one: the tests run the kernels' exactness checks under them too.
@@ -115,7 +146,7 @@ def library(source: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         if not built.is_file():
             try:
                 with atomic_path(built) as tmp:
-                    subprocess.run([cc, *flags, "-o", str(tmp), str(path), "-lm"], check=True,
+                    subprocess.run([cc, *flags, "-o", str(tmp), *map(str, sources), "-lm"], check=True,
                                    capture_output=True, timeout=120)
             except (OSError, subprocess.SubprocessError) as error:
                 detail = (getattr(error, "stderr", b"") or b"").decode(errors="replace")[:300]
