@@ -330,72 +330,116 @@ __attribute__((unused)) static void k_scalar(int type, const uint8_t *restrict w
     }
 }
 
+#if defined(WIDE) || defined(VECTOR)
+/* k_vec's operations at the build's vector width: GROUP lanes of 32 bits (16 with AVX-512, 8 with AVX2). */
 #ifdef WIDE
-static inline __m512 negate16(__m512 x) {
-    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
-}
+typedef __m512 vf;
+typedef __m512i vi;
+#define HALVES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define U8S(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define I8S(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define LOADI(p) _mm512_loadu_si512(p)
+#define AND(a, b) _mm512_and_si512(a, b)
+#define OR(a, b) _mm512_or_si512(a, b)
+#define SRL16(a, n) _mm512_srli_epi16(a, n)
+#define SLL16(a, n) _mm512_slli_epi16(a, n)
+#define BYTES(c) _mm512_set1_epi8(c)
+#define INTS(c) _mm512_set1_epi32(c)
+#define ADDI(a, b) _mm512_add_epi32(a, b)
+#define SUBI(a, b) _mm512_sub_epi32(a, b)
+#define ZEROI() _mm512_setzero_si512()
+#define DOT(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
+#define BCAST(p) bcast16(p)
+#define FLOATS(x) _mm512_set1_ps(x)
+#define ZEROF() _mm512_setzero_ps()
+#define MUL(a, b) _mm512_mul_ps(a, b)
+#define ADD(a, b) _mm512_add_ps(a, b)
+#define TOF(a) _mm512_cvtepi32_ps(a)
+#define NEG(a) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), INTS((int)0x80000000u)))
+#define STORE(p, a) _mm512_storeu_ps(p, a)
+#else
+typedef __m256 vf;
+typedef __m256i vi;
+#define HALVES(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define U8S(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define I8S(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define LOADI(p) _mm256_loadu_si256((const __m256i *)(p))
+#define AND(a, b) _mm256_and_si256(a, b)
+#define OR(a, b) _mm256_or_si256(a, b)
+#define SRL16(a, n) _mm256_srli_epi16(a, n)
+#define SLL16(a, n) _mm256_slli_epi16(a, n)
+#define BYTES(c) _mm256_set1_epi8(c)
+#define INTS(c) _mm256_set1_epi32(c)
+#define ADDI(a, b) _mm256_add_epi32(a, b)
+#define SUBI(a, b) _mm256_sub_epi32(a, b)
+#define ZEROI() _mm256_setzero_si256()
+#define DOT(acc, u, s) madd(acc, u, s) /* unsigned weights <= 63: the 16-bit pair sums cannot saturate */
+#define BCAST(p) bcast4(p)
+#define FLOATS(x) _mm256_set1_ps(x)
+#define ZEROF() _mm256_setzero_ps()
+#define MUL(a, b) _mm256_mul_ps(a, b)
+#define ADD(a, b) _mm256_add_ps(a, b)
+#define TOF(a) _mm256_cvtepi32_ps(a)
+#define NEG(a) _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(a), INTS((int)0x80000000u)))
+#define STORE(p, a) _mm256_storeu_ps(p, a)
+#endif
 
+/* The K types with outputs in the lanes: the same values as k_scalar. */
 static inline __attribute__((always_inline)) void
-k_wide(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q, const float *restrict da,
-       const int32_t *restrict sums, const int32_t *restrict lows, int64_t k, const int nr, float *out) {
-    const int64_t rec = (int64_t)block_bytes(type) * GROUP, G = GROUP;
-    __m512 acc[TILE], mt[TILE];
-    for (int r = 0; r < nr; r++) acc[r] = mt[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x30);
+k_vec(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q, const float *restrict da,
+      const int32_t *restrict sums, const int32_t *restrict lows, int64_t k, const int nr, float *out) {
+    const int64_t rec = (int64_t)block_bytes(type) * GROUP, G = GROUP, unit = 4 * GROUP;
+    vf acc[TILE], mt[TILE];
+    for (int r = 0; r < nr; r++) acc[r] = mt[r] = ZEROF();
+    const vi low = BYTES(0x0f), two = BYTES(0x30);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *base = wg + (b / 8) * rec;
         const int j = (int)(b % 8);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)base));
-        __m512 dw, dw2 = _mm512_setzero_ps(), mw = _mm512_setzero_ps();
-        __m512i w[8];
+        const vf d = HALVES(base);
+        vf dw, dw2 = ZEROF(), mw = ZEROF();
+        vi w[8];
         if (type == Q4_K) {
-            const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(base + 2 * G)));
-            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(base + 4 * G + j * G))));
-            const __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(base + 12 * G + j * G))));
-            dw = _mm512_mul_ps(d, sc);
-            mw = negate16(_mm512_mul_ps(dmin, m));
+            dw = MUL(d, U8S(base + 4 * G + j * G));
+            mw = NEG(MUL(HALVES(base + 2 * G), U8S(base + 12 * G + j * G)));
             const uint8_t *qs = base + 20 * G + j * 16 * G;
             for (int c = 0; c < 4; c++) {
-                const __m512i raw = _mm512_loadu_si512(qs + c * 64);
-                w[c] = _mm512_and_si512(raw, low);
-                w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                const vi raw = LOADI(qs + c * unit);
+                w[c] = AND(raw, low);
+                w[c + 4] = AND(SRL16(raw, 4), low);
             }
         } else {
-            dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(base + 2 * G + 2 * j * G)))));
-            dw2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(base + 2 * G + (2 * j + 1) * G)))));
+            dw = MUL(d, I8S(base + 2 * G + 2 * j * G));
+            dw2 = MUL(d, I8S(base + 2 * G + (2 * j + 1) * G));
             const uint8_t *ql = base + 18 * G + j * 16 * G, *qh = base + 146 * G + j * 8 * G;
             for (int c = 0; c < 4; c++) {
-                const __m512i raw = _mm512_loadu_si512(ql + c * 64), hq = _mm512_loadu_si512(qh + (c >> 1) * 64);
-                const __m512i lo2 = c & 1 ? _mm512_and_si512(hq, two) : _mm512_and_si512(_mm512_slli_epi16(hq, 4), two);
-                const __m512i hi2 = c & 1 ? _mm512_and_si512(_mm512_srli_epi16(hq, 2), two)
-                                          : _mm512_and_si512(_mm512_slli_epi16(hq, 2), two);
-                w[c] = _mm512_or_si512(_mm512_and_si512(raw, low), lo2);
-                w[c + 4] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low), hi2);
+                const vi raw = LOADI(ql + c * unit), hq = LOADI(qh + (c >> 1) * unit);
+                const vi lo2 = c & 1 ? AND(hq, two) : AND(SLL16(hq, 4), two);
+                const vi hi2 = c & 1 ? AND(SRL16(hq, 2), two) : AND(SLL16(hq, 2), two);
+                w[c] = OR(AND(raw, low), lo2);
+                w[c + 4] = OR(AND(SRL16(raw, 4), low), hi2);
             }
         }
         for (int r = 0; r < nr; r++) {
             const int8_t *a = q + r * k + b * QK;
             const int64_t ab = r * nb + b;
-            __m512i ilo = _mm512_setzero_si512(), ihi = _mm512_setzero_si512();
+            vi ilo = ZEROI(), ihi = ZEROI();
             for (int c = 0; c < 4; c++) {
-                ilo = _mm512_dpbusd_epi32(ilo, w[c], bcast16(a + 4 * c));
-                ihi = _mm512_dpbusd_epi32(ihi, w[c + 4], bcast16(a + 16 + 4 * c));
+                ilo = DOT(ilo, w[c], BCAST(a + 4 * c));
+                ihi = DOT(ihi, w[c + 4], BCAST(a + 16 + 4 * c));
             }
-            const __m512 dab = _mm512_set1_ps(da[ab]);
+            const vf dab = FLOATS(da[ab]);
             if (type == Q4_K) {
-                const __m512i isum = _mm512_add_epi32(ilo, ihi);
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dab)));
-                mt[r] = _mm512_add_ps(mt[r], _mm512_mul_ps(mw, _mm512_set1_ps(da[ab] * (float)sums[ab])));
+                acc[r] = ADD(acc[r], MUL(TOF(ADDI(ilo, ihi)), MUL(dw, dab)));
+                mt[r] = ADD(mt[r], MUL(mw, FLOATS(da[ab] * (float)sums[ab])));
             } else {
-                ilo = _mm512_sub_epi32(ilo, _mm512_set1_epi32(32 * lows[ab]));
-                ihi = _mm512_sub_epi32(ihi, _mm512_set1_epi32(32 * (sums[ab] - lows[ab])));
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(ilo), _mm512_mul_ps(dw, dab)));
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(ihi), _mm512_mul_ps(dw2, dab)));
+                ilo = SUBI(ilo, INTS(32 * lows[ab]));
+                ihi = SUBI(ihi, INTS(32 * (sums[ab] - lows[ab])));
+                acc[r] = ADD(acc[r], MUL(TOF(ilo), MUL(dw, dab)));
+                acc[r] = ADD(acc[r], MUL(TOF(ihi), MUL(dw2, dab)));
             }
         }
     }
-    for (int r = 0; r < nr; r++)
-        _mm512_storeu_ps(out + r * GROUP, type == Q4_K ? _mm512_add_ps(acc[r], mt[r]) : acc[r]);
+    for (int r = 0; r < nr; r++) STORE(out + r * GROUP, type == Q4_K ? ADD(acc[r], mt[r]) : acc[r]);
 }
 #endif
 
@@ -405,14 +449,14 @@ static void group_tile(int type, const uint8_t *restrict wg, int64_t nb, const i
                        int64_t k, int nr, float *out) {
 #define CASE(T, N) case T * 8 + N: tile_body(T, wg, nb, q, da, sums, k, N, out); break;
 #define ROWS(T) CASE(T, 1) CASE(T, 2) CASE(T, 3) CASE(T, 4)
-#ifdef WIDE
-#define KCASE(T, N) case T * 8 + N: k_wide(T, wg, nb, q, da, sums, lows, k, N, out); break;
+#if defined(WIDE) || defined(VECTOR)
+#define KCASE(T, N) case T * 8 + N: k_vec(T, wg, nb, q, da, sums, lows, k, N, out); break;
 #define KROWS(T) KCASE(T, 1) KCASE(T, 2) KCASE(T, 3) KCASE(T, 4)
     switch (type * 8 + nr) { ROWS(Q4_0) ROWS(Q4_1) ROWS(Q8_0) KROWS(Q4_K) KROWS(Q6_K) default: break; }
 #undef KROWS
 #undef KCASE
 #else
-    if (is_k(type)) { k_scalar(type, wg, nb, q, da, sums, lows, k, nr, out); return; } /* no vector K path here */
+    if (is_k(type)) { k_scalar(type, wg, nb, q, da, sums, lows, k, nr, out); return; }
     switch (type * 8 + nr) { ROWS(Q4_0) ROWS(Q4_1) ROWS(Q8_0) default: break; }
 #endif
 #undef ROWS
