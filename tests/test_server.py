@@ -712,3 +712,23 @@ def test_serve_loads_its_models_on_a_generation_worker(tiny_folders, tiny, monke
     with pytest.raises(SpeculateError, match="unknown model"):
         server_main.build_app(ServerConfig(model=str(tiny_folders[0]) + "-missing", drafter="lookup"))
     assert workers_started_since(before) == []
+
+
+def test_a_q4_server_answers_exactly_what_the_engine_decodes(tiny_folders, tmp_path, monkeypatch):
+    """dtype q4 through the server (models loaded on its generation worker): the greedy answer of a lookup request
+    is the engine's plain q4 answer, and the request's stats say the rows were verified batched and exact."""
+    monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path))
+    config = ServerConfig(model=str(tiny_folders[2]), dtype="q4", drafter="lookup", k=4, max_concurrency=1)
+    target, draft = load_models(config)
+    assert target.dtype == "q4"
+    s = BackgroundServer(create_app(config, target, draft))
+    try:
+        body = {"model": config.model, "prompt": "abc abc abc abc", "max_tokens": 24, "temperature": 0}
+        got = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()
+    finally:
+        s.stop()
+    stats = got["speculative_stats"]
+    assert stats["exactness"] == "batched" and stats["drafted_tokens"] > 0
+    ids = target.tokenizer("abc abc abc abc")["input_ids"]
+    plain = SpeculativeDecoder(target, "none").generate(ids, max_new_tokens=24)
+    assert got["choices"][0]["text"] == plain.text
