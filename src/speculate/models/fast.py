@@ -148,8 +148,6 @@ class FastKVModel:
         self.exact_bits = exact_attention.budgets(self.head_dim, loaded.context_window)
         self.cache_dtype = torch.float64 if self.attention == "integer" else self.dtype
         self.k_slot_dim = 3 if self.attention == "kernel" else 2  # the kernel's keys are stored transposed
-        # Whether a batched forward gives each row the bits it gets alone is checked once per loaded model on
-        # this machine (models/exactness.py); where not, rows run one at a time (exact, slower).
         # q4: each layer in five kernel calls (norms, rotary, cache writes and SiLU inside them; _block_layers).
         self.blocks = None
         if self.attention == "kernel" and kernel.load_rope():
@@ -162,6 +160,8 @@ class FastKVModel:
         # ...and, where it builds, all layers in one call (kernels/decoder.c: the same calls, without the Python).
         self.decoder = kernel.load_decoder() if self.blocks is not None else None
         self._structs, self._structs_for = None, None
+        # Whether a batched forward gives each row the bits it gets alone is checked once per loaded model on
+        # this machine (models/exactness.py), through the path above; where not, rows run one at a time (exact).
         self.row_by_row = False
         if self.invariant:
             self.row_by_row = not exactness.check(self)
