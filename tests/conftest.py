@@ -45,3 +45,15 @@ def noisy_copy(loaded, scale: float, seed: int = 123):
 def default_model():
     """The embedded default (SmolLM2-135M-Instruct), converted once into the cache."""
     return load_model()
+
+
+def assert_chains_equal_one_token(kv, ids):
+    """Through a KV model: a 70-token prefill, a 9-token chain, a rollback to 73 and a 17-token chain (the cache
+    grows from 32 slots) give each row exactly the bits of feeding ``ids`` one token at a time."""
+    kv.reset(32)
+    got = [kv.forward(ids[:70]), kv.forward(ids[70:79])]
+    kv.keep(73)
+    got.append(kv.forward(ids[73:90]))
+    kv.reset(32)
+    rows = torch.cat([kv.forward(ids[i: i + 1]) for i in range(90)])
+    assert torch.equal(got[0], rows[:70]) and torch.equal(got[1], rows[70:79]) and torch.equal(got[2], rows[73:90])

@@ -22,6 +22,8 @@ from speculate import SpeculativeDecoder, load_model
 from speculate.errors import SpeculateError
 from speculate.models import blocks
 from speculate.models.fast import FastKVModel
+from speculate.models.loader import cpu_flags
+from conftest import assert_chains_equal_one_token
 
 KINDS = list(blocks.TYPES)
 SIMPLE = ["Q4_0", "Q4_1", "Q8_0"]  # what gguf-py also quantizes, and what a folder's weights become
@@ -222,12 +224,15 @@ def test_quantize_and_dequantize_are_ggmls(kind):
 
 
 @pytest.mark.skipif(os.environ.get("SPECULATE_KERNEL_FLAGS") is not None, reason="already another code path")
-@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])  # AVX2 (8 outputs a vector), and the scalar loops
+# AVX2 without VNNI (8 outputs a vector, 16-bit pair sums), AVX2 with AVX-VNNI, and the scalar loops.
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v3 -mavxvnni", "x86-64-v2"])
 def test_the_other_code_paths_compute_the_same(march, tmp_path):
     """The kernel's AVX2 and scalar paths, compiled here with another -march, pass this file's kernel tests (the
     same bit-exact reference, row and thread invariance) in a fresh process."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("x86-64 code paths")
+    if "avxvnni" in march and "avx_vnni" not in cpu_flags():
+        pytest.skip("this CPU has no AVX-VNNI")
     env = {**os.environ, "SPECULATE_KERNEL_FLAGS": f"-march={march}", "SPECULATE_CACHE": str(tmp_path)}
     here = Path(__file__).resolve()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here), "-k",
@@ -267,13 +272,7 @@ def test_tiny_model_at_q4_chains_and_trees_equal_one_token_decoding(tiny_folders
     kv = FastKVModel(loaded)
     assert kv.attention in ("kernel", "integer") and not kv.row_by_row
     ids = torch.tensor(random_prompt(3, 120))
-    kv.reset(32)
-    got = [kv.forward(ids[:70]), kv.forward(ids[70:79])]
-    kv.keep(73)
-    got.append(kv.forward(ids[73:90]))
-    kv.reset(32)
-    rows = torch.cat([kv.forward(ids[i: i + 1]) for i in range(90)])
-    assert torch.equal(got[0], rows[:70]) and torch.equal(got[1], rows[70:79]) and torch.equal(got[2], rows[73:90])
+    assert_chains_equal_one_token(kv, ids)
     parents = [-1, 0, 0, 1, 1, 2, 5, -1, 7]
     tokens = torch.tensor(random_prompt(4, len(parents)))
     kv.keep(60)
@@ -337,7 +336,6 @@ def test_auto_precision_is_q4_only_where_the_gguf_runs_as_it_ships(tiny_folders)
 def test_without_a_compiler_auto_is_fp32_and_q4_says_why(tiny_folders, cache, monkeypatch):
     from speculate.models import resolve_dtype
 
-    monkeypatch.setattr(blocks, "_fn", [])
     monkeypatch.setenv("SPECULATE_NO_KERNEL", "1")
     assert resolve_dtype("smollm2-135m-instruct", "auto") == "fp32"
     with pytest.raises(SpeculateError, match="C compiler"):

@@ -22,7 +22,7 @@ from speculate.errors import SpeculateWarning
 from speculate.models import exact_attention, exactness, kernel
 from speculate.models.fast import FastKVModel
 from speculate.models.quantize import Int8Linear
-from conftest import noisy_copy
+from conftest import assert_chains_equal_one_token, noisy_copy
 
 ROW_COUNTS = (2, 3, 5, 9, 16, 61)
 
@@ -128,13 +128,7 @@ def test_int8_chains_and_random_trees_equal_one_token_decoding(tiny_folders, cac
     kv = FastKVModel(loaded)
     assert kv.attention == attention and not kv.row_by_row
     ids = torch.tensor(random_prompt(2, 140))
-    kv.reset(32)
-    got = [kv.forward(ids[:70]), kv.forward(ids[70:79])]
-    kv.keep(73)
-    got.append(kv.forward(ids[73:90]))
-    kv.reset(32)
-    rows = torch.cat([kv.forward(ids[i: i + 1]) for i in range(90)])
-    assert torch.equal(got[0], rows[:70]) and torch.equal(got[1], rows[70:79]) and torch.equal(got[2], rows[73:90])
+    assert_chains_equal_one_token(kv, ids)
     rng = random.Random(5)
     kv.keep(60)
     for _ in range(6):

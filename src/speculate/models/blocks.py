@@ -21,8 +21,6 @@ The blocks are cached once (atomic, checksummed) like the int8 tensors.
 
 from __future__ import annotations
 
-import ctypes
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -38,40 +36,29 @@ QK = 32  # weights a block
 # ggml type number, weights a block, bytes a block (the K types: super-blocks of 256)
 TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}
 CONVERTED = {"Q5_0": "Q8_0"}  # read exactly into another type: 5-bit values fit int8, with the same fp16 scale
-_lock = threading.Lock()
-_fn: list = []  # [the matmul, GROUP]: outputs interleaved in the layout it runs (16 with AVX-512, else 8)
 
 
-def _kernel():
-    """The compiled matmul (kernels/blocks.c), built once per machine; a clear error where it cannot be."""
-    with _lock:
-        if not _fn:
-            lib = kernel.library("blocks.c", extra=("-fopenmp",))
-            fn = None if lib is None else lib.speculate_block_matmul
-            if fn is not None:
-                fn.restype = ctypes.c_int
-                fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-            _fn[:] = [fn, None if lib is None else lib.speculate_block_group()]
-        if _fn[0] is None:
-            raise SpeculateError("dtype q4 needs a C compiler (cc) to build its kernel; use int8 or fp32")
-        return _fn[0]
+def require_kernel():
+    """The compiled matmul (kernels/blocks.c), or a clear error where it cannot be built."""
+    fn = kernel.function("speculate_block_matmul")
+    if fn is None:
+        raise SpeculateError("dtype q4 needs a C compiler (cc) to build its kernel; use int8 or fp32")
+    return fn
 
 
 def available() -> bool:
     """Whether the kernel builds here (a C compiler, and SPECULATE_NO_KERNEL unset)."""
     try:
-        _kernel()
+        require_kernel()
     except SpeculateError:
         return False
     return True
 
 
 def group() -> int:
-    """Outputs a vector of the compiled kernel holds: the interleaving of its layout."""
-    _kernel()
-    return _fn[1]
+    """Outputs a vector of the compiled kernel holds (16 with AVX-512, else 8): the interleaving of its layout."""
+    require_kernel()
+    return kernel.function("speculate_block_group")()
 
 
 def fields(raw: torch.Tensor, kind: str) -> list[torch.Tensor]:
@@ -108,9 +95,8 @@ def fields(raw: torch.Tensor, kind: str) -> list[torch.Tensor]:
 
 
 def _field_shapes(kind: str) -> list[tuple[int, ...]]:
-    """The trailing shape of each of :func:`fields`' tensors."""
-    return {"Q4_0": [(2,), (4, 4)], "Q4_1": [(2,), (2,), (4, 4)], "Q8_0": [(2,), (8, 4)],
-            "Q4_K": [(2,), (2,), (8, 1), (8, 1), (8, 4, 4)], "Q6_K": [(2,), (16, 1), (8, 4, 4), (8, 2, 4)]}[kind]
+    """The trailing shape of each of :func:`fields`' tensors (read off one zero block)."""
+    return [tuple(f.shape[2:]) for f in fields(torch.zeros(1, TYPES[kind][2], dtype=torch.uint8), kind)]
 
 
 def interleave(raw: torch.Tensor, kind: str, width: int) -> torch.Tensor:
@@ -240,7 +226,7 @@ class BlockLinear(QuantizedLinear):
         return layer
 
     def _setup(self, parts: list[tuple[str, torch.Tensor]], in_features: int, bias: torch.Tensor | None) -> None:
-        self._fn = _kernel()
+        self._fn = require_kernel()
         self.width = group()
         self.in_features = in_features
         self.kinds, hot, start = [], [], 0

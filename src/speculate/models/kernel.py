@@ -1,4 +1,5 @@
-"""The batch-invariant attention kernel (kernels/attention.c), compiled once per machine and loaded with ctypes.
+"""The compiled kernels (kernels/attention.c: the batch-invariant attention and rotary; blocks.c: q4's matmul;
+decoder.c: a q4 model's layers in one call), built into one library once per machine and loaded with ctypes.
 
 Why a compiled kernel: PyTorch's attention and matmuls promise nothing about the order of their sums, and
 that order changes with the number of rows on some CPUs (models/exact_attention.py has the measurements);
@@ -30,7 +31,8 @@ from .loader import cpu_flags, cpu_info
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "attention.c"
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = ("attention.c", "blocks.c", "decoder.c")  # one library: the decoder calls the other two
 # No fast-math and no contraction: the source's operations, each rounded as written (fused multiply-adds are
 # explicit fmaf). No trapping math / errno: lets conditional selects and fmaf vectorize; values are unchanged.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-fno-math-errno",
@@ -52,26 +54,36 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def load():
-    """The attention kernel's function, or None where it cannot be built (no compiler, or a failed build; logged)."""
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+# name: (result type, argument types), as the C sources declare them.
+SIGNATURES = {
+    "speculate_attend": (_I, [_P, _P, _P, _I64, _P, _I, _I, _I, _I, _I, _F, _P, _I]),
+    "speculate_rope_write": (None, [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I64, _I64, _P]),
+    "speculate_block_matmul": (_I, [_I, _P, _I64, _I64, _P, _I64, _P, _F, _I, _P, _P, _P, _I64, _I]),
+    "speculate_block_group": (_I, []),
+    "speculate_decoder": (_I, [_P, _I, _P, _I, _I, _I, _I, _I, _P, _P, _I64, _I64, _P, _I, _F, _F, _I]),
+}
+
+
+def function(name: str):
+    """A compiled kernel's function (SIGNATURES), or None where the library cannot be built (no compiler, a failed
+    build: logged once; SPECULATE_NO_KERNEL set)."""
+    if os.environ.get("SPECULATE_NO_KERNEL"):
+        return None
     with _lock:
-        if "attend" not in _loaded:
-            lib = library("attention.c", extra=("-fopenmp",))
-            fn = None if lib is None else lib.speculate_attend
-            if fn is not None:
-                fn.restype = ctypes.c_int
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                               ctypes.c_void_p, ctypes.c_int]
-            _loaded["attend"] = fn
-            rope = None if lib is None else lib.speculate_rope_write
-            if rope is not None:
-                rope.restype = None
-                rope.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                 ctypes.c_int64, ctypes.c_void_p]
-            _loaded["rope"] = rope
-        return _loaded["attend"]
+        if not _loaded:
+            lib = library(SOURCES, extra=("-fopenmp",))
+            _loaded["lib"] = lib
+            for fname, (restype, argtypes) in SIGNATURES.items() if lib is not None else ():
+                fn = getattr(lib, fname)
+                fn.restype, fn.argtypes = restype, argtypes
+                _loaded[fname] = fn
+        return _loaded.get(name)
+
+
+def load():
+    """The attention kernel's function, or None (the caller then runs attention as integer sums in PyTorch)."""
+    return function("speculate_attend")
 
 
 class Linear(ctypes.Structure):
@@ -88,73 +100,56 @@ class Layer(ctypes.Structure):
 
 
 def load_decoder():
-    """kernels/decoder.c's speculate_decoder (a q4 model's layers in one call), or None where it cannot be built."""
-    with _lock:
-        if "decoder" not in _loaded:
-            lib = library("decoder.c", extra=("-fopenmp",), also=("blocks.c", "attention.c"))
-            fn = None if lib is None else lib.speculate_decoder
-            if fn is not None:
-                fn.restype = ctypes.c_int
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_float,
-                               ctypes.c_int]
-            _loaded["decoder"] = fn
-        return _loaded["decoder"]
+    """kernels/decoder.c's speculate_decoder (a q4 model's layers in one call), or None."""
+    return function("speculate_decoder")
 
 
 def load_rope():
-    """The rotary/cache-write function of the attention kernel (None where the kernel is not built)."""
-    load()
-    return _loaded.get("rope")
+    """The rotary/cache-write function of the attention kernel, or None."""
+    return function("speculate_rope_write")
 
 
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor,
                start: int, heads: int) -> torch.Tensor:
     """Rotary embedding of qkv's q and k heads [n, (heads + 2 kv) d] with cos/sin [n, d], keys and values written at
     slots start.. of one layer's buffers (kernels/attention.c, speculate_rope_write); returns the queries
-    [n, heads, d]. Needs :func:`load` to have built the kernel."""
+    [n, heads, d]. Needs the library (:func:`load_rope`)."""
     kv, d, capacity = keys_t.shape
     n = qkv.shape[0]
     q = torch.empty(n, heads, d, dtype=torch.float32)
-    _loaded["rope"](qkv.data_ptr(), n, heads, kv, d, cos.data_ptr(), sin.data_ptr(), keys_t.data_ptr(),
+    function("speculate_rope_write")(qkv.data_ptr(), n, heads, kv, d, cos.data_ptr(), sin.data_ptr(), keys_t.data_ptr(),
                     values.data_ptr(), capacity, start, q.data_ptr())
     return q
 
 
-def library(source: str, extra: tuple[str, ...] = (), also: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """kernels/``source`` compiled for this CPU (cached by source, flags and CPU) and loaded; None where it cannot
-    be (no compiler, a failed build: logged). ``extra``: more flags, each tried and dropped when the compiler
-    refuses it (``-fopenmp`` where the compiler has no OpenMP: the code then runs on one thread). ``also``: more
-    sources compiled into the same library (the decoder calls the matmul and attention kernels)."""
-    if os.environ.get("SPECULATE_NO_KERNEL"):
-        return None
+def library(sources: tuple[str, ...], extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """kernels/``sources`` compiled into one library for this CPU (cached by sources, flags and CPU) and loaded;
+    None where it cannot be (no compiler, a failed build: logged). ``extra``: more flags, dropped when the compiler
+    refuses them (``-fopenmp`` where the compiler has no OpenMP: the code then runs on one thread)."""
     cc = _compiler()
     if cc is None:
-        log.info("no C compiler: %s is not built", source)
+        log.info("no C compiler: the kernels are not built")
         return None
-    path = SOURCE.with_name(source)
-    sources = [path, *(SOURCE.with_name(name) for name in also)]
-    text = b"".join(p.read_bytes() for p in sources)
-    stem = path.stem
+    paths = [KERNELS / name for name in sources]
+    text = b"".join(p.read_bytes() for p in paths)
     # SPECULATE_KERNEL_FLAGS: more flags after ours, e.g. -march=x86-64-v3 to build another CPU's code paths (AVX2,
     # or scalar with x86-64-v2) on this one: the tests run the kernels' exactness checks under them too.
     base = [*FLAGS, *os.environ.get("SPECULATE_KERNEL_FLAGS", "").split()]
     for flags in ([*base, *extra], base) if extra else (base,):
         key = hashlib.sha256(text + " ".join([cc, *flags, _cpu()]).encode()).hexdigest()[:16]
-        built = cache_root() / "kernels" / f"{stem}-{key}.so"
+        built = cache_root() / "kernels" / f"kernels-{key}.so"
         if not built.is_file():
             try:
                 with atomic_path(built) as tmp:
-                    subprocess.run([cc, *flags, "-o", str(tmp), *map(str, sources), "-lm"], check=True,
+                    subprocess.run([cc, *flags, "-o", str(tmp), *map(str, paths), "-lm"], check=True,
                                    capture_output=True, timeout=120)
             except (OSError, subprocess.SubprocessError) as error:
                 detail = (getattr(error, "stderr", b"") or b"").decode(errors="replace")[:300]
-                log.warning("could not compile %s with %s (%s %s)", source, " ".join(flags), error, detail)
+                log.warning("could not compile the kernels with %s (%s %s)", " ".join(flags), error, detail)
                 continue
-            # Builds of an older source (or another CPU on a shared home: rebuilt there in a second) are dropped,
-            # so they do not pile up; a process that has one loaded keeps its mapping.
-            for old in built.parent.glob(f"{stem}-*.so"):
+            # Builds of older sources (or another CPU on a shared home: rebuilt there in a second) are dropped, so
+            # they do not pile up; a process that has one loaded keeps its mapping.
+            for old in built.parent.glob("*.so"):
                 if old != built:
                     old.unlink(missing_ok=True)
         try:

@@ -189,8 +189,8 @@ def _to_quantized(loaded: LoadedModel, name: str, kind: str) -> None:
 
     from . import blocks, quantize
 
-    if kind == "q4" and not blocks.available():  # before any work: the layers need the compiled kernel
-        raise SpeculateError("dtype q4 needs a C compiler (cc) to build its kernel; use int8 or fp32")
+    if kind == "q4":
+        blocks.require_kernel()  # before any work: the layers need the compiled kernel (a one-line error if not)
     folder = quantized_cache_folder(name, loaded.path, kind)
     file = folder / f"{kind}.safetensors"
     meta = quantize.settings() if kind == "int8" else blocks.settings()
@@ -303,28 +303,33 @@ def gguf_file(src: GGUFSource, progress: bool = True):
     """The GGUF file of ``src``, checked against its sha256: the installed file itself, or its parts assembled
     into a scratch file beside the cache (removed afterwards)."""
     parts = src.part_paths()
+    if len(parts) == 1:
+        check_gguf(src, parts[0])
+        yield parts[0]
+        return
     folder = cache_root() / src.alias
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=scratch_prefix(folder, "gguf."), dir=folder.parent) as scratch:
-        gguf = _assemble(parts, Path(scratch), progress)
-        got = sha256_file(gguf)
-        if got != src.sha256:
-            raise SpeculateError(f"model '{src.alias}': GGUF checksum mismatch ({got[:12]}… != {src.sha256[:12]}…); "
-                                 f"reinstall with `{src.install}`")
-        yield gguf
+        yield assemble_gguf(src, parts, Path(scratch) / "model.gguf", progress)
 
 
-def _assemble(parts: list[Path], scratch: Path, progress: bool) -> Path:
-    """One GGUF file: the single part itself, or the parts concatenated in order into ``scratch``."""
-    if len(parts) == 1:
-        return parts[0]
+def check_gguf(src: GGUFSource, path: Path) -> None:
+    """A one-line error unless ``path`` has ``src``'s sha256."""
+    got = sha256_file(path)
+    if got != src.sha256:
+        raise SpeculateError(f"model '{src.alias}': GGUF checksum mismatch ({got[:12]}… != {src.sha256[:12]}…); "
+                             f"reinstall with `{src.install}`")
+
+
+def assemble_gguf(src: GGUFSource, parts: list[Path], out: Path, progress: bool) -> Path:
+    """``src``'s parts concatenated in order into ``out``, checked against its sha256."""
     from tqdm import tqdm
 
-    out = scratch / "model.gguf"
     with open(out, "wb") as f:
-        for part in tqdm(parts, desc="assembling GGUF", unit="part", disable=not progress):
-            with open(part, "rb") as src:
-                shutil.copyfileobj(src, f, 1 << 24)
+        for part in tqdm(parts, desc=f"assembling {src.alias}", unit="part", disable=not progress):
+            with open(part, "rb") as piece:
+                shutil.copyfileobj(piece, f, 1 << 24)
+    check_gguf(src, out)
     return out
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from . import tree
 from .base import Verdict, Verifier, target_token
 from .params import Param
-from .rows import PROB_FLOOR, ema, gather_drafted, nll  # noqa: F401  (re-exported)
+from .rows import ema, gather_drafted, nll
 
 
 class ConsultantVerifier(Verifier):

@@ -25,7 +25,7 @@ import torch
 
 from . import tree
 from .base import Verdict, Verifier, sample_from, uniform
-from .rows import RESIDUAL_EPS, gather_drafted, residual_distribution  # noqa: F401  (re-exported)
+from .rows import gather_drafted, residual_distribution
 
 
 def first_rejection(target_x: list[float], draft_x: list[float], u: list[float]) -> int:

@@ -143,98 +143,123 @@ static inline __m256i madd(__m256i acc, __m256i u, __m256i s) {
 static inline __m256i bcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 #endif
 
+#if defined(WIDE) || defined(VECTOR)
+/* The vector paths' operations at the build's width: GROUP lanes of 32 bits (16 with AVX-512, 8 with AVX2). */
+#ifdef WIDE
+typedef __m512 vf;
+typedef __m512i vi;
+#define HALVES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define U8S(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define I8S(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define LOADI(p) _mm512_loadu_si512(p)
+#define AND(a, b) _mm512_and_si512(a, b)
+#define XOR(a, b) _mm512_xor_si512(a, b)
+#define OR(a, b) _mm512_or_si512(a, b)
+#define SRL16(a, n) _mm512_srli_epi16(a, n)
+#define SLL16(a, n) _mm512_slli_epi16(a, n)
+#define BYTES(c) _mm512_set1_epi8(c)
+#define INTS(c) _mm512_set1_epi32(c)
+#define ADDI(a, b) _mm512_add_epi32(a, b)
+#define SUBI(a, b) _mm512_sub_epi32(a, b)
+#define ZEROI() _mm512_setzero_si512()
+#define DOT(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
+#define BCAST(p) bcast16(p)
+#define FLOATS(x) _mm512_set1_ps(x)
+#define ZEROF() _mm512_setzero_ps()
+#define MUL(a, b) _mm512_mul_ps(a, b)
+#define ADD(a, b) _mm512_add_ps(a, b)
+#define TOF(a) _mm512_cvtepi32_ps(a)
+#define NEG(a) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), INTS((int)0x80000000u)))
+#define STORE(p, a) _mm512_storeu_ps(p, a)
+#else
+typedef __m256 vf;
+typedef __m256i vi;
+#define HALVES(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define U8S(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define I8S(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define LOADI(p) _mm256_loadu_si256((const __m256i *)(p))
+#define AND(a, b) _mm256_and_si256(a, b)
+#define XOR(a, b) _mm256_xor_si256(a, b)
+#define OR(a, b) _mm256_or_si256(a, b)
+#define SRL16(a, n) _mm256_srli_epi16(a, n)
+#define SLL16(a, n) _mm256_slli_epi16(a, n)
+#define BYTES(c) _mm256_set1_epi8(c)
+#define INTS(c) _mm256_set1_epi32(c)
+#define ADDI(a, b) _mm256_add_epi32(a, b)
+#define SUBI(a, b) _mm256_sub_epi32(a, b)
+#define ZEROI() _mm256_setzero_si256()
+#define DOT(acc, u, s) madd(acc, u, s) /* without VNNI: 16-bit pair sums, < 2^15 for the operands used here */
+#if !defined(__AVX512VNNI__) && !defined(__AVXVNNI__)
+#define SIGNED_Q8 1 /* Q8_0 by |w| · (a · sign w): w + 128 would saturate the 16-bit pair sums */
+#endif
+#define BCAST(p) bcast4(p)
+#define FLOATS(x) _mm256_set1_ps(x)
+#define ZEROF() _mm256_setzero_ps()
+#define MUL(a, b) _mm256_mul_ps(a, b)
+#define ADD(a, b) _mm256_add_ps(a, b)
+#define TOF(a) _mm256_cvtepi32_ps(a)
+#define NEG(a) _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(a), INTS((int)0x80000000u)))
+#define STORE(p, a) _mm256_storeu_ps(p, a)
+#endif
+#endif
+
 /* One output group, rows 0..nr-1 (nr <= TILE) of the tile: out[r * GROUP + lane]. Always inlined into
  * group_tile's cases, so that type and nr are constants there: no branches in the loop, accumulators in registers. */
 static inline __attribute__((always_inline)) void
 tile_body(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q,
           const float *restrict da, const int32_t *restrict sums, int64_t k, const int nr, float *out) {
     const int bytes = block_bytes(type), ns = scale_count(type);
-#if defined(WIDE)
-    __m512 acc[TILE], mt[TILE];
-    for (int r = 0; r < nr; r++) acc[r] = mt[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+#if defined(WIDE) || defined(VECTOR)
+    const int64_t unit = 4 * GROUP; /* bytes of one unit of 4 quants for every output */
+    vf acc[TILE], mt[TILE];
+    for (int r = 0; r < nr; r++) acc[r] = mt[r] = ZEROF();
+    const vi low = BYTES(0x0f), flip = BYTES((char)0x80);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * GROUP * bytes, *qs = blk + 2 * ns * GROUP;
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-        const __m512 mw = type == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 2 * GROUP)))
-                                       : _mm512_setzero_ps();
-        __m512i w[8];
-        if (type == Q8_0) {  /* w + 128 as unsigned bytes: Σ w a = Σ (w + 128) a − 128 Σ a */
-            for (int c = 0; c < 8; c++) w[c] = _mm512_xor_si512(_mm512_loadu_si512(qs + c * 64), flip);
-        } else {
-            for (int c = 0; c < 4; c++) {
-                const __m512i raw = _mm512_loadu_si512(qs + c * 64);
-                w[c] = _mm512_and_si512(raw, low);
-                w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-            }
-        }
-        for (int r = 0; r < nr; r++) {
-            const int8_t *a = q + r * k + b * QK;
-            __m512i isum = _mm512_setzero_si512();
-            if (type == Q8_0) {
-                for (int c = 0; c < 8; c++) isum = _mm512_dpbusd_epi32(isum, w[c], bcast16(a + 4 * c));
-                isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * sums[r * nb + b]));
-            } else {
-                for (int c = 0; c < 4; c++) {
-                    isum = _mm512_dpbusd_epi32(isum, w[c], bcast16(a + 4 * c));
-                    isum = _mm512_dpbusd_epi32(isum, w[c + 4], bcast16(a + 16 + 4 * c));
-                }
-                if (type == Q4_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * sums[r * nb + b]));
-            }
-            const __m512 d = _mm512_set1_ps(da[r * nb + b]);
-            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, d)));
-            if (type == Q4_1) {
-                const __m512 sa = _mm512_set1_ps(da[r * nb + b] * (float)sums[r * nb + b]);
-                mt[r] = _mm512_add_ps(mt[r], _mm512_mul_ps(mw, sa));
-            }
-        }
-    }
-    for (int r = 0; r < nr; r++)
-        _mm512_storeu_ps(out + r * GROUP, type == Q4_1 ? _mm512_add_ps(acc[r], mt[r]) : acc[r]);
-#elif defined(VECTOR)
-    __m256 acc[TILE], mt[TILE];
-    for (int r = 0; r < nr; r++) acc[r] = mt[r] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = wg + b * GROUP * bytes, *qs = blk + 2 * ns * GROUP;
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 mw = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * GROUP)))
-                                       : _mm256_setzero_ps();
-        __m256i w[8], wabs[8];
+        const vf dw = HALVES(blk), mw = type == Q4_1 ? HALVES(blk + 2 * GROUP) : ZEROF();
+        vi w[8];
+#ifdef SIGNED_Q8
+        vi wabs[8];
+#endif
         if (type == Q8_0) {
             for (int c = 0; c < 8; c++) {
-                w[c] = _mm256_loadu_si256((const __m256i *)(qs + c * 32));
+#ifdef SIGNED_Q8
+                w[c] = LOADI(qs + c * unit);
                 wabs[c] = _mm256_sign_epi8(w[c], w[c]);
+#else
+                w[c] = XOR(LOADI(qs + c * unit), flip); /* w + 128 as unsigned bytes: Σ w a = Σ (w + 128) a − 128 Σ a */
+#endif
             }
         } else {
             for (int c = 0; c < 4; c++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + c * 32));
-                w[c] = _mm256_and_si256(raw, low);                          /* elements 4c..4c+3 */
-                w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low); /* elements 16+4c.. */
+                const vi raw = LOADI(qs + c * unit);
+                w[c] = AND(raw, low);                 /* elements 4c..4c+3 */
+                w[c + 4] = AND(SRL16(raw, 4), low);   /* elements 16+4c.. */
             }
         }
         for (int r = 0; r < nr; r++) {
             const int8_t *a = q + r * k + b * QK;
-            __m256i isum = _mm256_setzero_si256();
+            const int64_t ab = r * nb + b;
+            vi isum = ZEROI();
             if (type == Q8_0) {
-                for (int c = 0; c < 8; c++) isum = madd(isum, wabs[c], _mm256_sign_epi8(bcast4(a + 4 * c), w[c]));
+#ifdef SIGNED_Q8
+                for (int c = 0; c < 8; c++) isum = DOT(isum, wabs[c], _mm256_sign_epi8(BCAST(a + 4 * c), w[c]));
+#else
+                for (int c = 0; c < 8; c++) isum = DOT(isum, w[c], BCAST(a + 4 * c));
+                isum = SUBI(isum, INTS(128 * sums[ab]));
+#endif
             } else {
                 for (int c = 0; c < 4; c++) {
-                    isum = madd(isum, w[c], bcast4(a + 4 * c));
-                    isum = madd(isum, w[c + 4], bcast4(a + 16 + 4 * c));
+                    isum = DOT(isum, w[c], BCAST(a + 4 * c));
+                    isum = DOT(isum, w[c + 4], BCAST(a + 16 + 4 * c));
                 }
-                if (type == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * sums[r * nb + b]));
+                if (type == Q4_0) isum = SUBI(isum, INTS(8 * sums[ab]));
             }
-            const __m256 d = _mm256_set1_ps(da[r * nb + b]);
-            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, d)));
-            if (type == Q4_1) {
-                const __m256 sa = _mm256_set1_ps(da[r * nb + b] * (float)sums[r * nb + b]);
-                mt[r] = _mm256_add_ps(mt[r], _mm256_mul_ps(mw, sa));
-            }
+            acc[r] = ADD(acc[r], MUL(TOF(isum), MUL(dw, FLOATS(da[ab]))));
+            if (type == Q4_1) mt[r] = ADD(mt[r], MUL(mw, FLOATS(da[ab] * (float)sums[ab])));
         }
     }
-    for (int r = 0; r < nr; r++)
-        _mm256_storeu_ps(out + r * GROUP, type == Q4_1 ? _mm256_add_ps(acc[r], mt[r]) : acc[r]);
+    for (int r = 0; r < nr; r++) STORE(out + r * GROUP, type == Q4_1 ? ADD(acc[r], mt[r]) : acc[r]);
 #else
     const int qb = quant_bytes(type);
     for (int r = 0; r < nr; r++) {
@@ -331,59 +356,6 @@ __attribute__((unused)) static void k_scalar(int type, const uint8_t *restrict w
 }
 
 #if defined(WIDE) || defined(VECTOR)
-/* k_vec's operations at the build's vector width: GROUP lanes of 32 bits (16 with AVX-512, 8 with AVX2). */
-#ifdef WIDE
-typedef __m512 vf;
-typedef __m512i vi;
-#define HALVES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
-#define U8S(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
-#define I8S(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
-#define LOADI(p) _mm512_loadu_si512(p)
-#define AND(a, b) _mm512_and_si512(a, b)
-#define OR(a, b) _mm512_or_si512(a, b)
-#define SRL16(a, n) _mm512_srli_epi16(a, n)
-#define SLL16(a, n) _mm512_slli_epi16(a, n)
-#define BYTES(c) _mm512_set1_epi8(c)
-#define INTS(c) _mm512_set1_epi32(c)
-#define ADDI(a, b) _mm512_add_epi32(a, b)
-#define SUBI(a, b) _mm512_sub_epi32(a, b)
-#define ZEROI() _mm512_setzero_si512()
-#define DOT(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
-#define BCAST(p) bcast16(p)
-#define FLOATS(x) _mm512_set1_ps(x)
-#define ZEROF() _mm512_setzero_ps()
-#define MUL(a, b) _mm512_mul_ps(a, b)
-#define ADD(a, b) _mm512_add_ps(a, b)
-#define TOF(a) _mm512_cvtepi32_ps(a)
-#define NEG(a) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), INTS((int)0x80000000u)))
-#define STORE(p, a) _mm512_storeu_ps(p, a)
-#else
-typedef __m256 vf;
-typedef __m256i vi;
-#define HALVES(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
-#define U8S(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
-#define I8S(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
-#define LOADI(p) _mm256_loadu_si256((const __m256i *)(p))
-#define AND(a, b) _mm256_and_si256(a, b)
-#define OR(a, b) _mm256_or_si256(a, b)
-#define SRL16(a, n) _mm256_srli_epi16(a, n)
-#define SLL16(a, n) _mm256_slli_epi16(a, n)
-#define BYTES(c) _mm256_set1_epi8(c)
-#define INTS(c) _mm256_set1_epi32(c)
-#define ADDI(a, b) _mm256_add_epi32(a, b)
-#define SUBI(a, b) _mm256_sub_epi32(a, b)
-#define ZEROI() _mm256_setzero_si256()
-#define DOT(acc, u, s) madd(acc, u, s) /* unsigned weights <= 63: the 16-bit pair sums cannot saturate */
-#define BCAST(p) bcast4(p)
-#define FLOATS(x) _mm256_set1_ps(x)
-#define ZEROF() _mm256_setzero_ps()
-#define MUL(a, b) _mm256_mul_ps(a, b)
-#define ADD(a, b) _mm256_add_ps(a, b)
-#define TOF(a) _mm256_cvtepi32_ps(a)
-#define NEG(a) _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(a), INTS((int)0x80000000u)))
-#define STORE(p, a) _mm256_storeu_ps(p, a)
-#endif
-
 /* The K types with outputs in the lanes: the same values as k_scalar. */
 static inline __attribute__((always_inline)) void
 k_vec(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q, const float *restrict da,
