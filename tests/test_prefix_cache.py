@@ -26,16 +26,17 @@ def ids(seed, n):
 
 
 class Counted:
-    """Wraps a KV model's forward, recording how many tokens each call fed."""
+    """Wraps a lean KV model's forward (every forward goes through ``forward_many``), recording how many tokens each
+    call fed."""
 
     def __init__(self, kv):
-        self.fed, forward = [], kv.forward
+        self.fed, forward_many = [], kv.forward_many
 
-        def counted(tokens, *a, **k):
-            self.fed.append(int(tokens.shape[0]))
-            return forward(tokens, *a, **k)
+        def counted(items):
+            self.fed.append(sum(int(item.tokens.shape[0]) for item in items if item.kv is kv))
+            return forward_many(items)
 
-        kv.forward = counted
+        kv.forward_many = counted
 
 
 @pytest.mark.parametrize("drafter", ["model", "model-tree", "model+lookup"])

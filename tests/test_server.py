@@ -20,6 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from speculate.engine import Run
 from speculate import SpeculativeDecoder
 from speculate.cli import _parser, main
 from speculate.models.fast import FastKVModel
@@ -424,10 +425,9 @@ def test_load_many_clients_lose_nothing(served):
 def test_generation_failure_is_a_500_and_the_server_stays_healthy(served, monkeypatch):
     def boom(self, *args, **kwargs):
         raise RuntimeError("boom in the engine")
-        yield  # a generator, like the real one
 
     body = {"model": served.model, "prompt": "hi there", "max_tokens": 5}
-    monkeypatch.setattr(SpeculativeDecoder, "_decode", boom)
+    monkeypatch.setattr(Run, "take", boom)
     r = post(served, "/v1/completions", body)
     assert r.status_code == 500
     err = r.json()["error"]

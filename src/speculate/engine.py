@@ -30,7 +30,7 @@ from .auto import AutoK, FixedK, calibrate_eps, is_auto, profile_for
 from .drafters import Drafter, get_drafter
 from .errors import SpeculateError
 from .models import exactness
-from .models.kv import KVModel, PrefixReuse
+from .models.kv import KVModel, PrefixReuse, Rows, forward_many
 from .models.loader import LoadedModel, check_thread
 from .sampling import Sampling, one_hot, warp
 from .stats import Stats
@@ -139,6 +139,23 @@ class SpeculativeDecoder:
                top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,
                chat: bool | None = None) -> Stream:
         """Like :meth:`generate`, as an iterator of text pieces (bad settings raise here, eagerly)."""
+        settings = self._settings(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, chat)
+        stream = Stream(iter(()))
+        stream.pieces = self._pieces(stream, settings)
+        return stream
+
+    def start(self, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+              top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,
+              chat: bool | None = None, prefill_chunk: int | None = None) -> Run:
+        """A generation as a :class:`Run`, for :func:`step` to move round by round together with others (batched
+        serving, speculate/batch.py). ``prefill_chunk``: prompt tokens per round until the prompt is in the
+        cache (None: all in the first round)."""
+        settings = self._settings(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, chat)
+        return Run(self, *settings, prefill_chunk=prefill_chunk)
+
+    def _settings(self, prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, chat) -> tuple:
+        """Validate one request's settings (one error line each): (prompt ids, max_new_tokens, sampling,
+        verifier, generator, stops)."""
         check_thread(self.target)  # (a warning, once: several threads running torch slow every forward)
         sampling = Sampling(temperature, top_p, top_k)
         verifier = self._verifier(sampling)
@@ -156,82 +173,167 @@ class SpeculativeDecoder:
             raise SpeculateError(f"seed must be an integer in [-2^63, 2^64), got {seed}")  # torch's seed range
         generator = torch.Generator()
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        stream = Stream(iter(()))
-        stream.pieces = self._pieces(stream, list(prompt_ids), max_new_tokens, sampling, verifier, generator, stops)
-        return stream
+        return list(prompt_ids), max_new_tokens, sampling, verifier, generator, stops
 
-    def _pieces(self, stream, prompt_ids, max_new_tokens, sampling, verifier, generator, stops) -> Iterator[str]:
-        stats = Stats(exactness=exactness.mode(self.kv))
-        detok = Detokenizer(self.target.tokenizer, stops)
-        finish = "length"
-        start = time.perf_counter()
-        tokens = self._decode(prompt_ids, max_new_tokens, sampling, verifier, generator, stats, start)
-        for token in tokens:
-            stats.new_tokens += 1
+    def _pieces(self, stream: Stream, settings: tuple) -> Iterator[str]:
+        """One generation alone: :func:`step` over a single run until it is done."""
+        run = Run(self, *settings)
+        while not run.done:
+            pieces = step([run])[0]
+            if run.error is not None:
+                raise run.error
+            if run.done:
+                stream.generation = run.generation
+            yield from pieces
+
+
+class Run:
+    """One generation between rounds: its tokens, budget, verifier state, stats and text so far, with the
+    decoder's drafter, cache and k policy, which it holds until it is done. :func:`step` moves a list of runs by
+    one round each; ``done`` then ``generation`` (or ``error``) say how it ended."""
+
+    def __init__(self, decoder: SpeculativeDecoder, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
+                 verifier: Verifier, generator: torch.Generator, stops: list[str], prefill_chunk: int | None = None):
+        self.kv, self.drafter, self.policy = decoder.kv, decoder.drafter, decoder.k_policy
+        self.sampling, self.verifier, self.generator = sampling, verifier, generator
+        self.eos, self.max_new_tokens = decoder.eos, max_new_tokens
+        self.stats = Stats(exactness=exactness.mode(self.kv))
+        self.detok = Detokenizer(decoder.target.tokenizer, stops)
+        self.finish = "length"  # "stop" (EOS or a stop string) or "length" (max_new_tokens)
+        self.started = time.perf_counter()
+        self.tokens = list(prompt_ids)  # prompt + everything committed so far
+        self.prompt_tokens = len(prompt_ids)
+        self.state, self.produced, self.draft = None, 0, None
+        self.done, self.generation, self.error = False, None, None
+        self.prefill_chunk = prefill_chunk or len(self.tokens)
+        self.prompt_end = len(self.tokens) - 1  # the prefill covers all but the last prompt token
+        capacity = len(self.tokens) + max_new_tokens + self.drafter.max_nodes(self.policy.k_max) + 1
+        # The prefix the cache kept from the decoder's last generation is not computed again (prefix_cache).
+        self.stats.reused_prompt_tokens = self.filled = decoder.held.start(self.kv, self.tokens, capacity,
+                                                                           decoder.prefix_cache)
+        decoder.held.follow(self.tokens)
+        self.kv.taps = self.drafter.feature_layers  # the layer outputs a fused EAGLE head reads beside the hidden rows
+        self.policy.reset()
+        self.drafter.begin(self.tokens, sampling, generator)
+        self._prefilled()
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether prompt tokens are still to go into the cache. All but the last: that one is scored with the
+        first draft."""
+        return self.filled < self.prompt_end
+
+    def next_k(self) -> int:
+        """The draft length the k policy asks for this round, at most what the budget can still take."""
+        return min(self.policy.next_k(), self.max_new_tokens - self.produced - 1)
+
+    def rows(self, k: int | None = None) -> Rows:
+        """1. This round's rows for the target: a prefill chunk, or [last committed token] + a draft of ``k``
+        (default :meth:`next_k`) tokens from the drafter."""
+        if self.prefilling:
+            self.draft = None
+            end = min(self.prompt_end, self.filled + self.prefill_chunk)
+            return Rows(self.kv, torch.tensor(self.tokens[self.filled: end]), want=0)
+        budget = self.max_new_tokens - self.produced - 1  # never deeper than the budget (the target adds one)
+        self.draft = self.drafter.propose(self.tokens, min(self.next_k() if k is None else k, budget)).within(budget)
+        root = torch.tensor(self.tokens[-1:])
+        return Rows(self.kv, torch.cat([root, self.draft.tokens]), _rooted(self.draft.parents))
+
+    def take(self, logits: torch.Tensor | None) -> list[str]:
+        """3-4. The target's rows for :meth:`rows`: verify, roll back, commit; returns the new text pieces."""
+        if self.draft is None:  # a prefill chunk went in
+            if self.drafter.wants_hidden:
+                self.drafter.observe(self.kv.hidden)
+            self.filled = self.kv.length
+            return self._prefilled()
+        draft, kv, drafter = self.draft, self.kv, self.drafter
+        # 3. Verify: the accepted drafts (a chain's first n, or a tree's path) and the next token.
+        verdict = _verify(self.verifier, draft, logits, self.sampling, self.state, self.generator)
+        path, self.state = verdict.path, verdict.state
+        # 4. Roll back: keep the cache up to the last accepted draft; the next token is fed next round.
+        rows = list(range(len(path) + 1)) if draft.parents is None else [0] + [node + 1 for node in path]
+        if draft.parents is None:
+            kv.keep(len(self.tokens) + len(path))
+            drafter.update(len(path), verdict.next_token)
+        else:
+            kv.keep_path(len(self.tokens) - 1, rows)  # the root, then the path
+            drafter.update(len(path), verdict.next_token, path)
+        if drafter.wants_hidden:  # self-drafting heads continue from the target's own features
+            drafter.observe(kv.hidden[rows])
+        if draft.from_k:  # (model+lookup's copies say nothing about the draft model's acceptance)
+            self.policy.update(draft.depth, len(path))
+        self.stats.record(len(draft), len(path), draft.depth)
+        return self._commit(draft.tokens[path].tolist() + [verdict.next_token])
+
+    def _commit(self, new: list[int]) -> list[str]:
+        """Append the round's tokens up to EOS, a stop string or the budget; nothing past them is kept."""
+        pieces = []
+        for token in new:
+            self.tokens.append(token)
+            self.produced += 1
+            self.stats.new_tokens += 1
             if token in self.eos:
-                detok.ids.append(token)
-                finish = "stop"
+                self.detok.ids.append(token)
+                self.finish = "stop"
                 break
-            piece = detok.add(token)
+            piece = self.detok.add(token)
             if piece:
-                yield piece
-            if detok.stopped:
-                finish = "stop"
+                pieces.append(piece)
+            if self.detok.stopped:
+                self.finish = "stop"
                 break
-        tokens.close()  # nothing past a stop is ever computed into the output
-        stats.wall_seconds = time.perf_counter() - start
-        tail = detok.flush()
-        stream.generation = Generation(detok.text, list(detok.ids), stats, finish, len(prompt_ids))
-        if tail:
-            yield tail
+        if self.finish == "stop" or self.produced >= self.max_new_tokens:
+            pieces += self._end()
+        return pieces
 
-    @torch.inference_mode()
-    def _decode(self, prompt_ids, max_new_tokens, sampling, verifier, generator, stats, start) -> Iterator[int]:
-        """Yield new token ids, one at a time, until the budget is spent (the caller stops earlier at
-        EOS or a stop string)."""
-        kv, drafter, policy = self.kv, self.drafter, self.k_policy
-        tokens = list(prompt_ids)
-        capacity = len(tokens) + max_new_tokens + drafter.max_nodes(policy.k_max) + 1
-        stats.reused_prompt_tokens = kept = self.held.start(kv, tokens, capacity, self.prefix_cache)
-        self.held.follow(tokens)
-        kv.taps = drafter.feature_layers  # the layer outputs a fused EAGLE head reads beside the hidden rows
-        policy.reset()
-        drafter.begin(tokens, sampling, generator)
-        # Prefill all but the last prompt token (and what the cache kept); the last one is scored with the
-        # first draft.
-        if len(tokens) - 1 > kept:
-            kv.forward(torch.tensor(tokens[kept:-1]), last=1)
-            if drafter.wants_hidden:
-                drafter.observe(kv.hidden)
-        stats.prefill_seconds = time.perf_counter() - start
-        state, produced = None, 0
-        while produced < max_new_tokens:
-            # 1. Draft: never deeper than the budget can still take (the target adds one token).
-            budget = max_new_tokens - produced - 1
-            draft = drafter.propose(tokens, min(policy.next_k(), budget)).within(budget)
-            # 2. One target forward over [last committed token] + drafts → a row after each of them.
-            root = torch.tensor(tokens[-1:])
-            logits = kv.forward(torch.cat([root, draft.tokens]), tree_parents=_rooted(draft.parents))
-            # 3. Verify: the accepted drafts (a chain's first n, or a tree's path) and the next token.
-            verdict = _verify(verifier, draft, logits, sampling, state, generator)
-            path, state = verdict.path, verdict.state
-            # 4. Roll back: keep the cache up to the last accepted draft; the next token is fed next round.
-            rows = list(range(len(path) + 1)) if draft.parents is None else [0] + [node + 1 for node in path]
-            if draft.parents is None:
-                kv.keep(len(tokens) + len(path))
-                drafter.update(len(path), verdict.next_token)
-            else:
-                kv.keep_path(len(tokens) - 1, rows)  # the root, then the path
-                drafter.update(len(path), verdict.next_token, path)
-            if drafter.wants_hidden:  # self-drafting heads continue from the target's own features
-                drafter.observe(kv.hidden[rows])
-            if draft.from_k:  # (model+lookup's copies say nothing about the draft model's acceptance)
-                policy.update(draft.depth, len(path))
-            stats.record(len(draft), len(path), draft.depth)
-            for token in draft.tokens[path].tolist() + [verdict.next_token]:
-                tokens.append(token)
-                produced += 1
-                yield token
+    def _prefilled(self) -> list[str]:
+        if self.prefilling:
+            return []
+        self.stats.prefill_seconds = time.perf_counter() - self.started
+        return self._end() if self.max_new_tokens == 0 else []
+
+    def _end(self) -> list[str]:
+        self.stats.wall_seconds = time.perf_counter() - self.started
+        tail = self.detok.flush()
+        self.generation = Generation(self.detok.text, list(self.detok.ids), self.stats, self.finish,
+                                     self.prompt_tokens)
+        self.done = True
+        return [tail] if tail else []
+
+    def fail(self, error: BaseException) -> None:
+        """End the run with ``error`` (its drafter, verifier or forward raised); its decoder's state is undefined."""
+        self.error, self.done = error, True
+
+
+@torch.inference_mode()
+def step(runs: list[Run], ks: list[int] | None = None) -> list[list[str]]:
+    """One round of every run: each drafts (or feeds a prefill chunk), ONE target forward scores all their rows
+    (the linear layers and the LM head once; attention per run over its own cache), then each verifies, rolls
+    back and commits. Returns each run's new text pieces. ``ks``: each run's draft length (default: its k
+    policy's). A run that raises is ended with the error (``Run.error``); the others go on."""
+    # 1. Draft: each run's rows (drafters with their own model batch their forwards, drafters/base.py).
+    live, rows = [], []
+    for i, run in enumerate(runs):
+        try:
+            rows.append(run.rows(None if ks is None else ks[i]))
+            live.append(run)
+        except Exception as e:  # noqa: BLE001 — reported through run.error
+            run.fail(e)
+    # 2. One target forward over all of them.
+    try:
+        logits = forward_many(rows)
+    except Exception as e:  # noqa: BLE001
+        for run in live:
+            run.fail(e)
+        return [[] for _ in runs]
+    # 3-4. Each verifies, rolls back and commits.
+    pieces = {}
+    for run, out in zip(live, logits):
+        try:
+            pieces[id(run)] = run.take(out)
+        except Exception as e:  # noqa: BLE001
+            run.fail(e)
+    return [pieces.get(id(run), []) for run in runs]
 
 
 def _verify(verifier: Verifier, draft, logits: torch.Tensor, sampling: Sampling, state, generator) -> Verdict:

@@ -20,6 +20,7 @@ Same interface as :class:`speculate.models.kv.HFKVModel`: reset / forward / keep
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
@@ -30,6 +31,7 @@ from torch import nn
 from ..tree_shape import depths_and_ancestors
 from . import exact_attention, exactness, kernel
 from .blocks import BlockLinear
+from .kv import Rows
 from .loader import LoadedModel
 from .quantize import LinearPart, QuantizedLinear, is_quantized
 
@@ -192,43 +194,59 @@ class FastKVModel:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, last: int = 0, tree_parents: list[int] | None = None) -> torch.Tensor:
         """See HFKVModel.forward: logits [rows, V] for ``tokens`` at the next positions."""
-        n, start = tokens.shape[0], self.length
-        end = start + n
-        self._ensure(end)
-        if tree_parents is None:
-            positions = torch.arange(start, end)
-            # One new token attends to everything cached: no mask. A chain: causal within the new block.
-            allowed = None if n == 1 else torch.ones(n, end, dtype=torch.bool).tril_(start)
-        else:
-            depth, ancestors = depths_and_ancestors(tree_parents)
-            positions = start + depth - 1  # (depth 1: a child of the cached prefix)
-            allowed = torch.ones(n, end, dtype=torch.bool)
-            allowed[:, start:] = ancestors
-        if not self.row_by_row or n == 1:
-            x = self._layers(tokens, positions, allowed)
+        return self.forward_many([Rows(self, tokens, tree_parents, last or None)])[0]
+
+    @torch.inference_mode()
+    def forward_many(self, items: list[Rows]) -> list[torch.Tensor | None]:
+        """One forward over the rows of several generations, each with its own cache (``item.kv``: FastKVModels
+        over this one's weights): the linear layers and the LM head run once over all rows, attention runs per
+        generation over its own cache. Returns each item's logits (its last ``want`` rows; None: all; 0: no
+        logits, a prefill chunk) and sets each item's ``kv.hidden``.
+
+        Exact where the model is batch-invariant (int8, q4: every op computes a row from that row alone,
+        checked at load): a row's bits are the same whichever other generations share the forward."""
+        segments = [_segment(item) for item in items]
+        if not self.row_by_row or all(len(s.tokens) == 1 for s in segments):
+            x = self._layers(segments)
         else:
             # The exact fallback (the load-time self-check found batched rows differing on this machine): each
             # row alone, through the same one-row calls as plain decoding, over the slots it may see.
-            x = torch.cat([self._layers(tokens[j: j + 1], positions[j: j + 1],
-                                        None if allowed is None else allowed[j: j + 1, : start + j + 1])
-                           for j in range(n)])
-        # The final-normed rows of every new token (the LM head's input), kept for self-drafting heads
-        # (Medusa, EAGLE): a reference, no copy; the norm is row-wise, so slicing after it is the same.
-        self.hidden = x
-        x = x[:, : self.hidden_size]
-        if last:
-            x = x[-last:]
-        return self.lm_head(x).float()
+            x = torch.cat([self._layers([_Segment(s.kv, s.tokens[j: j + 1], s.positions[j: j + 1], s.start + j,
+                                                  None if s.allowed is None else s.allowed[j: j + 1, : s.start + j + 1])])
+                           for s in segments for j in range(len(s.tokens))])
+        heads, lo = [], 0
+        for s, item in zip(segments, items):
+            n = len(s.tokens)
+            s.kv.hidden = _hidden(x[lo: lo + n], s.kv.taps, self.hidden_size, self.taps_of(segments))
+            rows = n if item.want is None else min(item.want, n)
+            heads.append(x[lo + n - rows: lo + n, : self.hidden_size])
+            lo += n
+        # The final-normed rows (the LM head's input) stay in ``kv.hidden`` for self-drafting heads (Medusa, EAGLE):
+        # references, no copy; the norm is row-wise, so slicing after it is the same.
+        wanted = torch.cat(heads) if len(heads) > 1 else heads[0]
+        logits = self.lm_head(wanted).float() if wanted.shape[0] else wanted.new_zeros(0, self.vocab_size).float()
+        out, lo = [], 0
+        for item, h in zip(items, heads):
+            out.append(logits[lo: lo + h.shape[0]] if item.want != 0 else None)
+            lo += h.shape[0]
+        return out
 
-    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-        """The decoder over new rows at cache slots length.., then ``length`` moves past them. Returns the
-        final-normed rows, followed (EAGLE-3) by the outputs of the layers in ``taps``."""
+    @staticmethod
+    def taps_of(segments) -> tuple[int, ...]:
+        """The layers whose outputs any generation of a forward reads (EAGLE-3), in order."""
+        return tuple(sorted({t for s in segments for t in s.kv.taps}))
+
+    def _layers(self, segments: list[_Segment]) -> torch.Tensor:
+        """The decoder over the new rows of every segment (each at its cache's slots start..), then each cache's
+        ``length`` moves past them. Returns the final-normed rows, followed (EAGLE-3) by the outputs of the layers
+        any segment taps (:meth:`taps_of`)."""
         if self.blocks is not None:
-            return self._block_layers(tokens, positions, allowed)
-        n, start = tokens.shape[0], self.length
-        end = start + n
-        attend = self._attention(start, allowed)
+            return self._block_layers(segments)
+        tokens, positions = _concat(segments)
+        taps = self.taps_of(segments)
+        attends = [s.kv._attention(s.start, s.allowed) for s in segments]
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
+        n = tokens.shape[0]
         x = F.embedding(tokens, self.embed)  # [n, hidden]
         cos, sin = self.rotary(x, positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [n, 1, hd]: broadcast over heads
@@ -237,61 +255,84 @@ class FastKVModel:
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         tapped = []
         for i, (ln1, qkv, o_proj, ln2, gate_up, down) in enumerate(self.layers):
-            # Attention: one fused q/k/v matmul, rotary on q and k, new k/v written at their positions.
+            # Attention: one fused q/k/v matmul over all rows, rotary on q and k...
             out = qkv(F.rms_norm(x, (self.hidden_size,), ln1, self.eps))
             qk = out[:, : (nh + nkv) * hd].view(n, nh + nkv, hd)  # q and k are adjacent: rotate them together
             qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)
             v = out[:, (nh + nkv) * hd:].view(n, nkv, hd)
-            if self.attention == "kernel":  # keys transposed: [KV heads, hd, slots]
-                self.k_layers[i][:, :, start:end] = qk[:, nh:].permute(1, 2, 0)
-                self.v_layers[i][:, start:end] = v.transpose(0, 1)
-            elif self.attention == "integer":  # integers and their scale (models/exact_attention.py)
-                exact_attention.write(self.k_layers[i], start, qk[:, nh:], exact_attention.B_K)
-                exact_attention.write(self.v_layers[i], start, v, exact_attention.B_V)
-            else:
-                self.k_layers[i][:, start:end] = qk[:, nh:].transpose(0, 1)
-                self.v_layers[i][:, start:end] = v.transpose(0, 1)
-            x = o_proj(x, attend(i, qk[:, :nh]))  # x + o_proj(attention)
+            # ...then each generation writes its new k/v at its positions and attends over its own cache.
+            parts, lo = [], 0
+            for s, attend in zip(segments, attends):
+                hi = lo + len(s.tokens)
+                s.kv._write(i, s.start, qk[lo:hi, nh:], v[lo:hi])
+                parts.append(attend(i, qk[lo:hi, :nh]))
+                lo = hi
+            x = o_proj(x, parts[0] if len(parts) == 1 else torch.cat(parts))  # x + o_proj(attention)
             # MLP: one fused gate/up matmul.
             gate, up = gate_up(F.rms_norm(x, (self.hidden_size,), ln2, self.eps)).chunk(2, dim=-1)
             x = down(x, F.silu(gate).mul_(up))  # x + down_proj(...)
-            if i in self.taps:  # a fused EAGLE head also reads this layer's output (a new tensor: no copy)
+            if i in taps:  # a fused EAGLE head also reads this layer's output (a new tensor: no copy)
                 tapped.append(x)
-        self.length = end
+        for s in segments:
+            s.kv.length = s.start + len(s.tokens)
         x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
         return torch.cat([x, *tapped], dim=-1) if tapped else x
 
-    def _block_layers(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-        """:meth:`_layers` for q4 models: per layer, five compiled calls (kernels/blocks.c, attention.c) and no
-        PyTorch op between them; every one computes a row from that row alone. Without taps, the layers run in one
-        call to kernels/decoder.c, which makes the same calls in C."""
-        n, start = tokens.shape[0], self.length
+    def _write(self, i: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """New keys and values [n, KV heads, hd] of layer i into this cache at slots start.."""
+        end = start + k.shape[0]
+        if self.attention == "kernel":  # keys transposed: [KV heads, hd, slots]
+            self.k_layers[i][:, :, start:end] = k.permute(1, 2, 0)
+            self.v_layers[i][:, start:end] = v.transpose(0, 1)
+        elif self.attention == "integer":  # integers and their scale (models/exact_attention.py)
+            exact_attention.write(self.k_layers[i], start, k, exact_attention.B_K)
+            exact_attention.write(self.v_layers[i], start, v, exact_attention.B_V)
+        else:
+            self.k_layers[i][:, start:end] = k.transpose(0, 1)
+            self.v_layers[i][:, start:end] = v.transpose(0, 1)
+
+    def _block_layers(self, segments: list[_Segment]) -> torch.Tensor:
+        """:meth:`_layers` for q4 models: per layer, five compiled calls per generation at most (kernels/blocks.c,
+        attention.c) and no PyTorch op between them; every one computes a row from that row alone. One generation
+        without taps runs all layers in one call to kernels/decoder.c, which makes the same calls in C."""
+        tokens, positions = _concat(segments)
         eps, nh = self.eps, self.n_heads
         x = F.embedding(tokens, self.embed)  # [n, hidden]
         cos, sin = self.rotary(x, positions[None])
         cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [n, hd]
-        if self.decoder is not None and not self.taps:
+        taps = self.taps_of(segments)
+        if self.decoder is not None and not taps and len(segments) == 1:
+            s = segments[0]
+            n, start, kv = len(s.tokens), s.start, s.kv
             x = x.float().contiguous()
-            mask = kernel.mask(allowed)
-            length = allowed.shape[1] if allowed is not None else start + n
-            rc = self.decoder(ctypes.addressof(self._layer_structs()), len(self.blocks), x.data_ptr(), n,
+            mask = kernel.mask(s.allowed)
+            length = s.allowed.shape[1] if s.allowed is not None else start + n
+            rc = self.decoder(ctypes.addressof(kv._layer_structs()), len(self.blocks), x.data_ptr(), n,
                               self.hidden_size, nh, self.n_kv, self.head_dim, cos.data_ptr(), sin.data_ptr(),
-                              self.k_layers[0].shape[2], start, None if mask is None else mask.data_ptr(), length,
+                              kv.k_layers[0].shape[2], start, None if mask is None else mask.data_ptr(), length,
                               self.scaling, eps, torch.get_num_threads())
             if rc:
                 raise RuntimeError(f"decoder kernel failed ({rc})")
-            self.length = start + n
+            kv.length = start + n
             return F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
-        attend = self._attention(start, allowed)
+        attends = [s.kv._attention(s.start, s.allowed) for s in segments]
+        bounds = [0]
+        for s in segments:
+            bounds.append(bounds[-1] + len(s.tokens))
         tapped = []
         for i, (ln1, qkv, o_proj, ln2, gate_up, down) in enumerate(self.blocks):
-            out = qkv.norm_matmul_2d(x, ln1, eps)  # RMSNorm + fused q/k/v
-            q = kernel.rope_write(out, cos, sin, self.k_layers[i], self.v_layers[i], start, nh)  # rotary, cache
-            x = o_proj.add_matmul_2d(x, attend(i, q))  # x + o_proj(attention)
+            out = qkv.norm_matmul_2d(x, ln1, eps)  # RMSNorm + fused q/k/v, all rows
+            parts = []
+            for s, attend, lo, hi in zip(segments, attends, bounds, bounds[1:]):  # rotary, cache, attention
+                q = kernel.rope_write(out[lo:hi], cos[lo:hi], sin[lo:hi], s.kv.k_layers[i], s.kv.v_layers[i],
+                                      s.start, nh)
+                parts.append(attend(i, q))
+            x = o_proj.add_matmul_2d(x, parts[0] if len(parts) == 1 else torch.cat(parts))  # x + o_proj(attention)
             x = down.add_silu_matmul_2d(x, gate_up.norm_matmul_2d(x, ln2, eps))  # x + down(silu(gate) · up)
-            if i in self.taps:
+            if i in taps:
                 tapped.append(x)
-        self.length = start + n
+        for s in segments:
+            s.kv.length = s.start + len(s.tokens)
         x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
         return torch.cat([x, *tapped], dim=-1) if tapped else x
 
@@ -342,3 +383,47 @@ class FastKVModel:
         self.k_cache.narrow(dim, start, m).copy_(self.k_cache.index_select(dim, src))
         self.v_cache[:, :, start: start + m] = self.v_cache[:, :, src]
         self.length = start + m
+
+
+@dataclass
+class _Segment:
+    """One generation's rows inside a forward: its cache, tokens, their positions and mask."""
+    kv: FastKVModel
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    start: int  # the cache slot of the first new row
+    allowed: torch.Tensor | None  # [n, start + n] which slots each row sees; None: one row, all of them
+
+
+def _segment(item: Rows) -> _Segment:
+    """Grow the item's cache for its rows, and lay them out: a chain causal within the new block, a tree by its
+    ancestor mask at tree positions."""
+    kv, tokens = item.kv, item.tokens
+    n, start = tokens.shape[0], kv.length
+    end = start + n
+    kv._ensure(end)
+    if item.tree_parents is None:
+        positions = torch.arange(start, end)
+        # One new token attends to everything cached: no mask. A chain: causal within the new block.
+        allowed = None if n == 1 else torch.ones(n, end, dtype=torch.bool).tril_(start)
+    else:
+        depth, ancestors = depths_and_ancestors(item.tree_parents)
+        positions = start + depth - 1  # (depth 1: a child of the cached prefix)
+        allowed = torch.ones(n, end, dtype=torch.bool)
+        allowed[:, start:] = ancestors
+    return _Segment(kv, tokens, positions, start, allowed)
+
+
+def _concat(segments: list[_Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+    if len(segments) == 1:
+        return segments[0].tokens, segments[0].positions
+    return torch.cat([s.tokens for s in segments]), torch.cat([s.positions for s in segments])
+
+
+def _hidden(x: torch.Tensor, taps: tuple[int, ...], width: int, computed: tuple[int, ...]) -> torch.Tensor:
+    """A generation's ``hidden``: its final-normed rows, then the outputs of the layers it taps (of those the
+    forward ``computed``, which may be more)."""
+    if taps == computed:
+        return x
+    return torch.cat([x[:, :width], *(x[:, width * (1 + computed.index(t)): width * (2 + computed.index(t))]
+                                      for t in taps)], dim=-1)

@@ -9,6 +9,8 @@ Llama-family models) are the only places that know how a model takes caches, mas
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..tree_shape import depths_and_ancestors
@@ -23,6 +25,36 @@ def KVModel(loaded: LoadedModel, fast: bool = True):
     if fast and fast_path.supports(loaded.model):
         return fast_path.FastKVModel(loaded)
     return HFKVModel(loaded)
+
+
+@dataclass
+class Rows:
+    """One generation's part of a forward: new ``tokens`` [n] for the cache of ``kv`` (at its next positions; a tree
+    by ``tree_parents``, as :meth:`HFKVModel.forward` takes them), and the logits wanted: the last ``want`` rows
+    (None: all of them; 0: none, a prefill chunk)."""
+
+    kv: object
+    tokens: torch.Tensor
+    tree_parents: list[int] | None = None
+    want: int | None = None
+
+
+def forward_many(items: list[Rows]) -> list[torch.Tensor | None]:
+    """Each item's logits (``Rows.want``), computed in as few forwards as possible: the items whose caches belong
+    to lean models over the same loaded weights share ONE forward (``FastKVModel.forward_many``: linear layers
+    and LM head once over all rows, attention per cache); the Hugging Face path runs each item alone."""
+    from .fast import FastKVModel
+
+    out: list = [None] * len(items)
+    groups: dict[int, list[int]] = {}
+    for i, item in enumerate(items):
+        key = id(item.kv.loaded) if isinstance(item.kv, FastKVModel) else id(item.kv)
+        groups.setdefault(key, []).append(i)
+    for members in groups.values():
+        group = [items[i] for i in members]
+        for i, logits in zip(members, group[0].kv.forward_many(group)):
+            out[i] = logits
+    return out
 
 
 class HFKVModel:
@@ -79,6 +111,15 @@ class HFKVModel:
         if self.taps:
             self.hidden = torch.cat([self.hidden, *(out.hidden_states[i + 1][0] for i in self.taps)], dim=-1)
         return out.logits[0].float()
+
+    def forward_many(self, items: list[Rows]) -> list[torch.Tensor | None]:
+        """:func:`forward_many` for this cache's items: one forward each (no batching on this path)."""
+        out = []
+        for item in items:
+            logits = self.forward(item.tokens, last=1 if item.want == 0 else item.want or 0,
+                                  tree_parents=item.tree_parents)
+            out.append(None if item.want == 0 else logits)
+        return out
 
     def keep(self, n_positions: int) -> None:
         """Forget every position >= n_positions (roll back rejected drafts)."""
