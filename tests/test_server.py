@@ -29,8 +29,8 @@ from speculate.server import ServerConfig, create_app, load_models
 from speculate.server.background import BackgroundServer
 from speculate.server.errors import APIError
 
-# The shared server has two workers generating with one loaded model, which the engine warns about (several
-# threads running torch: models/loader.py check_thread); expected here.
+# The shared server's models are loaded on this thread and generate on the server's generation thread, which the
+# engine warns about (several threads running torch: models/loader.py check_thread); expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:.*loaded on another thread:RuntimeWarning")
 
 KEY = "sk-test-key"
@@ -44,7 +44,7 @@ class Served(BackgroundServer):
 
 @pytest.fixture(scope="module")
 def served(tiny_folders):
-    config = ServerConfig(model=str(tiny_folders[0]), api_key=KEY, max_concurrency=2, max_queue=64, k=3)
+    config = ServerConfig(model=str(tiny_folders[0]), api_key=KEY, max_batch=4, max_queue=64, k=3)
     target, draft = load_models(config)
     s = Served(create_app(config, target, draft))
     s.model, s.target = config.model, target
@@ -230,7 +230,7 @@ BAD = [  # (body for /v1/completions unless "path" is given, status, param, code
      "invalid_value"),
     ({"model": "M", "prompt": "hi", "speculative": {"verifier": "greedy", "tol": 1}}, 400, "speculative",
      "invalid_value"),
-    # Settings the engine refuses are found on the worker (generation.run_job): a stream still gets the 400.
+    # Settings the engine refuses are found on the generation thread (generation.open_run): a stream still gets the 400.
     ({"model": "M", "prompt": "hi", "stream": True, "speculative": {"verifier": "consultant", "eps": -1}}, 400,
      "speculative", "invalid_value"),
     ({"model": "M", "prompt": "hi", "stream": True, "temperature": 0.7, "speculative": {"verifier": "greedy"}}, 400,
@@ -459,7 +459,7 @@ def slow_forward(monkeypatch):
 
 
 def test_queue_full_then_disconnects_free_the_slot(served, slow_forward):
-    config = ServerConfig(model=served.model, max_concurrency=1, max_queue=0)
+    config = ServerConfig(model=served.model, max_batch=1, max_queue=0)
     one = Served(create_app(config, served.target))
     try:
         long = {"model": served.model, "messages": MESSAGES, "max_tokens": 900, "temperature": 0, "stream": True,
@@ -500,9 +500,10 @@ def test_queue_full_then_disconnects_free_the_slot(served, slow_forward):
 
 def test_cli_serve_flags_and_a_real_subprocess(tiny_folders, capsys):
     args = _parser().parse_args(["serve", "--model", "m"])
-    assert (args.host, args.port, args.max_concurrency, args.api_key) == ("127.0.0.1", 8000, 1, None)
+    assert (args.host, args.port, args.max_batch, args.prefill_chunk, args.api_key) == ("127.0.0.1", 8000, 8, 128, None)
     assert args.no_prefix_cache is False and _parser().parse_args(["serve", "--model", "m", "--no-prefix-cache"]).no_prefix_cache
-    assert main(["serve", "--model", str(tiny_folders[0]), "--max-concurrency", "0"]) == 2
+    assert main(["serve", "--model", str(tiny_folders[0]), "--max-batch", "0"]) == 2
+    assert main(["serve", "--model", str(tiny_folders[0]), "--prefill-chunk", "0"]) == 2
     assert main(["serve", "--model", str(tiny_folders[0]), "--verifier", "consultant", "--eps", "-1",
                  "--port", "1"]) == 2  # refused before serving anything
     with socket.socket() as busy:  # a port another process listens on: one line, before the models load
@@ -580,7 +581,7 @@ def test_k_and_eps_auto_in_the_server(served, client, tiny, tmp_path, monkeypatc
             ServerConfig(model="m", k=bad)
 
     # A request's own "auto" measures the cost profile / calibrates ε on the generation worker that runs it
-    # (generation.run_job), not in the thread that prepared it: that thread would keep a second OpenMP team.
+    # (generation.open_run), not in the thread that prepared it: that thread would keep a second OpenMP team.
     import speculate.engine as engine_module
 
     prompt = "abc abc abc abc"
@@ -597,7 +598,7 @@ def test_k_and_eps_auto_in_the_server(served, client, tiny, tmp_path, monkeypatc
     r = client.completions.create(model=served.model, prompt=prompt, max_tokens=30, temperature=0, extra_body={
         "speculative": {"drafter": "lookup", "verifier": "consultant", "eps": "auto", "beta": 0.2, "k": 3}})
     assert r.choices[0].text == consultant.generate(prompt, max_new_tokens=30, chat=False).text
-    assert len(threads) == 2 and all(name.startswith("speculate-worker") for name in threads), threads
+    assert len(threads) == 2 and all(name == "speculate-generation" for name in threads), threads
 
 
 def _fail(*args):
@@ -631,9 +632,8 @@ def test_a_request_may_ask_for_model_lookup_with_the_servers_draft_model(tiny, m
 def test_idle_decoders_are_kept_per_settings_and_matched_by_prefix(tiny):
     """server/decoders.py: a decoder given back is handed out again for the same settings — the idle one
     whose cached tokens share the longest prefix with the prompt — never for other settings; at most
-    ``keep`` stay idle, the least recently returned leaving first; a failed generation's decoder is dropped."""
+    ``keep`` stay idle, the least recently returned leaving first."""
     from speculate.server.decoders import Decoders
-    from speculate.server.generation import produce
 
     built = []
 
@@ -657,31 +657,12 @@ def test_idle_decoders_are_kept_per_settings_and_matched_by_prefix(tiny):
     assert pool.take(lookup, [1]) in built[1:3] and pool.take(lookup, [1]) in built[1:3]  # a left first
     assert pool.take(lookup, [1]) is built[4]
 
-    released = []
 
-    class Failing:
-        pieces = iter(())
-
-        def __iter__(self):
-            raise RuntimeError("boom")
-
-    class FakeJob:
-        cancelled = threading.Event()
-        events = []
-
-        def emit(self, kind, value=None):
-            self.events.append(kind)
-
-    job = FakeJob()
-    produce(job, Failing(), release=lambda: released.append(1))
-    assert job.events == ["error"] and released == []
-
-
-def test_serve_loads_its_models_on_a_generation_worker(tiny_folders, tiny, monkeypatch):
-    """`speculate serve` loads its models (and checks its settings) on a generation worker, not on the main
+def test_serve_loads_its_models_on_the_generation_thread(tiny_folders, tiny, monkeypatch):
+    """`speculate serve` loads its models (and checks its settings) on the generation thread, not on the main
     thread: with GNU OpenMP, a second thread holding a team of OpenMP threads made every forward 1.47x slower
-    (pool.py, WorkerPool.call). The app then serves with that pool; a load that fails is one error and leaves
-    no worker behind."""
+    (scheduler.py, Scheduler.call). The app then serves with that scheduler; a load that fails is one error and
+    leaves no thread behind."""
     from speculate.errors import SpeculateError
     from speculate.server import main as server_main
 
@@ -695,11 +676,11 @@ def test_serve_loads_its_models_on_a_generation_worker(tiny_folders, tiny, monke
     monkeypatch.setattr(server_main, "load_models", spy)
 
     def workers_started_since(before):
-        return [t for t in set(threading.enumerate()) - before if t.name.startswith("speculate-worker")]
+        return [t for t in set(threading.enumerate()) - before if t.name.startswith("speculate-generation")]
 
     before = set(threading.enumerate())
     app = server_main.build_app(ServerConfig(model=str(tiny_folders[0]), drafter="lookup"))
-    assert threads == ["speculate-worker-0"] and app.state.pool.started
+    assert threads == ["speculate-generation"] and app.state.pool.started
     server = BackgroundServer(app)
     try:
         body = {"model": str(tiny_folders[0]), "prompt": "abc abc abc", "max_tokens": 12, "temperature": 0}
@@ -718,7 +699,7 @@ def test_a_q4_server_answers_exactly_what_the_engine_decodes(tiny_folders, tmp_p
     """dtype q4 through the server (models loaded on its generation worker): the greedy answer of a lookup request
     is the engine's plain q4 answer, and the request's stats say the rows were verified batched and exact."""
     monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path))
-    config = ServerConfig(model=str(tiny_folders[2]), dtype="q4", drafter="lookup", k=4, max_concurrency=1)
+    config = ServerConfig(model=str(tiny_folders[2]), dtype="q4", drafter="lookup", k=4, max_batch=1)
     target, draft = load_models(config)
     assert target.dtype == "q4"
     s = BackgroundServer(create_app(config, target, draft))

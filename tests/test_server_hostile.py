@@ -290,25 +290,16 @@ def test_a_stop_lets_running_work_end_cleanly_and_answers_the_queue_503(tiny_fol
     import threading
     import time
 
-    from speculate.server import generation
+    from speculate.engine import Run
 
-    real = generation.produce
+    real = Run.take
 
-    def slow(job, stream, release=lambda: None):  # 20 pieces a second: still running when the stop comes
-        class Slow:
-            def __iter__(self):
-                for piece in stream:
-                    time.sleep(0.05)
-                    yield piece
-            pieces = stream.pieces
+    def slow(self, logits):  # 20 rounds a second: still running when the stop comes
+        time.sleep(0.05)
+        return real(self, logits)
 
-            @property
-            def generation(self):
-                return stream.generation
-        return real(job, Slow(), release)
-
-    monkeypatch.setattr(generation, "produce", slow)
-    server = start(tiny_folders, max_concurrency=1, max_queue=4, shutdown_grace=0.8)
+    monkeypatch.setattr(Run, "take", slow)
+    server = start(tiny_folders, max_batch=1, max_queue=4, shutdown_grace=0.8)
     events, queued = [], {}
 
     def stream():

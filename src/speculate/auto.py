@@ -44,6 +44,8 @@ from .verifiers.params import is_auto  # noqa: F401 (one reading of 'auto', re-e
 
 #: Largest k that ``--k auto`` considers (the profile covers n = 1..AUTO_K_MAX + 1).
 AUTO_K_MAX = 8
+#: The most rows the batch cost curve covers (T(n) measured at n = 1, 2, 4, ..., BATCH_ROWS; interpolated between).
+BATCH_ROWS = 256
 #: Training tokens of the aliased models (model cards), for the Chinchilla estimate beside ``--eps auto``.
 TRAINING_TOKENS = {
     "smollm2-135m-instruct": 2e12,  # SmolLM2-135M: 2T tokens
@@ -74,11 +76,13 @@ def profile_path(target, draft=None) -> Path:
     return cache_root() / "profiles" / f"{slug}-{digest}.json"
 
 
-def profile_for(target, draft=None, progress: bool = True) -> Profile:
+def profile_for(target, draft=None, progress: bool = True, batch: bool = False) -> Profile:
     """The cost profile of ``target`` (+ ``draft``) on this machine: loaded from the cache, or measured
     once (n = 1..AUTO_K_MAX + 1, 3 repeats; seconds on the default model, ~half a minute on a 1.5B) and
     cached atomically."""
     path = profile_path(target, draft)
+    if batch:  # T(n) at larger n, for batches of generations (speculate/batch.py): powers of two to BATCH_ROWS
+        path = path.with_name(path.stem + "-batch.json")
     if path.is_file():
         try:
             return load_profile(path)
@@ -87,7 +91,8 @@ def profile_for(target, draft=None, progress: bool = True) -> Profile:
     if progress:
         print(f"speculate: measuring the cost curve of {target.name} for --k auto (once; cached in {path})",
               file=sys.stderr, flush=True)
-    prof = measure_profile(target, draft, context=200, max_n=AUTO_K_MAX + 1, repeats=3)
+    ns = [2 ** i for i in range(BATCH_ROWS.bit_length()) if 200 + 2 ** i <= target.context_window] if batch else None
+    prof = measure_profile(target, draft, context=200, max_n=AUTO_K_MAX + 1, repeats=3, ns=ns)
     save_profile(prof, path)
     return prof
 
@@ -107,6 +112,7 @@ class AutoK:
             raise SpeculateError(f"alpha0 must be in [0, 1), got {alpha0}")
         # best k for α = 0, 0.01, ..., 0.99: a table lookup per round instead of a search.
         self.table = [best_k(curve, i / self.GRID, c, k_max, rows)[0] for i in range(self.GRID)]
+        self.c, self.rows = c, rows or (lambda k: k + 1)  # (for the batch planner, speculate/batch.py)
         self.k_max = max(self.table)
         self.alpha0, self.prior_weight = alpha0, prior_weight
         self.reset()

@@ -179,10 +179,15 @@ def _parser() -> argparse.ArgumentParser:
                         "only names served")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes "
                                      "(default: $SPECULATE_API_KEY if set, else no key)")
-    s.add_argument("--max-concurrency", type=int, default=1,
-                   help="generation worker threads, i.e. generations running at once (default 1)")
+    s.add_argument("--max-batch", type=int, default=8,
+                   help="generations running at once, their rows verified in one forward per round (continuous "
+                        "batching; default 8)")
     s.add_argument("--max-queue", type=int, default=16,
-                   help="requests that may wait for a worker; beyond that the server answers 429 (default 16)")
+                   help="requests that may wait for a place in the batch; beyond that the server answers 429 "
+                        "(default 16)")
+    s.add_argument("--prefill-chunk", type=int, default=128,
+                   help="prompt tokens a joining request feeds per round, so that a long prompt does not stall the "
+                        "others (default 128)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest accepted request body; larger is 413 (default 1 MiB)")
     s.add_argument("--header-timeout", type=float, default=10.0,
@@ -284,7 +289,7 @@ def _serve(args) -> int:
                           verifier_options={name: getattr(args, name) for name in PARAMS
                                             if getattr(args, name) is not None},
                           host=args.host, port=args.port, api_key=api_key,
-                          max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+                          max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
                           max_body_bytes=args.max_body_bytes, drafter_options=args.drafter_opt or [],
                           prefix_cache=not args.no_prefix_cache, allowed_hosts=tuple(args.allowed_host or ()),
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,

@@ -28,6 +28,7 @@ import torch
 
 from .auto import AutoK, FixedK, calibrate_eps, is_auto, profile_for
 from .drafters import Drafter, get_drafter
+from .drafters.base import Draft
 from .errors import SpeculateError
 from .models import exactness
 from .models.kv import KVModel, PrefixReuse, Rows, forward_many
@@ -203,7 +204,7 @@ class Run:
         self.started = time.perf_counter()
         self.tokens = list(prompt_ids)  # prompt + everything committed so far
         self.prompt_tokens = len(prompt_ids)
-        self.state, self.produced, self.draft = None, 0, None
+        self.state, self.produced, self.draft, self.rows_last = None, 0, None, 0
         self.done, self.generation, self.error = False, None, None
         self.prefill_chunk = prefill_chunk or len(self.tokens)
         self.prompt_end = len(self.tokens) - 1  # the prefill covers all but the last prompt token
@@ -223,19 +224,26 @@ class Run:
         first draft."""
         return self.filled < self.prompt_end
 
-    def next_k(self) -> int:
-        """The draft length the k policy asks for this round, at most what the budget can still take."""
-        return min(self.policy.next_k(), self.max_new_tokens - self.produced - 1)
+    @property
+    def prefill_rows(self) -> int:
+        """The rows of the next prefill chunk (0 once the prompt is in)."""
+        return max(0, min(self.prompt_end, self.filled + self.prefill_chunk) - self.filled)
 
-    def rows(self, k: int | None = None) -> Rows:
-        """1. This round's rows for the target: a prefill chunk, or [last committed token] + a draft of ``k``
-        (default :meth:`next_k`) tokens from the drafter."""
+    def draft_length(self, k: int | None = None) -> int:
+        """This round's draft length: ``k`` (default: what the k policy asks for), never deeper than the budget can
+        still take (the target adds one token)."""
+        return min(self.policy.next_k() if k is None else k, self.max_new_tokens - self.produced - 1)
+
+    def rows(self, draft: Draft | None = None) -> Rows:
+        """1. This round's rows for the target: a prefill chunk (while :attr:`prefilling`), or [last committed
+        token] + ``draft``, a proposal of the drafter."""
         if self.prefilling:
             self.draft = None
             end = min(self.prompt_end, self.filled + self.prefill_chunk)
+            self.rows_last = end - self.filled
             return Rows(self.kv, torch.tensor(self.tokens[self.filled: end]), want=0)
-        budget = self.max_new_tokens - self.produced - 1  # never deeper than the budget (the target adds one)
-        self.draft = self.drafter.propose(self.tokens, min(self.next_k() if k is None else k, budget)).within(budget)
+        self.draft = draft.within(self.max_new_tokens - self.produced - 1)
+        self.rows_last = len(self.draft) + 1
         root = torch.tensor(self.tokens[-1:])
         return Rows(self.kv, torch.cat([root, self.draft.tokens]), _rooted(self.draft.parents))
 
@@ -311,11 +319,14 @@ def step(runs: list[Run], ks: list[int] | None = None) -> list[list[str]]:
     (the linear layers and the LM head once; attention per run over its own cache), then each verifies, rolls
     back and commits. Returns each run's new text pieces. ``ks``: each run's draft length (default: its k
     policy's). A run that raises is ended with the error (``Run.error``); the others go on."""
-    # 1. Draft: each run's rows (drafters with their own model batch their forwards, drafters/base.py).
+    # 1. Draft: each run's rows, a prefill chunk or [root] + its drafter's proposal.
+    drafts = _propose([run for run in runs if not run.prefilling], ks and {id(r): k for r, k in zip(runs, ks)})
     live, rows = [], []
-    for i, run in enumerate(runs):
+    for run in runs:
+        if run.error is not None:
+            continue
         try:
-            rows.append(run.rows(None if ks is None else ks[i]))
+            rows.append(run.rows(drafts.get(id(run))))
             live.append(run)
         except Exception as e:  # noqa: BLE001 — reported through run.error
             run.fail(e)
@@ -334,6 +345,31 @@ def step(runs: list[Run], ks: list[int] | None = None) -> list[list[str]]:
         except Exception as e:  # noqa: BLE001
             run.fail(e)
     return [pieces.get(id(run), []) for run in runs]
+
+
+def _propose(runs: list[Run], ks: dict | None) -> dict[int, Draft]:
+    """id(run) → its draft this round. Drafters with their own model propose together (``Drafter.propose_many``:
+    their forwards batched); the others one by one. A drafter that raises ends its run (its group's, batched)."""
+    drafts, groups = {}, {}
+    for run in runs:
+        many = type(run.drafter).propose_many
+        groups.setdefault(many, []).append(run)
+    for many, group in groups.items():
+        lengths = [run.draft_length(None if ks is None else ks[id(run)]) for run in group]
+        try:
+            if many is None:
+                for run, k in zip(group, lengths):
+                    try:
+                        drafts[id(run)] = run.drafter.propose(run.tokens, k)
+                    except Exception as e:  # noqa: BLE001
+                        run.fail(e)
+            else:
+                drafts.update(zip(map(id, group), many([run.drafter for run in group], [run.tokens for run in group],
+                                                       lengths)))
+        except Exception as e:  # noqa: BLE001
+            for run in group:
+                run.fail(e)
+    return drafts
 
 
 def _verify(verifier: Verifier, draft, logits: torch.Tensor, sampling: Sampling, state, generator) -> Verdict:

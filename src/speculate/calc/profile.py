@@ -140,8 +140,9 @@ def _dtype_name(loaded) -> str:
 
 
 def measure_profile(target, draft=None, context: int = 200, max_n: int = 16, repeats: int = 5,
-                    warmup: int = 1, seed: int = 0) -> Profile:
-    """Time T(n) for n = 1..max_n on ``target`` (a LoadedModel), and one draft forward on ``draft``.
+                    warmup: int = 1, seed: int = 0, ns: list[int] | None = None) -> Profile:
+    """Time T(n) for n = 1..max_n (or for the n in ``ns``, which must hold 1) on ``target`` (a LoadedModel), and
+    one draft forward on ``draft``.
 
     The context (``context`` random token ids) is prefilled once. Each timed call is one
     ``KVModel.forward`` over n new tokens returning every row (the engine's verification forward),
@@ -155,6 +156,11 @@ def measure_profile(target, draft=None, context: int = 200, max_n: int = 16, rep
 
     if context < 1:
         raise SpeculateError(f"--context must be >= 1, got {context}")
+    if ns is not None:
+        ns = sorted(set(ns))
+        max_n = ns[-1]
+        if ns[0] != 1:
+            raise SpeculateError("a cost profile needs T(1)")
     if max_n < 2:
         raise SpeculateError(f"--max-n must be >= 2 (T(2) is needed for k = 1), got {max_n}")
     if repeats < 1:
@@ -171,7 +177,8 @@ def measure_profile(target, draft=None, context: int = 200, max_n: int = 16, rep
     new = torch.randint(0, t_kv.vocab_size, (max_n,), generator=gen)
     t_kv.reset()
     t_kv.forward(ctx, last=1)
-    runs += [(n, t_kv, new[:n], 0) for n in range(1, max_n + 1)]
+    ns = ns or list(range(1, max_n + 1))
+    runs += [(n, t_kv, new[:n], 0) for n in ns]
     if draft is not None:
         d_kv = KVModel(draft)
         d_ctx = ctx.clamp(max=d_kv.vocab_size - 1)
@@ -203,7 +210,7 @@ def measure_profile(target, draft=None, context: int = 200, max_n: int = 16, rep
             gc.enable()
     medians = {label: statistics.median(ts) for label, ts in times.items()}
     return Profile(
-        target_seconds={n: medians[n] for n in range(1, max_n + 1)},
+        target_seconds={n: medians[n] for n in ns},
         model=target.name, dtype=_dtype_name(target), context=context, repeats=repeats,
         draft_model=None if draft is None else draft.name,
         draft_seconds=None if draft is None else medians["draft"],

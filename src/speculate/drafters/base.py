@@ -81,6 +81,11 @@ class Drafter:
         tokens, or a tree at most k deep."""
         raise NotImplementedError
 
+    # A class whose drafts come from its own model overrides this classmethod, ``propose_many(drafters, histories,
+    # ks) -> [Draft]``: several generations' proposals at once, its model's forwards batched (drafters/model.py).
+    # The engine then calls it once per round for all of that class's drafters; else propose, one by one.
+    propose_many = None
+
     def max_nodes(self, k: int) -> int:
         """The most draft tokens one proposal at ``k`` holds (k for chains); sizes the KV caches."""
         return k

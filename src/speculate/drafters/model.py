@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpeculateError
-from ..models.kv import KVModel, PrefixReuse
+from ..models.kv import KVModel, PrefixReuse, Rows, forward_many
 from ..sampling import warp
 from ..verifiers.base import sample_from
 from .base import Draft, Drafter
@@ -34,24 +34,34 @@ class ModelDrafter(Drafter):
     def relative_cost(self):
         return None  # measured with the target: the draft model's forwards have their own fixed costs
 
-    @torch.inference_mode()
     def propose(self, tokens, k):
-        self.base = len(tokens)  # update() keeps the cache up to here plus what it accepts
-        self.held.follow(tokens)  # the cache holds a prefix of these (the engine's list, kept growing)
-        if k == 0:  # the budget's last token: nothing to draft (update keeps the cache as it is)
-            return Draft(torch.empty(0, dtype=torch.long))
-        unseen = torch.tensor(tokens[self.kv.length:], dtype=torch.long)
-        drafted, rows = [], []
-        for i in range(k):
-            logits = self.kv.forward(unseen, last=1)[-1:]
-            probs = warp(logits, self.sampling)
-            token = (probs.argmax(-1) if self.sampling.greedy
-                     else torch.tensor([sample_from(probs[0], self.generator)]))
-            drafted.append(token)
-            rows.append(probs)
-            unseen = token
-        # The last drafted token was never fed: the cache holds prefix + first k-1 drafts.
-        return Draft(torch.cat(drafted), torch.cat(rows))
+        return self.propose_many([self], [tokens], [k])[0]
+
+    @classmethod
+    @torch.inference_mode()
+    def propose_many(cls, drafters, histories, ks):
+        """Several generations' drafts, their draft models' forwards batched: at each depth ONE forward of the draft
+        model runs every generation still drafting (models/kv.py, forward_many: its rows of each cache). At int8 and
+        q4 a row's bits do not depend on the others, so each generation drafts what it would alone."""
+        unseen, drafted = [], [[] for _ in drafters]
+        for d, tokens in zip(drafters, histories):
+            d.base = len(tokens)  # update() keeps the cache up to here plus what it accepts
+            d.held.follow(tokens)  # the cache holds a prefix of these (the engine's list, kept growing)
+            unseen.append(torch.tensor(tokens[d.kv.length:], dtype=torch.long))
+        for depth in range(max(ks, default=0)):
+            active = [i for i, k in enumerate(ks) if depth < k]
+            logits = forward_many([Rows(drafters[i].kv, unseen[i], want=1) for i in active])
+            for i, row in zip(active, logits):
+                d = drafters[i]
+                probs = warp(row, d.sampling)
+                token = (probs.argmax(-1) if d.sampling.greedy
+                         else torch.tensor([sample_from(probs[0], d.generator)]))
+                drafted[i].append((token, probs))
+                unseen[i] = token
+        # The last drafted token was never fed: each cache holds prefix + first k-1 drafts. (k = 0, the budget's last
+        # token: nothing drafted, and update keeps the cache as it is.)
+        return [Draft(torch.cat([t for t, _ in out]), torch.cat([p for _, p in out])) if out
+                else Draft(torch.empty(0, dtype=torch.long)) for out in drafted]
 
     def update(self, n_accepted, next_token):
         # Keep the prefix and the accepted drafts that are in the cache (at most k-1 of them).

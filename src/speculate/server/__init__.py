@@ -2,7 +2,7 @@
 
 One responsibility per module: config (flags), schemas (request bodies), body (size-limited JSON),
 auth (API key), errors (OpenAI error objects), generation (request → engine stream; the worker's loop),
-pool (bounded queue + worker threads), responses (OpenAI response objects, SSE), sse (streaming response
+scheduler (continuous batching: one generation thread, a bounded queue), responses (OpenAI response objects, SSE), sse (streaming response
 that notices disconnects), metrics (Prometheus), app (routes), main (load models, run uvicorn).
 """
 

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from .. import __version__
+from ..batch import BatchPlanner
 from ..models.loader import LoadedModel
 from .auth import check_api_key
 from .body import read_json
@@ -26,9 +27,9 @@ from .config import ServerConfig
 from .errors import APIError, error_body, install_error_handlers, validation_error
 from .guard import HostGuard
 from .decoders import Decoders
-from .generation import Outcome, build_decoder, prepare, run_job
+from .generation import build_decoder, open_run, prepare
 from .metrics import OUTCOME_KEY, Metrics, StatusCounter
-from .pool import Closed, Job, QueueFull, WorkerPool
+from .scheduler import Closed, Job, Outcome, QueueFull, Scheduler
 from .responses import DONE, Shaper, sse
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .sse import EventStream
@@ -38,15 +39,17 @@ RETRY_AFTER_SECONDS = 1
 
 
 def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | None = None,
-               pool: WorkerPool | None = None) -> FastAPI:
-    """``pool``: the generation workers, when the models were loaded on one of them (server/main.py,
-    build_app); by default a new pool."""
+               pool: Scheduler | None = None) -> FastAPI:
+    """``pool``: the generation thread's scheduler, when the models were loaded on it (server/main.py,
+    build_app); by default a new one."""
     metrics = Metrics()
     if pool is None:
-        pool = WorkerPool(config.max_concurrency, config.max_queue)
+        pool = scheduler(config)
     pool.on_change = metrics.set_load
-    # Idle decoders between requests (prefix reuse): one per worker, each holding its KV buffers.
-    decoders = Decoders(lambda s: build_decoder(target, draft, s, config.prefix_cache), keep=config.max_concurrency)
+    pool.on_round = metrics.record_round
+    pool.plan = BatchPlanner(target)  # --k auto: each round's draft lengths for the batch (speculate/batch.py)
+    # Idle decoders between requests (prefix reuse): one per place in the batch, each holding its KV buffers.
+    decoders = Decoders(lambda s: build_decoder(target, draft, s, config.prefix_cache), keep=config.max_batch)
     model_id = config.model
     public_name = Path(target.name).name  # an alias, or a local folder's last component: never its path
     created = int(time.time())
@@ -119,13 +122,13 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
             raise APIError(404, "the model named in the request does not exist; GET /v1/models lists the one this "
                                 "server serves", "model", "model_not_found")
         prepared = await anyio.to_thread.run_sync(prepare, config, target, req)
-        job = Job(partial(run_job, prepared=prepared, decoders=decoders), asyncio.get_running_loop())
+        job = Job(partial(open_run, prepared, decoders, pool.prefill_chunk), asyncio.get_running_loop())
         try:
             pool.submit(job)
         except Closed:
             raise APIError(503, "the server is shutting down", code="shutting_down") from None
         except QueueFull:
-            raise APIError(429, f"the server is busy: {pool.workers} generation worker(s) and a queue of "
+            raise APIError(429, f"the server is busy: a batch of {pool.max_batch} generation(s) and a queue of "
                                 f"{pool.max_queue} are all taken; retry later", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         shaper = Shaper(kind, model_id, prepared.settings)
@@ -185,9 +188,14 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
     def record(job: Job, result: Outcome) -> None:
         now = time.perf_counter()
         ttft = result.first_piece_at - job.submitted_at if result.first_piece_at is not None else None
-        metrics.record_generation(result.generation, ttft, now - job.submitted_at)
+        metrics.record_generation(result.generation, ttft, now - job.submitted_at, job.started_at - job.submitted_at)
 
     return app
+
+
+def scheduler(config: ServerConfig) -> Scheduler:
+    """The generation thread for ``config``: batches of ``--max-batch``, prompts fed ``--prefill-chunk`` at a time."""
+    return Scheduler(config.max_batch, config.max_queue, prefill_chunk=config.prefill_chunk)
 
 
 def as_api_error(value) -> APIError:

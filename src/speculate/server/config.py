@@ -25,8 +25,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    max_concurrency: int = 1  # generation workers
-    max_queue: int = 16  # admitted requests waiting for a worker; beyond that: 429
+    max_batch: int = 8  # generations that share a forward (server/scheduler.py: continuous batching)
+    max_queue: int = 16  # admitted requests waiting for a place in the batch; beyond that: 429
+    prefill_chunk: int = 128  # prompt tokens a joining request feeds per round
     max_body_bytes: int = MiB
     # Keep decoders between requests and reuse the KV of a prompt's shared prefix (server/decoders.py);
     # --no-prefix-cache: every request prefills its whole prompt in a fresh decoder.
@@ -52,8 +53,10 @@ class ServerConfig:
                                self.verifier_params, self.k)
         spec.check_draft_model(True, given_for_it=bool(self.draft_model))
         object.__setattr__(self, "spec", spec)
-        if self.max_concurrency < 1:
-            raise SpeculateError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if self.max_batch < 1:
+            raise SpeculateError(f"--max-batch must be >= 1, got {self.max_batch}")
+        if self.prefill_chunk < 1:
+            raise SpeculateError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
         if self.max_queue < 0:
             raise SpeculateError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.max_body_bytes < 1:

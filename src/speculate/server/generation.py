@@ -1,28 +1,25 @@
-"""From a validated request to a running generation: the checks made before a request is queued, and the work
-a generation worker does with it.
+"""From a validated request to a running generation: the checks made before a request is queued, and what the
+generation thread does with it when it joins the batch.
 
 :func:`prepare` runs the checks that need the tokenizer (prompt length against the context window) and merges
 the speculative settings, off the event loop, *before* the request is queued: a bad prompt is a 400 and never
-takes a worker. Everything that touches the models happens on the generation worker that runs the request
-(:func:`run_job`): it takes a :class:`SpeculativeDecoder` for the request's settings from the server's
-:class:`~speculate.server.decoders.Decoders` (an idle one whose cache shares the longest prefix with the
-prompt, or a new one — which may load an answer store or heads, measure a cost profile, calibrate ε) and
-opens its stream. Why there: a thread that runs torch keeps an OpenMP team, and extra teams slow every
-forward (models/loader.py, check_thread) — a store loaded in the request-preparing thread pool did that to
-every later request.
-Settings the engine refuses are reported as the job's first event, before any text, so the client still
-gets a 400 (streamed or not). A decoder holds per-generation KV state and is not thread-safe, while the
-model weights it points to are shared by all of them. :func:`produce` iterates the engine's stream, hands
-each piece to the request handler, stops at once when the client has gone, then gives the decoder back.
+takes a place in the batch. Everything that touches the models happens on the generation thread
+(server/scheduler.py): :func:`open_run` takes a :class:`SpeculativeDecoder` for the request's settings from the
+server's :class:`~speculate.server.decoders.Decoders` (an idle one whose cache shares the longest prefix with the
+prompt, or a new one — which may load an answer store or heads, measure a cost profile, calibrate ε) and starts
+its run. Why there: a thread that runs torch keeps an OpenMP team, and extra teams slow every forward
+(models/loader.py, check_thread) — a store loaded in the request-preparing thread pool did that to every later
+request. Settings the engine refuses are reported as the job's first event, before any text, so the client still
+gets a 400 (streamed or not). A decoder holds one generation's KV state and drafter state, while the model weights
+it points to are shared by all of them: each request in the batch has its own decoder.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..engine import Generation, SpeculativeDecoder, Stream
+from ..engine import Run, SpeculativeDecoder
 from ..errors import SpeculateError
 from ..models.loader import LoadedModel
 from ..spec import SpeculativeSpec
@@ -31,7 +28,6 @@ from ..text import encode_prompt
 from .config import ServerConfig
 from .decoders import Decoders
 from .errors import APIError
-from .pool import Job
 from .schemas import ChatCompletionRequest, CompletionRequest, SpeculativeSettings
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context window
@@ -47,12 +43,6 @@ class Prepared:
     @property
     def prompt_tokens(self) -> int:
         return len(self.ids)
-
-
-@dataclass
-class Outcome:
-    generation: Generation
-    first_piece_at: float | None  # perf_counter time of the first text piece
 
 
 def prepare(config: ServerConfig, target: LoadedModel, req: CompletionRequest | ChatCompletionRequest) -> Prepared:
@@ -100,32 +90,18 @@ def prepare(config: ServerConfig, target: LoadedModel, req: CompletionRequest | 
                                             "top_k": max(req.top_k or 0, 0), "seed": req.seed, "stop": stops})
 
 
-def open_stream(prepared: Prepared, decoders: Decoders) -> tuple[Stream, Callable[[], None]]:
-    """On the worker: a decoder for the request's settings and its stream, and the function that gives the
-    decoder back once the generation has ended. Raises APIError (400) for settings the engine refuses."""
+def open_run(prepared: Prepared, decoders: Decoders, prefill_chunk: int | None = None) -> tuple[Run, Callable[[], None]]:
+    """On the generation thread, when the request joins the batch: a decoder for its settings and its
+    :class:`~speculate.engine.Run`, and the function that gives the decoder back once the run has ended well.
+    Raises APIError (400) for settings the engine refuses."""
     decoder = decoders.take(prepared.settings, prepared.ids)  # build_decoder: SpeculateError → APIError 400
     try:
-        stream = decoder.stream(prepared.ids, max_new_tokens=prepared.max_tokens, **prepared.sampling)
+        run = decoder.start(prepared.ids, max_new_tokens=prepared.max_tokens, prefill_chunk=prefill_chunk,
+                            **prepared.sampling)
     except SpeculateError as e:
         decoders.give_back(prepared.settings, decoder)  # nothing ran: it is as it was
         raise APIError(400, str(e), None, "invalid_value") from None
-    return stream, lambda: decoders.give_back(prepared.settings, decoder)
-
-
-def run_job(job: Job, prepared: Prepared, decoders: Decoders) -> None:
-    """Worker side of a request: open its stream (the job's first event: 'ready', or 'error' with the 4xx),
-    then :func:`produce`. Never raises."""
-    try:
-        stream, release = open_stream(prepared, decoders)
-    except Exception as e:  # noqa: BLE001 — an APIError is the client's 4xx; anything else a 500
-        job.emit("error", e)
-        return
-    if job.cancelled.is_set():  # the client left while the decoder was being built: no prefill for nobody
-        release()
-        job.stopped()
-        return
-    job.emit("ready")
-    produce(job, stream, release)
+    return run, lambda: decoders.give_back(prepared.settings, decoder)
 
 
 def _encode(fn, param: str) -> list[int]:
@@ -149,30 +125,3 @@ def build_decoder(target: LoadedModel, draft: LoadedModel | None, settings: Spec
         return build_from_spec(settings, target, draft, prefix_cache, check_tokenizer=False)
     except SpeculateError as e:
         raise APIError(400, f"speculative: {e}", "speculative", "invalid_value") from None
-
-
-def produce(job: Job, stream: Stream, release: Callable[[], None] = lambda: None) -> None:
-    """Worker side: run the generation, emitting 'piece' events, then 'done' (an :class:`Outcome`),
-    'cancelled' or 'error', and ``release`` the decoder after 'done' or 'cancelled' (one whose generation
-    failed is dropped). Never raises."""
-    first = None
-    try:
-        for piece in stream:
-            if job.cancelled.is_set():
-                break
-            if first is None:
-                first = time.perf_counter()
-            job.emit("piece", piece)
-        if job.cancelled.is_set():
-            stream.pieces.close()  # closes the engine's generator: nothing more is computed
-            release()
-            job.stopped()
-            return
-    except SpeculateError as e:
-        job.emit("error", APIError(400, str(e), None, "invalid_value"))
-        return
-    except Exception as e:  # noqa: BLE001 — a failure inside generation: a 500, the server stays up
-        job.emit("error", e)
-        return
-    release()
-    job.emit("done", Outcome(stream.generation, first))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import socket
 
 from ..errors import SpeculateError
@@ -30,12 +29,11 @@ def load_models(config: ServerConfig):
 
 
 def build_app(config: ServerConfig):
-    """The app of ``speculate serve``: its models loaded (and the default settings checked) on a generation
-    worker thread, not on this one (pool.py, WorkerPool.call)."""
-    from .app import create_app
-    from .pool import WorkerPool
+    """The app of ``speculate serve``: its models loaded (and the default settings checked) on the generation
+    thread, not on this one (scheduler.py, Scheduler.call)."""
+    from .app import create_app, scheduler
 
-    pool = WorkerPool(config.max_concurrency, config.max_queue)
+    pool = scheduler(config)
     try:
         target, draft = pool.call(lambda: load_models(config))
     except BaseException:  # a load that failed leaves an idle worker; Ctrl-C mid-load, a busy daemon one
@@ -97,10 +95,4 @@ def serve(config: ServerConfig, log_level: str = "info") -> None:
         logging.getLogger("speculate.server").warning(
             "listening on %s without an API key: anyone who can reach this address can use the server "
             "(set --api-key or $SPECULATE_API_KEY)", config.host)
-    if config.max_concurrency > 1:
-        cores = os.cpu_count() or 1
-        logging.getLogger("speculate.server").warning(
-            "%d generation workers on %d cores: each keeps its own team of OpenMP threads, and on 2 cores two "
-            "workers were slower than one at every load (docs/benchmarks.md, \"Server\"); one worker is usually "
-            "fastest on a CPU", config.max_concurrency, cores)
     uvicorn_server(app, config, host=config.host, port=config.port, log_level=log_level).run()

@@ -12,6 +12,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from ..engine import Generation
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 OUTCOME_KEY = "speculate.outcome"  # ASGI scope key: a dict where a handler can override the counted status
 
@@ -51,8 +53,21 @@ class Metrics:
                                "1 for how the target's verified rows are exact (models/exactness.py): batched = "
                                "checked at load on this CPU, row-by-row = the check failed and rows run one at a "
                                "time, none = not claimed (fp32/bf16)", ["mode"], registry=r)
-        self.in_flight = Gauge("speculate_requests_in_flight", "Generations running on a worker", registry=r)
-        self.queued = Gauge("speculate_requests_queued", "Admitted requests waiting for a worker", registry=r)
+        self.in_flight = Gauge("speculate_requests_in_flight", "Generations running (in the batch)", registry=r)
+        self.queued = Gauge("speculate_requests_queued", "Admitted requests waiting for a place in the batch",
+                            registry=r)
+        # Batching (server/scheduler.py): per round, how many generations shared the target forward and how many
+        # rows it scored (drafts, roots and prefill chunks); per request, the wait for a place and the time per token.
+        self.batch_size = Histogram("speculate_batch_size", "Generations per target forward (one round of the batch)",
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.batch_rows = Histogram("speculate_batch_rows", "Rows per target forward: every generation's root + "
+                                    "drafts, or its prefill chunk", buckets=ROW_BUCKETS, registry=r)
+        self.round_seconds = Histogram("speculate_round_seconds", "Seconds per round of the batch (draft, one "
+                                       "target forward, verify)", buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("speculate_queue_seconds", "From the request's admission to its place in the "
+                                    "batch", buckets=LATENCY_BUCKETS, registry=r)
+        self.time_per_token = Histogram("speculate_time_per_output_token_seconds", "Per finished generation: "
+                                        "(end − first text piece) / (tokens − 1)", buckets=LATENCY_BUCKETS, registry=r)
         self._tokens = 0
         self._calls = 0
 
@@ -60,7 +75,13 @@ class Metrics:
         self.in_flight.set(running)
         self.queued.set(queued)
 
-    def record_generation(self, gen: Generation, ttft: float | None, latency: float) -> None:
+    def record_round(self, generations: int, rows: int, seconds: float) -> None:
+        self.batch_size.observe(generations)
+        self.batch_rows.observe(rows)
+        self.round_seconds.observe(seconds)
+
+    def record_generation(self, gen: Generation, ttft: float | None, latency: float,
+                          queued: float | None = None) -> None:
         s = gen.stats
         n = len(gen.token_ids)
         self.prompt_tokens.inc(gen.prompt_tokens)
@@ -79,6 +100,10 @@ class Metrics:
             self.mean_accepted_length.set(self._tokens / self._calls)
         if ttft is not None:
             self.ttft.observe(ttft)
+            if n > 1:
+                self.time_per_token.observe((latency - ttft) / (n - 1))
+        if queued is not None:
+            self.queue_time.observe(queued)
         self.latency.observe(latency)
 
     def render(self) -> bytes:

@@ -1,0 +1,99 @@
+"""k by batch size: each round's draft lengths for a batch of generations, chosen for the batch's throughput.
+
+A batched round (engine.py, ``step``) verifies Σᵢ (kᵢ + 1) rows in one target forward. With the lesson's model,
+generation i then yields E(αᵢ, kᵢ) = (1 − αᵢ^(kᵢ+1)) / (1 − αᵢ) tokens (calc/speedup.py, ``expected_tokens``), and
+the round costs T(Σ rows)/T(1) + Σ kᵢ·cᵢ target steps. Alone, the best k is where verifying one more row stops
+paying for itself (auto.py, ``AutoK``); in a batch the rows are shared: on a CPU one forward over 8 rows costs a
+fraction more than over one, but 16 generations × 7 rows is a compute-bound forward. So the planner maximises
+the batch's tokens per unit of time,
+
+    Σᵢ E(αᵢ, kᵢ) / (T(Σᵢ rowsᵢ(kᵢ))/T(1) + Σᵢ kᵢ·cᵢ),
+
+greedily: from kᵢ = 0 for every generation whose k is ``auto``, add the one draft token (to the generation whose
+next token adds the most, αᵢ^(kᵢ+1) against its rows) that raises the ratio most, until none does. At a large
+batch that can be k = 0 for all: plain decoding, batched. Generations with a fixed k keep it.
+
+T(n) is measured once per model, precision and thread count (auto.py, ``profile_for(batch=True)``: n = 1, 2, 4,
+..., 256, interpolated between), αᵢ is each generation's running estimate (``AutoK.alpha``).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from .auto import AutoK, profile_for
+from .calc.speedup import expected_tokens
+
+
+def interpolate(curve: dict[int, float], n: int) -> float:
+    """T(n)/T(1) from a curve measured at some n: linear between the points, and past the last two beyond it."""
+    ns = sorted(curve)
+    if n in curve:
+        return curve[n]
+    i = min(max(bisect.bisect_left(ns, n), 1), len(ns) - 1)
+    lo, hi = ns[i - 1], ns[i]
+    return curve[lo] + (curve[hi] - curve[lo]) * (n - lo) / (hi - lo)
+
+
+def plan(alphas: list[float | None], fixed: list[int | None], k_max: list[int], rows, costs: list[float],
+         curve: dict[int, float]) -> list[int]:
+    """The draft lengths (module docstring). Per generation: ``alphas`` its α (None where its k is fixed), ``fixed``
+    its fixed k (None: auto), ``k_max`` the most it may draft this round, ``rows[i](k)`` the rows a draft of k
+    verifies, ``costs`` its c. ``curve``: n → T(n)/T(1)."""
+    ks = [k if k is not None else 0 for k in fixed]
+    tables = [None if a is None else [expected_tokens(min(a, 0.999), k) for k in range(m + 1)]
+              for a, m in zip(alphas, k_max)]
+    tokens = sum(t[k] if t is not None else expected_tokens(0.0, k) for t, k in zip(tables, ks))
+    n_rows = sum(r(k) for r, k in zip(rows, ks))
+    drafting = sum(k * c for k, c in zip(ks, costs))
+
+    def rate(tok, n, d):
+        return tok / (interpolate(curve, n) + d)
+
+    best = rate(tokens, n_rows, drafting)
+    while True:
+        choice = None
+        for i, t in enumerate(tables):
+            if t is None or ks[i] >= k_max[i]:
+                continue
+            extra_rows = rows[i](ks[i] + 1) - rows[i](ks[i])
+            r = rate(tokens + t[ks[i] + 1] - t[ks[i]], n_rows + extra_rows, drafting + costs[i])
+            if r > best * (1 + 1e-9) and (choice is None or r > choice[0]):
+                choice = (r, i, extra_rows)
+        if choice is None:
+            return ks
+        best, i, extra_rows = choice
+        tokens += tables[i][ks[i] + 1] - tables[i][ks[i]]
+        n_rows += extra_rows
+        drafting += costs[i]
+        ks[i] += 1
+
+
+class BatchPlanner:
+    """``planner(runs) -> ks | None``: the scheduler's (server/scheduler.py) per-round choice. None (each run's own
+    policy) for a batch of one, or where no run's k is ``auto``; the batch cost curve is measured at the first
+    batch that needs it."""
+
+    def __init__(self, target):
+        self.target = target
+        self._curve = None
+
+    def curve(self) -> dict[int, float]:
+        if self._curve is None:
+            self._curve = profile_for(self.target, batch=True).curve
+        return self._curve
+
+    def __call__(self, runs) -> list[int] | None:
+        auto = [isinstance(run.policy, AutoK) for run in runs]
+        if len(runs) < 2 or not any(auto):
+            return None
+        drafting = [not run.prefilling for run in runs]
+        alphas = [run.policy.alpha if a and d else None for run, a, d in zip(runs, auto, drafting)]
+        # A prefill chunk's rows are fixed: counted as rows of a fixed draft of length rows - 1.
+        fixed = [None if a is not None else (run.draft_length() if d else run.prefill_rows - 1)
+                 for run, a, d in zip(runs, alphas, drafting)]
+        k_max = [run.draft_length(run.policy.k_max) if a is not None else 0 for run, a in zip(runs, alphas)]
+        rows = [run.policy.rows if a is not None else (lambda k: k + 1) for run, a in zip(runs, alphas)]
+        costs = [run.policy.c if a is not None else 0.0 for run, a in zip(runs, alphas)]
+        ks = plan(alphas, fixed, [max(k, 0) for k in k_max], rows, costs, self.curve())
+        return [k if d else None for k, d in zip(ks, drafting)]

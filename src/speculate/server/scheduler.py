@@ -1,0 +1,298 @@
+"""Continuous batching: one generation thread moves every running request by one speculative round at a time,
+all their rows in ONE target forward (engine.py, ``step``).
+
+Requests join at round boundaries and leave when done; between rounds the thread takes what arrived, drops the
+requests whose client left, and admits waiting ones up to ``max_batch``. A new request's prompt goes in by
+chunks of ``prefill_chunk`` tokens (one chunk per round, in the same forward as the others' drafts), so a long
+prompt does not stall the requests already running. At most ``max_batch + max_queue`` requests are admitted at
+once; :meth:`Scheduler.submit` refuses the next with :class:`QueueFull` (the server answers 429 with
+``Retry-After``) instead of letting requests pile up.
+
+Why one thread: decoding on a CPU is bound by reading the weights, so one forward over the rows of 8 requests
+costs little more than over one request's (docs/benchmarks.md, "Batched serving"), while several generation
+threads each kept an OpenMP team and competed for the same cores (slower than one at every load). At int8 and
+q4 every row's bits are independent of the other rows (models/exactness.py), so a batched greedy answer is the
+answer that request gets alone.
+
+A job talks back to its request handler through an asyncio queue fed with ``loop.call_soon_threadsafe``; the
+handler cancels it (client gone) by setting ``job.cancelled``, which the thread checks between rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+from ..engine import Run, step
+from ..errors import SpeculateError
+from .errors import APIError
+
+log = logging.getLogger("speculate.server")
+
+
+class QueueFull(Exception):
+    """The batch is full and so is the queue."""
+
+
+class Closed(Exception):
+    """The server is shutting down: no job is admitted any more."""
+
+
+@dataclass
+class Outcome:
+    generation: object  # engine.Generation
+    first_piece_at: float | None  # perf_counter time of the first text piece
+
+
+class Job:
+    """One generation request. ``open()`` runs on the generation thread when the job is admitted to the batch and
+    returns ``(run, release)``: the engine's :class:`~speculate.engine.Run` and the function that gives its decoder
+    back once the run has ended well; it raises :class:`APIError` for settings the engine refuses."""
+
+    def __init__(self, open: Callable[[], tuple[Run, Callable[[], None]]], loop: asyncio.AbstractEventLoop):
+        self.open = open
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.finished = False  # set by the handler once it has read the final event
+        self.submitted_at = time.perf_counter()
+        self.started_at: float | None = None
+        self.ended_by = None  # the error it was ended with (a shutdown), reported instead of 'cancelled'
+
+    def emit(self, kind: str, value=None) -> None:
+        """From the generation thread: hand an event ('ready', 'piece', 'done', 'error', 'cancelled') to the
+        handler."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            self.cancelled.set()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def end(self, error) -> None:
+        """Stop the job as a cancel does, but report ``error`` (an 'error' event) to its handler."""
+        self.ended_by = error
+        self.cancelled.set()
+
+    def stopped(self) -> None:
+        """The job stopped early — 'error' with what ended it, else 'cancelled'."""
+        if self.ended_by is not None:
+            self.emit("error", self.ended_by)
+        else:
+            self.emit("cancelled")
+
+
+class _Call:
+    """:meth:`Scheduler.call`'s work item: a function whose result (or exception) goes to a future."""
+
+    def __init__(self, fn: Callable[[], object]):
+        self.fn, self.future = fn, Future()
+
+    def run(self) -> None:
+        try:
+            self.future.set_result(self.fn())
+        except BaseException as e:
+            self.future.set_exception(e)
+
+
+@dataclass
+class _Running:
+    job: Job
+    run: Run
+    release: Callable[[], None]
+    first: float | None = None  # when its first text piece went out
+
+
+class Scheduler:
+    """``max_batch``: generations that share a forward; ``max_queue``: admitted requests waiting for a place.
+    ``plan(runs) -> ks | None``: each run's draft length this round (k by batch size, speculate/batch.py; None:
+    each run's own policy). ``on_change(running, queued)`` and ``on_round(generations, rows, seconds)`` feed the
+    metrics."""
+
+    def __init__(self, max_batch: int, max_queue: int, on_change: Callable[[int, int], None] | None = None,
+                 plan: Callable[[list[Run]], list[int] | None] | None = None, prefill_chunk: int = 128):
+        if max_batch < 1 or max_queue < 0 or prefill_chunk < 1:
+            raise ValueError("need max_batch >= 1, max_queue >= 0 and prefill_chunk >= 1")
+        self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self.on_change = on_change or (lambda running, queued: None)
+        self.on_round: Callable[[int, int, float], None] = lambda generations, rows, seconds: None
+        self.plan = plan or (lambda runs: None)
+        self._inbox: queue.Queue = queue.Queue()  # jobs, calls, None (stop)
+        self._waiting: deque[Job] = deque()
+        self._running: list[_Running] = []
+        self._lock = threading.Lock()
+        self.admitted = 0  # waiting + running
+        self.running = 0
+        self._thread: threading.Thread | None = None
+        self._jobs: set[Job] = set()  # admitted, not finished
+        self.closed = False
+
+    @property
+    def capacity(self) -> int:
+        return self.max_batch + self.max_queue
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self._thread is not None:  # (started early by call())
+            return
+        self._thread = threading.Thread(target=self._loop, name="speculate-generation", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join(timeout)
+            self._thread = None
+
+    def call(self, fn: Callable[[], object]):
+        """Run ``fn()`` on the generation thread (starting it) and return its result, or raise its exception.
+
+        The server loads its models this way (server/main.py, build_app), so that only the thread that generates
+        keeps an OpenMP team (models/loader.py, check_thread: extra teams slow every forward)."""
+        if threading.current_thread() is self._thread:  # it would wait for itself
+            raise RuntimeError("Scheduler.call from the generation thread")
+        self.start()
+        call = _Call(fn)
+        self._inbox.put(call)
+        return call.future.result()
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if self.closed:
+                raise Closed()
+            if self.admitted >= self.capacity:
+                raise QueueFull()
+            self.admitted += 1
+            self._jobs.add(job)
+            self._changed()
+        self._inbox.put(job)
+
+    def close(self, error) -> None:
+        """Admit nothing more, and end every job still waiting for a place with ``error``."""
+        with self._lock:
+            self.closed = True
+            waiting = [job for job in self._jobs if job.started_at is None]
+        for job in waiting:
+            job.end(error)
+
+    def end_running(self, error) -> None:
+        """End every job that is admitted with ``error`` (the shutdown's grace period is over)."""
+        with self._lock:
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.end(error)
+
+    def _changed(self) -> None:  # under the lock
+        self.on_change(self.running, self.admitted - self.running)
+
+    # --- the generation thread ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            if not self._take(block=not self._running and not self._waiting):
+                return
+            self._drop_cancelled()
+            self._admit()
+            if self._running:
+                try:
+                    self._round()
+                except BaseException as e:  # a last resort: the round's own errors are the runs'
+                    log.exception("generation error")
+                    for r in list(self._running):
+                        self._finish(r, error=e)
+
+    def _take(self, block: bool) -> bool:
+        """Move what arrived into the waiting line (running calls at once); False when told to stop."""
+        while True:
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if item is None:
+                return False
+            if isinstance(item, _Call):  # not a request: no admission, no load accounting
+                item.run()
+            else:
+                self._waiting.append(item)
+
+    def _drop_cancelled(self) -> None:
+        """Requests whose client left (or that a shutdown ended) leave the batch between rounds. Their decoder is
+        consistent there (a round is complete), so it goes back to the idle ones."""
+        for r in [r for r in self._running if r.job.cancelled.is_set()]:
+            self._finish(r, release=True)
+            r.job.stopped()
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_batch:
+            job = self._waiting.popleft()
+            if job.cancelled.is_set():
+                job.stopped()
+                self._forget(job)
+                continue
+            job.started_at = time.perf_counter()
+            try:
+                run, release = job.open()
+            except Exception as e:  # noqa: BLE001 — an APIError is the client's 4xx; anything else a 500
+                job.emit("error", e)
+                self._forget(job)
+                continue
+            if job.cancelled.is_set():  # the client left while the decoder was being built: no prefill for nobody
+                release()
+                job.stopped()
+                self._forget(job)
+                continue
+            job.emit("ready")
+            self._running.append(_Running(job, run, release))
+            with self._lock:
+                self.running += 1
+                self._changed()
+
+    def _round(self) -> None:
+        """One speculative round of every running request (engine.step), then each one's text to its handler."""
+        running = list(self._running)
+        runs = [r.run for r in running]
+        t0 = time.perf_counter()
+        pieces = step(runs, self.plan(runs))
+        now = time.perf_counter()
+        self.on_round(len(runs), sum(r.rows_last for r in runs), now - t0)
+        for r, out in zip(running, pieces):
+            if out and not r.job.cancelled.is_set():
+                r.first = r.first or now
+                for piece in out:
+                    r.job.emit("piece", piece)
+            if r.run.error is not None:
+                self._finish(r, error=r.run.error)
+            elif r.run.done:
+                self._finish(r, release=True)
+                r.job.emit("done", Outcome(r.run.generation, r.first))
+
+    def _finish(self, r: _Running, release: bool = False, error: BaseException | None = None) -> None:
+        """Take ``r`` out of the batch; give its decoder back (``release``) or report ``error`` (the decoder of a
+        failed run is dropped: its state is undefined)."""
+        self._running.remove(r)
+        if release:
+            r.release()
+        if error is not None:
+            if isinstance(error, SpeculateError):
+                error = APIError(400, str(error), None, "invalid_value")
+            r.job.emit("error", error)
+        with self._lock:
+            self.running -= 1
+        self._forget(r.job)
+
+    def _forget(self, job: Job) -> None:
+        with self._lock:
+            self.admitted -= 1
+            self._jobs.discard(job)
+            self._changed()
