@@ -144,18 +144,19 @@ def test_int8_chains_and_random_trees_equal_one_token_decoding(tiny_folders, cac
             assert torch.equal(tree[path], torch.cat([kv.forward(tokens[[t]]) for t in path])), (parents, path)
 
 
-def test_the_self_check_can_fail(tiny_folders, cache):
+def test_the_self_check_can_fail(tiny_folders, cache, monkeypatch):
     """A forward whose rows depend on the batch (attention output nudged by the row count) fails the check."""
+    from speculate.models import kernel
+
     loaded = load_model(str(tiny_folders[1]), dtype="int8")
     kv = FastKVModel(loaded)
-    assert exactness.rows_agree(kv)
-    real = kv._attention
+    assert kv.attention == "kernel" and exactness.rows_agree(kv)
+    real = kernel.attention_many
 
-    def nudged(start, allowed):
-        attend = real(start, allowed)
-        return lambda i, q: attend(i, q) * (1 + 1e-6 * (q.shape[0] - 1))
+    def nudged(qkv, *args):
+        return real(qkv, *args) * (1 + 1e-6 * (qkv.shape[0] - 1))
 
-    kv._attention = nudged
+    monkeypatch.setattr(kernel, "attention_many", nudged)
     assert not exactness.rows_agree(kv)
 
 

@@ -713,3 +713,66 @@ def test_a_q4_server_answers_exactly_what_the_engine_decodes(tiny_folders, tmp_p
     ids = target.tokenizer("abc abc abc abc")["input_ids"]
     plain = SpeculativeDecoder(target, "none").generate(ids, max_new_tokens=24)
     assert got["choices"][0]["text"] == plain.text
+
+
+def test_batched_requests_answer_exactly_what_each_gets_alone(tiny_folders, monkeypatch):
+    """Continuous batching (server/scheduler.py) on an int8 model: six concurrent requests with different drafters
+    and lengths share forwards (the batch-size histogram says so), one client leaves mid-stream, one request fails
+    mid-batch (a 500 for it alone) and one arrives while the others run: every other answer is token for token what
+    the request gets alone from the engine."""
+    from speculate.engine import Run
+
+    config = ServerConfig(model=str(tiny_folders[0]), dtype="int8", max_batch=4, max_queue=8, k=3)
+    target, draft = load_models(config)
+    real = Run.take
+
+    def take(self, logits):  # a little slower, so that the requests overlap; one prompt's request fails mid-way
+        time.sleep(0.003)
+        if self.tokens[:4] == failing[:4] and self.produced >= 5:
+            raise RuntimeError("boom mid-batch")
+        return real(self, logits)
+
+    monkeypatch.setattr(Run, "take", take)
+    s = BackgroundServer(create_app(config, target, draft))
+    prompts = [(f"{w} " * 6).strip() + f" {i}" for i, w in enumerate(["alpha", "beta", "gamma", "delta", "eps"])]
+    failing = list(range(3, 40))  # token ids, known by its first four
+    specs = [("lookup", prompts[0], 40), ("none", prompts[1], 25), ("lookup", prompts[2], 33), ("none", prompts[3], 30)]
+    results, left = {}, []
+
+    def ask(i, drafter, prompt, n, stream=False):
+        body = {"model": config.model, "prompt": prompt, "max_tokens": n, "temperature": 0,
+                "speculative": {"drafter": drafter}, "stream": stream}
+        if not stream:
+            results[i] = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+            return
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            for j, _ in enumerate(r.iter_lines()):
+                if j == 3:
+                    left.append(i)
+                    return  # the client leaves mid-stream
+
+    try:
+        threads = [threading.Thread(target=ask, args=(i, *spec)) for i, spec in enumerate(specs)]
+        threads.append(threading.Thread(target=ask, args=(4, "lookup", prompts[4], 200, True)))
+        threads.append(threading.Thread(target=ask, args=(5, "none", failing, 30)))
+        for t in threads:
+            t.start()
+        time.sleep(0.05)
+        late = threading.Thread(target=ask, args=(6, "lookup", prompts[0] + " again", 20))  # joins a running batch
+        late.start()
+        for t in threads + [late]:
+            t.join(60)
+        m = wait_idle(s.url)
+    finally:
+        s.stop()
+    monkeypatch.undo()
+    assert left == [4]
+    assert results[5].status_code == 500 and "boom mid-batch" in results[5].json()["error"]["message"]
+    for i, (drafter, prompt, n) in [*enumerate(specs), (6, ("lookup", prompts[0] + " again", 20))]:
+        alone = SpeculativeDecoder(target, drafter, "greedy", k=3).generate(prompt, max_new_tokens=n, chat=False)
+        assert results[i].status_code == 200 and results[i].json()["choices"][0]["text"] == alone.text, i
+    # Rounds shared forwards: on average more than one generation per forward, and the metrics are there.
+    count, total = metric(m, "speculate_batch_size_count"), metric(m, "speculate_batch_size_sum")
+    assert count > 0 and total / count > 1.5
+    assert metric(m, "speculate_batch_rows_sum") >= total and metric(m, "speculate_queue_seconds_count") == 7
+    assert metric(m, "speculate_time_per_output_token_seconds_count") == 5

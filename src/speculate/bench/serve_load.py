@@ -1,92 +1,130 @@
-"""Server throughput: requests/s and tokens/s at several numbers of concurrent clients, with and
-without speculation, against a real `speculate serve` app on a loopback port (in this process).
+"""Server throughput with continuous batching: aggregate tokens/s at several numbers of concurrent clients, plain
+and speculative, batched against one generation at a time, against a real `speculate serve` app on a loopback port
+(in this process).
 
-    python -m speculate.bench.serve_load [--model M] [--dtype fp32] [--clients 1 4 8] [--requests 16]
-                                         [--max-tokens 64] [--max-concurrency 1] [--drafters none lookup]
-                                         [--no-prefix-cache] [--out FILE.json]
+    python -m speculate.bench.serve_load [--model M] [--draft-model D] [--dtype int8] [--clients 1 4 8 16]
+                                         [--requests 16] [--max-tokens 64] [--drafters none lookup retrieval]
+                                         [--k auto] [--prompts copy] [--no-prefix-cache] [--out FILE.json]
 
-Each client sends greedy chat requests (the copy-heavy prompts of bench/speed.py) one after another;
-the drafters alternate per concurrency level so that machine noise hits all. Every answer is checked
-against the single-request answer for its prompt (plain decoding's).
+One server, one generation thread: each cell (clients, drafter) runs twice, interleaved, in an order that
+alternates from cell to cell — ``one``: ``max_batch`` 1, one generation at a time (the server before batching,
+``--max-concurrency 1``), and ``batched``: ``max_batch`` = the number of clients. Each client sends greedy chat
+requests one after another. Every answer is compared with the same prompt's answer alone (plain decoding, one at
+a time): at int8 and q4 they must all be identical; at fp32 a row's last bits may depend on its batch.
+Each cell records tokens/s, requests/s, mean latency, the mean generations and rows per forward, and each
+speculative cell the ratio to plain decoding in the same mode.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import date
 
-from ..drafters import ALL_DRAFTERS, MODEL_DRAFTERS
+from ..draft_length import parse_k
+from ..drafters import ALL_DRAFTERS
 from ..models import DEFAULT_MODEL, DTYPES
 from . import emit, machine_header, script
 from .speed import PROMPT_SETS
 
+MODES = ("one", "batched")
 
-def _chat(client, url, model, prompt, drafter, max_tokens):
+
+def _chat(client, url, model, prompt, speculative, max_tokens):
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "speculative": {"drafter": drafter}}
+            "temperature": 0, "speculative": speculative}
+    start = time.perf_counter()
     while True:
-        r = client.post(url + "/v1/chat/completions", json=body, timeout=600)
+        r = client.post(url + "/v1/chat/completions", json=body, timeout=900)
         if r.status_code != 429:  # back-pressure: wait as told, then retry
             r.raise_for_status()
-            return r.json()
+            return r.json(), time.perf_counter() - start
         time.sleep(float(r.headers.get("Retry-After", 1)))
 
 
-def run(model: str, clients: list[int], requests: int, max_tokens: int, max_concurrency: int,
-        drafters: list[str] = ("none", "lookup"), dtype: str = "fp32", prefix_cache: bool = True) -> dict:
+def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters: list[str] = ("none", "lookup"),
+        dtype: str = "int8", prefix_cache: bool = True, k: str | int = "auto", prompts: str = "copy",
+        draft_model: str | None = None) -> dict:
     machine = machine_header()  # at the start: the threads and load as the run begins
     import httpx
 
     from ..server import ServerConfig, build_app
     from ..server.background import BackgroundServer
 
-    config = ServerConfig(model=model, max_concurrency=max_concurrency, max_queue=max(clients) * 2, dtype=dtype,
-                          prefix_cache=prefix_cache)
-    server = BackgroundServer(build_app(config))  # as `speculate serve` builds it
-    prompts = PROMPT_SETS["copy"]
+    config = ServerConfig(model=model, draft_model=draft_model, max_batch=max(clients), max_queue=max(clients) * 2,
+                          dtype=dtype, prefix_cache=prefix_cache)
+    app = build_app(config)  # as `speculate serve` builds it: models loaded on the generation thread
+    pool = app.state.pool
+    rounds = []
+    record_round = pool.on_round
+    pool.on_round = lambda n, rows, seconds: (rounds.append((n, rows)), record_round(n, rows, seconds))
+    server = BackgroundServer(app)
+    texts = PROMPT_SETS[prompts]
     rows = []
     try:
         with httpx.Client() as http:
-            reference = {p: _chat(http, server.url, model, p, "none", max_tokens)["choices"][0]["message"]["content"]
-                         for p in prompts}
+            pool.max_batch = 1
+            reference = {p: _chat(http, server.url, model, p, {"drafter": "none"}, max_tokens)[0]
+                         ["choices"][0]["message"]["content"] for p in texts}
+            cell = 0
             for n_clients in clients:
                 for drafter in drafters:
-                    jobs = [prompts[i % len(prompts)] for i in range(requests)]
-                    t0 = time.perf_counter()
-                    with ThreadPoolExecutor(n_clients) as pool:
-                        answers = list(pool.map(lambda p: _chat(http, server.url, model, p, drafter, max_tokens), jobs))
-                    dt = time.perf_counter() - t0
-                    tokens = sum(a["usage"]["completion_tokens"] for a in answers)
-                    same = sum(a["choices"][0]["message"]["content"] == reference[p] for a, p in zip(answers, jobs))
-                    rows.append({"clients": n_clients, "drafter": drafter, "requests": requests,
-                                 "seconds": round(dt, 2), "requests_per_second": round(requests / dt, 3),
-                                 "tokens_per_second": round(tokens / dt, 2), "identical_answers": f"{same}/{requests}"})
-                    print(f"  {rows[-1]}", file=sys.stderr)
+                    speculative = {"drafter": drafter} if drafter == "none" else {"drafter": drafter, "k": k}
+                    jobs = [texts[i % len(texts)] for i in range(max(requests, n_clients))]
+                    for mode in (MODES if cell % 2 == 0 else MODES[::-1]):
+                        pool.max_batch = 1 if mode == "one" else n_clients
+                        del rounds[:]
+                        t0 = time.perf_counter()
+                        with ThreadPoolExecutor(n_clients) as threads:
+                            answers = list(threads.map(
+                                lambda p: _chat(http, server.url, model, p, speculative, max_tokens), jobs))
+                        dt = time.perf_counter() - t0
+                        tokens = sum(a["usage"]["completion_tokens"] for a, _ in answers)
+                        same = sum(a["choices"][0]["message"]["content"] == reference[p]
+                                   for (a, _), p in zip(answers, jobs))
+                        rows.append({
+                            "clients": n_clients, "drafter": drafter, "mode": mode, "requests": len(jobs),
+                            "seconds": round(dt, 2), "tokens_per_second": round(tokens / dt, 2),
+                            "requests_per_second": round(len(jobs) / dt, 3),
+                            "mean_latency_seconds": round(statistics.fmean(t for _, t in answers), 3),
+                            "mean_generations_per_forward": round(statistics.fmean(r[0] for r in rounds), 2),
+                            "mean_rows_per_forward": round(statistics.fmean(r[1] for r in rounds), 2),
+                            "identical_answers": f"{same}/{len(jobs)}"})
+                        print(f"  {rows[-1]}", file=sys.stderr, flush=True)
+                    cell += 1
     finally:
         server.stop()
-    return {"date": date.today().isoformat(), **machine,
-            "model": model, "dtype": dtype, "prefix_cache": prefix_cache, "max_tokens": max_tokens,
-            "max_concurrency": max_concurrency, "rows": rows}
+    by = {(r["clients"], r["drafter"], r["mode"]): r["tokens_per_second"] for r in rows}
+    for r in rows:
+        r["x_one_at_a_time"] = round(r["tokens_per_second"] / by[(r["clients"], r["drafter"], "one")], 3)
+        if (r["clients"], "none", r["mode"]) in by:
+            r["x_plain_same_mode"] = round(r["tokens_per_second"] / by[(r["clients"], "none", r["mode"])], 3)
+    return {"date": date.today().isoformat(), **machine, "model": model, "draft_model": draft_model, "dtype": dtype,
+            "prefix_cache": prefix_cache, "max_tokens": max_tokens, "k": k, "prompts": prompts, "rows": rows}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m speculate.bench.serve_load", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
-    p.add_argument("--requests", type=int, default=16, help="requests per (clients, drafter) cell")
+    p.add_argument("--draft-model", help="for the drafters that take one (model, model-tree, model+lookup)")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--requests", type=int, default=16, help="requests per (clients, drafter, mode) cell, at least "
+                                                            "one per client")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--max-concurrency", type=int, default=1, help="the server's generation workers")
-    p.add_argument("--drafters", nargs="+", default=["none", "lookup"], choices=[d for d in ALL_DRAFTERS if d not in MODEL_DRAFTERS],
-                   help="drafters to alternate (requests name them; default none lookup)")
-    p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    p.add_argument("--drafters", nargs="+", default=["none", "lookup", "retrieval"], choices=list(ALL_DRAFTERS),
+                   help="drafters to compare (requests name them; default none lookup retrieval)")
+    p.add_argument("--k", default="auto", help="the speculative requests' k (default auto: k by batch size)")
+    p.add_argument("--prompts", default="copy", choices=list(PROMPT_SETS))
+    p.add_argument("--dtype", default="int8", choices=list(DTYPES))
     p.add_argument("--no-prefix-cache", action="store_true", help="as `speculate serve --no-prefix-cache`")
     p.add_argument("--out")
     a = p.parse_args(argv)
-    return emit(run(a.model, a.clients, a.requests, a.max_tokens, a.max_concurrency, a.drafters, a.dtype,
-                    not a.no_prefix_cache), a.out)
+    k = parse_k(a.k)
+    return emit(run(a.model, a.clients, a.requests, a.max_tokens, a.drafters, a.dtype, not a.no_prefix_cache, k,
+                    a.prompts, a.draft_model), a.out)
 
 
 if __name__ == "__main__":

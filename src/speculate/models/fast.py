@@ -111,7 +111,8 @@ def _residual(module: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch
 class FastKVModel:
     def __init__(self, loaded: LoadedModel, exact: bool | None = None):
         """``exact``: batch-invariant attention (default: for int8 and q4 models, whose other ops are row-independent
-        too); False gives them PyTorch's fused attention (benchmarks/probes/attention_cost.py compares)."""
+        too; fp32 models get the kernel too, bf16 PyTorch's); False gives them PyTorch's fused attention
+        (benchmarks/probes/attention_cost.py compares)."""
         model = loaded.model
         cfg = model.config
         self.loaded, self.model, self.config = loaded, model, cfg
@@ -143,10 +144,11 @@ class FastKVModel:
         # int8 and q4: an attention whose rows do not depend on the other rows of a forward, so that a row's logits are
         # the same bits verified with others or decoded alone: the compiled kernel (models/kernel.py, exact
         # fp32 arithmetic in a fixed order), else integer sums in PyTorch ops (models/exact_attention.py).
-        # fp32 and bf16: PyTorch's fused attention (their matmuls are not row-independent anyway).
+        # bf16 (and any model without a C compiler): PyTorch's fused attention. fp32 uses the kernel too where it builds (not for exactness: its matmuls are not row-independent), because
+        # it takes every generation of a batched forward in one call a layer where PyTorch's takes one each.
         self.invariant = any(is_quantized(m) for m in model.modules()) if exact is None else exact
-        self.kernel = kernel.load() if self.invariant else None
-        self.attention = "fused" if not self.invariant else "kernel" if self.kernel else "integer"
+        self.kernel = kernel.load() if self.invariant or (exact is None and self.dtype == torch.float32) else None
+        self.attention = "kernel" if self.kernel else "integer" if self.invariant else "fused"
         self.exact_bits = exact_attention.budgets(self.head_dim, loaded.context_window)
         self.cache_dtype = torch.float64 if self.attention == "integer" else self.dtype
         self.k_slot_dim = 3 if self.attention == "kernel" else 2  # the kernel's keys are stored transposed
@@ -161,7 +163,7 @@ class FastKVModel:
                                for layer, (qkv, o, gate_up, down) in zip(inner.layers, wholes)]
         # ...and, where it builds, all layers in one call (kernels/decoder.c: the same calls, without the Python).
         self.decoder = kernel.load_decoder() if self.blocks is not None else None
-        self._structs, self._structs_for = None, None
+        self._structs = None
         # Whether a batched forward gives each row the bits it gets alone is checked once per loaded model on
         # this machine (models/exactness.py), through the path above; where not, rows run one at a time (exact).
         self.row_by_row = False
@@ -188,8 +190,12 @@ class FastKVModel:
             k.narrow(self.k_slot_dim, 0, self.length).copy_(self.k_cache.narrow(self.k_slot_dim, 0, self.length))
             v[:, :, : self.length] = self.v_cache[:, :, : self.length]
         self.k_cache, self.v_cache = k, v
-        # Per-layer views, made once per buffer: indexing the 4-D buffer by layer costs an op per access.
+        # Per-layer views, made once per buffer: indexing the 4-D buffer by layer costs an op per access; and their
+        # addresses, for the kernel's segment_t (kernel.segments).
         self.k_layers, self.v_layers = list(k.unbind(0)), list(v.unbind(0))
+        layers = len(self.layers)
+        self.k_pointers = (ctypes.c_void_p * layers)(*[t.data_ptr() for t in self.k_layers])
+        self.v_pointers = (ctypes.c_void_p * layers)(*[t.data_ptr() for t in self.v_layers])
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, last: int = 0, tree_parents: list[int] | None = None) -> torch.Tensor:
@@ -244,30 +250,39 @@ class FastKVModel:
             return self._block_layers(segments)
         tokens, positions = _concat(segments)
         taps = self.taps_of(segments)
-        attends = [s.kv._attention(s.start, s.allowed) for s in segments]
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         n = tokens.shape[0]
         x = F.embedding(tokens, self.embed)  # [n, hidden]
         cos, sin = self.rotary(x, positions[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [n, 1, hd]: broadcast over heads
-        # Rotary: x·cos + rotate_half(x)·sin, where rotate_half(x) = (−x₂, x₁) = roll(x, half)·(−1, +1).
-        half = hd // 2
-        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        if self.attention == "kernel":  # rotary, cache writes and attention of every segment: one call a layer
+            cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [n, hd]
+            segs, masks = _kernel_segments(segments)
+        else:
+            attends = [s.kv._attention(s.start, s.allowed) for s in segments]
+            cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [n, 1, hd]: broadcast over heads
+            # Rotary: x·cos + rotate_half(x)·sin, where rotate_half(x) = (−x₂, x₁) = roll(x, half)·(−1, +1).
+            half = hd // 2
+            sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         tapped = []
         for i, (ln1, qkv, o_proj, ln2, gate_up, down) in enumerate(self.layers):
-            # Attention: one fused q/k/v matmul over all rows, rotary on q and k...
+            # Attention: one fused q/k/v matmul over all rows...
             out = qkv(F.rms_norm(x, (self.hidden_size,), ln1, self.eps))
-            qk = out[:, : (nh + nkv) * hd].view(n, nh + nkv, hd)  # q and k are adjacent: rotate them together
-            qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)
-            v = out[:, (nh + nkv) * hd:].view(n, nkv, hd)
-            # ...then each generation writes its new k/v at its positions and attends over its own cache.
-            parts, lo = [], 0
-            for s, attend in zip(segments, attends):
-                hi = lo + len(s.tokens)
-                s.kv._write(i, s.start, qk[lo:hi, nh:], v[lo:hi])
-                parts.append(attend(i, qk[lo:hi, :nh]))
-                lo = hi
-            x = o_proj(x, parts[0] if len(parts) == 1 else torch.cat(parts))  # x + o_proj(attention)
+            if self.attention == "kernel":
+                attention = kernel.attention_many(out, cos, sin, segs, i, nh, nkv, hd, self.scaling)
+            else:
+                # ...rotary on q and k (adjacent: rotated together), then each generation writes its new k/v at its
+                # positions and attends over its own cache.
+                qk = out[:, : (nh + nkv) * hd].view(n, nh + nkv, hd)
+                qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)
+                v = out[:, (nh + nkv) * hd:].view(n, nkv, hd)
+                parts, lo = [], 0
+                for s, attend in zip(segments, attends):
+                    hi = lo + len(s.tokens)
+                    s.kv._write(i, s.start, qk[lo:hi, nh:], v[lo:hi])
+                    parts.append(attend(i, qk[lo:hi, :nh]))
+                    lo = hi
+                attention = parts[0] if len(parts) == 1 else torch.cat(parts)
+            x = o_proj(x, attention)  # x + o_proj(attention)
             # MLP: one fused gate/up matmul.
             gate, up = gate_up(F.rms_norm(x, (self.hidden_size,), ln2, self.eps)).chunk(2, dim=-1)
             x = down(x, F.silu(gate).mul_(up))  # x + down_proj(...)
@@ -279,72 +294,56 @@ class FastKVModel:
         return torch.cat([x, *tapped], dim=-1) if tapped else x
 
     def _write(self, i: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """New keys and values [n, KV heads, hd] of layer i into this cache at slots start.."""
-        end = start + k.shape[0]
-        if self.attention == "kernel":  # keys transposed: [KV heads, hd, slots]
-            self.k_layers[i][:, :, start:end] = k.permute(1, 2, 0)
-            self.v_layers[i][:, start:end] = v.transpose(0, 1)
-        elif self.attention == "integer":  # integers and their scale (models/exact_attention.py)
+        """New keys and values [n, KV heads, hd] of layer i into this cache at slots start.. (the PyTorch paths)."""
+        if self.attention == "integer":  # integers and their scale (models/exact_attention.py)
             exact_attention.write(self.k_layers[i], start, k, exact_attention.B_K)
             exact_attention.write(self.v_layers[i], start, v, exact_attention.B_V)
         else:
+            end = start + k.shape[0]
             self.k_layers[i][:, start:end] = k.transpose(0, 1)
             self.v_layers[i][:, start:end] = v.transpose(0, 1)
 
     def _block_layers(self, segments: list[_Segment]) -> torch.Tensor:
-        """:meth:`_layers` for q4 models: per layer, five compiled calls per generation at most (kernels/blocks.c,
-        attention.c) and no PyTorch op between them; every one computes a row from that row alone. One generation
-        without taps runs all layers in one call to kernels/decoder.c, which makes the same calls in C."""
+        """:meth:`_layers` for q4 models: per layer, four compiled calls (kernels/blocks.c; attention.c for every
+        generation's rotary, cache writes and attention at once) and no PyTorch op between them; every one computes
+        a row from that row alone. Without taps, all layers run in one call to kernels/decoder.c, which makes the
+        same calls in C."""
         tokens, positions = _concat(segments)
         eps, nh = self.eps, self.n_heads
         x = F.embedding(tokens, self.embed)  # [n, hidden]
         cos, sin = self.rotary(x, positions[None])
         cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [n, hd]
         taps = self.taps_of(segments)
-        if self.decoder is not None and not taps and len(segments) == 1:
-            s = segments[0]
-            n, start, kv = len(s.tokens), s.start, s.kv
+        segs, masks = _kernel_segments(segments)
+        if self.decoder is not None and not taps:
             x = x.float().contiguous()
-            mask = kernel.mask(s.allowed)
-            length = s.allowed.shape[1] if s.allowed is not None else start + n
-            rc = self.decoder(ctypes.addressof(kv._layer_structs()), len(self.blocks), x.data_ptr(), n,
+            rc = self.decoder(ctypes.addressof(self._layer_structs()), len(self.blocks), x.data_ptr(), x.shape[0],
                               self.hidden_size, nh, self.n_kv, self.head_dim, cos.data_ptr(), sin.data_ptr(),
-                              kv.k_layers[0].shape[2], start, None if mask is None else mask.data_ptr(), length,
-                              self.scaling, eps, torch.get_num_threads())
+                              ctypes.addressof(segs), len(segs), self.scaling, eps, torch.get_num_threads())
             if rc:
                 raise RuntimeError(f"decoder kernel failed ({rc})")
-            kv.length = start + n
-            return F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
-        attends = [s.kv._attention(s.start, s.allowed) for s in segments]
-        bounds = [0]
-        for s in segments:
-            bounds.append(bounds[-1] + len(s.tokens))
-        tapped = []
-        for i, (ln1, qkv, o_proj, ln2, gate_up, down) in enumerate(self.blocks):
-            out = qkv.norm_matmul_2d(x, ln1, eps)  # RMSNorm + fused q/k/v, all rows
-            parts = []
-            for s, attend, lo, hi in zip(segments, attends, bounds, bounds[1:]):  # rotary, cache, attention
-                q = kernel.rope_write(out[lo:hi], cos[lo:hi], sin[lo:hi], s.kv.k_layers[i], s.kv.v_layers[i],
-                                      s.start, nh)
-                parts.append(attend(i, q))
-            x = o_proj.add_matmul_2d(x, parts[0] if len(parts) == 1 else torch.cat(parts))  # x + o_proj(attention)
-            x = down.add_silu_matmul_2d(x, gate_up.norm_matmul_2d(x, ln2, eps))  # x + down(silu(gate) · up)
-            if i in taps:
-                tapped.append(x)
+        else:
+            tapped = []
+            for i, (ln1, qkv, o_proj, ln2, gate_up, down) in enumerate(self.blocks):
+                out = qkv.norm_matmul_2d(x, ln1, eps)  # RMSNorm + fused q/k/v, all rows
+                attention = kernel.attention_many(out, cos, sin, segs, i, nh, self.n_kv, self.head_dim, self.scaling)
+                x = o_proj.add_matmul_2d(x, attention)  # x + o_proj(attention)
+                x = down.add_silu_matmul_2d(x, gate_up.norm_matmul_2d(x, ln2, eps))  # x + down(silu(gate) · up)
+                if i in taps:
+                    tapped.append(x)
         for s in segments:
             s.kv.length = s.start + len(s.tokens)
         x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
-        return torch.cat([x, *tapped], dim=-1) if tapped else x
+        return torch.cat([x, *tapped], dim=-1) if taps else x
 
     def _layer_structs(self):
-        """kernels/decoder.c's layer_t array for the current cache buffers (rebuilt when they grow)."""
-        if self._structs_for is not self.k_cache:
+        """kernels/decoder.c's layer_t array (the weights; made once)."""
+        if self._structs is None:
             layers = (kernel.Layer * len(self.blocks))()
             for i, (ln1, qkv, o_proj, ln2, gate_up, down) in enumerate(self.blocks):
                 layers[i] = kernel.Layer(ln1=ln1.data_ptr(), ln2=ln2.data_ptr(), qkv=qkv.struct(), o=o_proj.struct(),
-                                         gate_up=gate_up.struct(), down=down.struct(),
-                                         kt=self.k_layers[i].data_ptr(), v=self.v_layers[i].data_ptr())
-            self._structs, self._structs_for = layers, self.k_cache
+                                         gate_up=gate_up.struct(), down=down.struct())
+            self._structs = layers
         return self._structs
 
     def _attention(self, start: int, allowed: torch.Tensor | None):
@@ -352,9 +351,6 @@ class FastKVModel:
         ``allowed[r]`` (None: all). quantized models: exact integer sums (models/exact_attention.py), so a row's
         result does not depend on the other rows or on where its keys sit; fp32: PyTorch's fused attention."""
         end = allowed.shape[1] if allowed is not None else start + 1
-        if self.attention == "kernel":
-            fn, scaling, mask = self.kernel, self.scaling, kernel.mask(allowed)
-            return lambda i, q: kernel.attend(fn, q, self.k_layers[i], self.v_layers[i], mask, end, scaling)
         if self.attention == "integer":
             bits, scaling = self.exact_bits, self.scaling
             return lambda i, q: exact_attention.attend(q, self.k_layers[i][:, :end], self.v_layers[i][:, :end],
@@ -412,6 +408,13 @@ def _segment(item: Rows) -> _Segment:
         allowed = torch.ones(n, end, dtype=torch.bool)
         allowed[:, start:] = ancestors
     return _Segment(kv, tokens, positions, start, allowed)
+
+
+def _kernel_segments(segments: list[_Segment]):
+    """The kernel's segment_t array for a forward's segments (and the masks it points into)."""
+    return kernel.segments([(len(s.tokens), s.allowed.shape[1] if s.allowed is not None else s.start + len(s.tokens),
+                             s.start, s.allowed, s.kv.k_pointers, s.kv.v_pointers, s.kv.k_layers[0].shape[2])
+                            for s in segments])
 
 
 def _concat(segments: list[_Segment]) -> tuple[torch.Tensor, torch.Tensor]:

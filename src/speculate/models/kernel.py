@@ -61,7 +61,8 @@ SIGNATURES = {
     "speculate_rope_write": (None, [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I64, _I64, _P]),
     "speculate_block_matmul": (_I, [_I, _P, _I64, _I64, _P, _I64, _P, _F, _I, _P, _P, _P, _I64, _I]),
     "speculate_block_group": (_I, []),
-    "speculate_decoder": (_I, [_P, _I, _P, _I, _I, _I, _I, _I, _P, _P, _I64, _I64, _P, _I, _F, _F, _I]),
+    "speculate_decoder": (_I, [_P, _I, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _F, _F, _I]),
+    "speculate_attention_many": (_I, [_P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P, _P, _I]),
 }
 
 
@@ -96,7 +97,40 @@ class Linear(ctypes.Structure):
 class Layer(ctypes.Structure):
     """kernels/decoder.c's layer_t."""
     _fields_ = [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p), ("qkv", Linear), ("o", Linear),
-                ("gate_up", Linear), ("down", Linear), ("kt", ctypes.c_void_p), ("v", ctypes.c_void_p)]
+                ("gate_up", Linear), ("down", Linear)]
+
+
+class Segment(ctypes.Structure):
+    """kernels/attention.c's segment_t: one generation's rows in a batched forward, and its cache's buffers."""
+    _fields_ = [("rows", ctypes.c_int), ("length", ctypes.c_int), ("start", ctypes.c_int64),
+                ("capacity", ctypes.c_int64), ("allowed", ctypes.c_void_p), ("kt", ctypes.POINTER(ctypes.c_void_p)),
+                ("v", ctypes.POINTER(ctypes.c_void_p))]
+
+
+def segments(parts) -> tuple[ctypes.Array, list]:
+    """The segment_t array of a batched forward from (rows, length, start, allowed [rows, length] or None, per-layer
+    key pointers, per-layer value pointers, capacity) per generation; with the masks it points into (keep them
+    alive for the call)."""
+    out, masks = (Segment * len(parts))(), []
+    for i, (rows, length, start, allowed, kt, v, capacity) in enumerate(parts):
+        m = mask(allowed)
+        masks.append(m)
+        out[i] = Segment(rows, length, start, capacity, None if m is None else m.data_ptr(), kt, v)
+    return out, masks
+
+
+def attention_many(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segs: ctypes.Array, layer: int,
+                   heads: int, kv_heads: int, d: int, scaling: float) -> torch.Tensor:
+    """One layer's rotary, cache writes and attention for every generation of a batched forward in one call
+    (kernels/attention.c, speculate_attention_many): qkv [n, (heads + 2 kv) d] → [n, heads · d]."""
+    n = qkv.shape[0]
+    q, out = torch.empty(n, heads, d, dtype=torch.float32), torch.empty(n, heads * d, dtype=torch.float32)
+    rc = function("speculate_attention_many")(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), ctypes.addressof(segs),
+                                              len(segs), layer, heads, kv_heads, d, scaling, q.data_ptr(),
+                                              out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"attention kernel failed ({rc})")
+    return out
 
 
 def load_decoder():
@@ -105,21 +139,8 @@ def load_decoder():
 
 
 def load_rope():
-    """The rotary/cache-write function of the attention kernel, or None."""
-    return function("speculate_rope_write")
-
-
-def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor,
-               start: int, heads: int) -> torch.Tensor:
-    """Rotary embedding of qkv's q and k heads [n, (heads + 2 kv) d] with cos/sin [n, d], keys and values written at
-    slots start.. of one layer's buffers (kernels/attention.c, speculate_rope_write); returns the queries
-    [n, heads, d]. Needs the library (:func:`load_rope`)."""
-    kv, d, capacity = keys_t.shape
-    n = qkv.shape[0]
-    q = torch.empty(n, heads, d, dtype=torch.float32)
-    function("speculate_rope_write")(qkv.data_ptr(), n, heads, kv, d, cos.data_ptr(), sin.data_ptr(), keys_t.data_ptr(),
-                    values.data_ptr(), capacity, start, q.data_ptr())
-    return q
+    """The rotary, cache-write and attention function of the batched forward, or None."""
+    return function("speculate_attention_many")
 
 
 def library(sources: tuple[str, ...], extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:

@@ -47,6 +47,7 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
         pool = scheduler(config)
     pool.on_change = metrics.set_load
     pool.on_round = metrics.record_round
+    pool.on_admit = metrics.queue_time.observe
     pool.plan = BatchPlanner(target)  # --k auto: each round's draft lengths for the batch (speculate/batch.py)
     # Idle decoders between requests (prefix reuse): one per place in the batch, each holding its KV buffers.
     decoders = Decoders(lambda s: build_decoder(target, draft, s, config.prefix_cache), keep=config.max_batch)
@@ -188,7 +189,7 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
     def record(job: Job, result: Outcome) -> None:
         now = time.perf_counter()
         ttft = result.first_piece_at - job.submitted_at if result.first_piece_at is not None else None
-        metrics.record_generation(result.generation, ttft, now - job.submitted_at, job.started_at - job.submitted_at)
+        metrics.record_generation(result.generation, ttft, now - job.submitted_at)
 
     return app
 

@@ -65,7 +65,7 @@ class Metrics:
         self.round_seconds = Histogram("speculate_round_seconds", "Seconds per round of the batch (draft, one "
                                        "target forward, verify)", buckets=LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("speculate_queue_seconds", "From the request's admission to its place in the "
-                                    "batch", buckets=LATENCY_BUCKETS, registry=r)
+                                    "batch (every request that got one)", buckets=LATENCY_BUCKETS, registry=r)
         self.time_per_token = Histogram("speculate_time_per_output_token_seconds", "Per finished generation: "
                                         "(end − first text piece) / (tokens − 1)", buckets=LATENCY_BUCKETS, registry=r)
         self._tokens = 0
@@ -80,8 +80,7 @@ class Metrics:
         self.batch_rows.observe(rows)
         self.round_seconds.observe(seconds)
 
-    def record_generation(self, gen: Generation, ttft: float | None, latency: float,
-                          queued: float | None = None) -> None:
+    def record_generation(self, gen: Generation, ttft: float | None, latency: float) -> None:
         s = gen.stats
         n = len(gen.token_ids)
         self.prompt_tokens.inc(gen.prompt_tokens)
@@ -102,8 +101,6 @@ class Metrics:
             self.ttft.observe(ttft)
             if n > 1:
                 self.time_per_token.observe((latency - ttft) / (n - 1))
-        if queued is not None:
-            self.queue_time.observe(queued)
         self.latency.observe(latency)
 
     def render(self) -> bytes:

@@ -114,8 +114,8 @@ class _Running:
 class Scheduler:
     """``max_batch``: generations that share a forward; ``max_queue``: admitted requests waiting for a place.
     ``plan(runs) -> ks | None``: each run's draft length this round (k by batch size, speculate/batch.py; None:
-    each run's own policy). ``on_change(running, queued)`` and ``on_round(generations, rows, seconds)`` feed the
-    metrics."""
+    each run's own policy). ``on_change(running, queued)``, ``on_round(generations, rows, seconds)`` and
+    ``on_admit(seconds queued)`` feed the metrics."""
 
     def __init__(self, max_batch: int, max_queue: int, on_change: Callable[[int, int], None] | None = None,
                  plan: Callable[[list[Run]], list[int] | None] | None = None, prefill_chunk: int = 128):
@@ -124,6 +124,7 @@ class Scheduler:
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.on_change = on_change or (lambda running, queued: None)
         self.on_round: Callable[[int, int, float], None] = lambda generations, rows, seconds: None
+        self.on_admit: Callable[[float], None] = lambda queued_seconds: None
         self.plan = plan or (lambda runs: None)
         self._inbox: queue.Queue = queue.Queue()  # jobs, calls, None (stop)
         self._waiting: deque[Job] = deque()
@@ -241,6 +242,7 @@ class Scheduler:
                 self._forget(job)
                 continue
             job.started_at = time.perf_counter()
+            self.on_admit(job.started_at - job.submitted_at)
             try:
                 run, release = job.open()
             except Exception as e:  # noqa: BLE001 — an APIError is the client's 4xx; anything else a 500

@@ -160,3 +160,50 @@ int speculate_attend(const float *restrict q, const float *restrict kt, const fl
     free(last);
     return 0;
 }
+
+/* One generation's part of a batched forward (models/fast.py, _Segment): its new rows, where they go in its own
+ * cache, what they may see. */
+typedef struct segment {
+    int rows, length;             /* new rows; the slots they may see (allowed's width, or start + rows) */
+    int64_t start, capacity;      /* the slot of the first new row; the slots of the cache buffers */
+    const uint8_t *allowed;       /* NULL (every slot below length) or [rows, length padded to KEYS] */
+    float *const *kt, *const *v;  /* per layer: this generation's cache buffers (layout as speculate_attend's) */
+} segment_t;
+
+/* One layer's attention for every generation of a batched forward, in one call: each segment's rows (consecutive
+ * in qkv, cos, sin, q and out) get rotary, are written into that segment's cache and attend over it. Each row's
+ * result is what speculate_rope_write and speculate_attend give it alone. Returns 0 or speculate_attend's error. */
+int speculate_attention_many(const float *restrict qkv, const float *restrict cos, const float *restrict sin,
+                             const segment_t *segs, int n_segs, int layer, int heads, int kv_heads, int d,
+                             float scaling, float *restrict q, float *restrict out, int threads) {
+    const int64_t width = (int64_t)(heads + 2 * kv_heads) * d;
+    int64_t first[n_segs > 0 ? n_segs : 1];
+    int64_t r0 = 0;
+    for (int s = 0; s < n_segs; s++) {
+        const segment_t *g = segs + s;
+        first[s] = r0;
+        speculate_rope_write(qkv + r0 * width, g->rows, heads, kv_heads, d, cos + r0 * d, sin + r0 * d, g->kt[layer],
+                             g->v[layer], g->capacity, g->start, q + r0 * heads * d);
+        r0 += g->rows;
+    }
+    /* Several generations: one each per thread (a generation's KV heads alone are too little work to split); one:
+     * its KV heads in parallel inside speculate_attend. Either way each value is computed by the same operations. */
+    int rc = 0;
+    if (threads > 1 && n_segs >= threads) {
+        /* (Not an `if` clause on one pragma: a region that runs serially would still be a region, and the KV-head
+         * region nested inside speculate_attend would then get one thread.) */
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : rc)
+        for (int s = 0; s < n_segs; s++) {
+            const segment_t *g = segs + s;
+            rc |= speculate_attend(q + first[s] * heads * d, g->kt[layer], g->v[layer], g->capacity, g->allowed,
+                                   g->rows, heads, kv_heads, d, g->length, scaling, out + first[s] * heads * d, 1);
+        }
+    } else {
+        for (int s = 0; s < n_segs && !rc; s++) {
+            const segment_t *g = segs + s;
+            rc = speculate_attend(q + first[s] * heads * d, g->kt[layer], g->v[layer], g->capacity, g->allowed,
+                                  g->rows, heads, kv_heads, d, g->length, scaling, out + first[s] * heads * d, threads);
+        }
+    }
+    return rc;
+}

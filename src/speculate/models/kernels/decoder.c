@@ -10,10 +10,10 @@
 int speculate_block_matmul(int type, const uint8_t *w, int64_t out, int64_t k, const float *x, int64_t rows,
                            const float *norm, float eps, int act, const float *bias, const float *residual, float *y,
                            int64_t ld, int threads);
-void speculate_rope_write(const float *qkv, int n, int heads, int kv_heads, int d, const float *cos, const float *sin,
-                          float *kt, float *v, int64_t capacity, int64_t start, float *q);
-int speculate_attend(const float *q, const float *kt, const float *v, int64_t capacity, const uint8_t *allowed, int n,
-                     int heads, int kv_heads, int d, int length, float scaling, float *out, int threads);
+typedef struct segment segment_t; /* attention.c's */
+int speculate_attention_many(const float *qkv, const float *cos, const float *sin, const segment_t *segs, int n_segs,
+                             int layer, int heads, int kv_heads, int d, float scaling, float *q, float *out,
+                             int threads);
 
 #define PARTS 4
 typedef struct { /* a BlockLinear: parts of one type each, side by side in the output columns */
@@ -28,7 +28,6 @@ typedef struct { /* a BlockLinear: parts of one type each, side by side in the o
 typedef struct {
     const float *ln1, *ln2;
     linear_t qkv, o, gate_up, down;
-    float *kt, *v; /* the layer's cache: keys transposed [kv, d, capacity], values [kv, capacity, d] */
 } layer_t;
 
 static int linear(const linear_t *l, const float *x, int64_t rows, const float *norm, float eps, int act,
@@ -44,11 +43,12 @@ static int linear(const linear_t *l, const float *x, int64_t rows, const float *
     return 0;
 }
 
-/* x [n, hidden]: the new rows' embeddings in, the last layer's output out. cos, sin [n, d]; the rows go to cache
- * slots start..start+n-1; allowed and length as speculate_attend takes them. Returns 0 or a kernel's error. */
+/* x [n, hidden]: the new rows' embeddings in (the segments' rows one after another), the last layer's output out.
+ * cos, sin [n, d]; each segment's rows attend over its own cache (speculate_attention_many). Returns 0 or a
+ * kernel's error. */
 int speculate_decoder(const layer_t *layers, int n_layers, float *x, int n, int hidden, int heads, int kv_heads,
-                      int d, const float *cos, const float *sin, int64_t capacity, int64_t start,
-                      const uint8_t *allowed, int length, float scaling, float eps, int threads) {
+                      int d, const float *cos, const float *sin, const segment_t *segs, int n_segs, float scaling,
+                      float eps, int threads) {
     const int64_t width = (int64_t)(heads + 2 * kv_heads) * d, inner = layers[0].gate_up.out;
     float *qkv = malloc(sizeof(float) * n * width), *q = malloc(sizeof(float) * n * heads * d);
     float *attn = malloc(sizeof(float) * n * heads * d), *x2 = malloc(sizeof(float) * n * hidden);
@@ -57,9 +57,8 @@ int speculate_decoder(const layer_t *layers, int n_layers, float *x, int n, int 
     for (int i = 0; i < n_layers && !rc; i++) {
         const layer_t *L = layers + i;
         if ((rc = linear(&L->qkv, x, n, L->ln1, eps, 0, NULL, qkv, threads))) break;
-        speculate_rope_write(qkv, n, heads, kv_heads, d, cos, sin, L->kt, L->v, capacity, start, q);
-        if ((rc = speculate_attend(q, L->kt, L->v, capacity, allowed, n, heads, kv_heads, d, length, scaling, attn,
-                                   threads))) break;
+        if ((rc = speculate_attention_many(qkv, cos, sin, segs, n_segs, i, heads, kv_heads, d, scaling, q, attn,
+                                           threads))) break;
         if ((rc = linear(&L->o, attn, n, NULL, 0.f, 0, x, x2, threads))) break;                /* x2 = x + o(attn) */
         if ((rc = linear(&L->gate_up, x2, n, L->ln2, eps, 0, NULL, gate_up, threads))) break;
         rc = linear(&L->down, gate_up, n, NULL, 0.f, 1, x2, x, threads);                         /* x = x2 + down(..) */
