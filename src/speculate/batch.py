@@ -37,13 +37,14 @@ def interpolate(curve: dict[int, float], n: int) -> float:
 
 def plan(alphas: list[float | None], fixed: list[int | None], k_max: list[int], rows, costs: list[float],
          curve: dict[int, float]) -> list[int]:
-    """The draft lengths (module docstring). Per generation: ``alphas`` its α (None where its k is fixed), ``fixed``
-    its fixed k (None: auto), ``k_max`` the most it may draft this round, ``rows[i](k)`` the rows a draft of k
-    verifies, ``costs`` its c. ``curve``: n → T(n)/T(1)."""
+    """The draft lengths (module docstring). Per generation: ``alphas`` its α (None: it yields no token this round,
+    a prefill chunk), ``fixed`` its fixed k (None: auto), ``k_max`` the most it may draft this round, ``rows[i](k)``
+    the rows a draft of k verifies, ``costs`` its c. ``curve``: n → T(n)/T(1)."""
     ks = [k if k is not None else 0 for k in fixed]
-    tables = [None if a is None else [expected_tokens(min(a, 0.999), k) for k in range(m + 1)]
-              for a, m in zip(alphas, k_max)]
-    tokens = sum(t[k] if t is not None else expected_tokens(0.0, k) for t, k in zip(tables, ks))
+    tables = [None if f is not None else [expected_tokens(min(a, 0.999), k) for k in range(m + 1)]
+              for a, f, m in zip(alphas, fixed, k_max)]
+    tokens = sum(t[k] if t is not None else 0.0 if a is None else expected_tokens(min(a, 0.999), k)
+                 for t, a, k in zip(tables, alphas, ks))
     n_rows = sum(r(k) for r, k in zip(rows, ks))
     drafting = sum(k * c for k, c in zip(ks, costs))
 
@@ -84,16 +85,25 @@ class BatchPlanner:
         return self._curve
 
     def __call__(self, runs) -> list[int] | None:
-        auto = [isinstance(run.policy, AutoK) for run in runs]
+        auto = [isinstance(run.policy, AutoK) and not run.prefilling for run in runs]
         if len(runs) < 2 or not any(auto):
             return None
-        drafting = [not run.prefilling for run in runs]
-        alphas = [run.policy.alpha if a and d else None for run, a, d in zip(runs, auto, drafting)]
-        # A prefill chunk's rows are fixed: counted as rows of a fixed draft of length rows - 1.
-        fixed = [None if a is not None else (run.draft_length() if d else run.prefill_rows - 1)
-                 for run, a, d in zip(runs, alphas, drafting)]
-        k_max = [run.draft_length(run.policy.k_max) if a is not None else 0 for run, a in zip(runs, alphas)]
-        rows = [run.policy.rows if a is not None else (lambda k: k + 1) for run, a in zip(runs, alphas)]
-        costs = [run.policy.c if a is not None else 0.0 for run, a in zip(runs, alphas)]
-        ks = plan(alphas, fixed, [max(k, 0) for k in k_max], rows, costs, self.curve())
-        return [k if d else None for k, d in zip(ks, drafting)]
+        # Fixed-k runs count with their own α so far (the prior's 0.6 before any); a prefill chunk yields no token,
+        # its rows are a fixed "draft" of rows - 1.
+        alphas = [None if run.prefilling else run.policy.alpha if a else _alpha(run) for run, a in zip(runs, auto)]
+        fixed = [None if a else run.prefill_rows - 1 if run.prefilling else run.draft_length()
+                 for run, a in zip(runs, auto)]
+        k_max = [max(run.draft_length(run.policy.k_max), 0) if a else 0 for run, a in zip(runs, auto)]
+        rows = [run.policy.rows if a else _chain for run, a in zip(runs, auto)]
+        costs = [run.policy.c if a else 0.0 for run, a in zip(runs, auto)]
+        ks = plan(alphas, fixed, k_max, rows, costs, self.curve())
+        return [None if run.prefilling else k for run, k in zip(runs, ks)]
+
+
+def _chain(k: int) -> int:
+    return k + 1
+
+
+def _alpha(run) -> float:
+    estimate = run.stats.alpha_estimate
+    return 0.6 if estimate is None else estimate

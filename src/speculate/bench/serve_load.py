@@ -69,6 +69,13 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
             pool.max_batch = 1
             reference = {p: _chat(http, server.url, model, p, {"drafter": "none"}, max_tokens)[0]
                          ["choices"][0]["message"]["content"] for p in texts}
+            # Warm-up, not timed: each drafter's first decoder (an answer store to load, --k auto's cost profiles to
+            # measure once per machine), and a batched round.
+            pool.max_batch = 2
+            for drafter in drafters:
+                speculative = {"drafter": drafter} if drafter == "none" else {"drafter": drafter, "k": k}
+                with ThreadPoolExecutor(2) as threads:
+                    list(threads.map(lambda p: _chat(http, server.url, model, p, speculative, 8), texts[:2]))
             cell = 0
             for n_clients in clients:
                 for drafter in drafters:

@@ -1,0 +1,67 @@
+"""k by batch size (speculate/batch.py): the planner's choices on constructed cost curves and acceptance rates."""
+
+from __future__ import annotations
+
+import pytest
+
+from speculate.batch import interpolate, plan
+from speculate.calc.speedup import expected_tokens
+
+
+def chain(k):
+    return k + 1
+
+
+def choose(alphas, curve, k_max=8, fixed=None, costs=None):
+    n = len(alphas)
+    return plan(list(alphas), fixed or [None] * n, [k_max] * n, [chain] * n, costs or [0.0] * n, curve)
+
+
+def rate(ks, alphas, curve):
+    return sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / interpolate(curve, sum(k + 1 for k in ks))
+
+
+def test_interpolation_is_exact_at_the_points_linear_between_and_extrapolated_past_them():
+    curve = {1: 1.0, 2: 1.2, 4: 1.5, 8: 3.5}
+    assert interpolate(curve, 4) == 1.5
+    assert interpolate(curve, 3) == pytest.approx(1.35)
+    assert interpolate(curve, 6) == pytest.approx(2.5)
+    assert interpolate(curve, 12) == pytest.approx(5.5)  # the last segment's slope, continued
+
+
+def test_a_free_verification_drafts_to_the_limit_and_a_linear_one_not_at_all():
+    flat = {1: 1.0, 2: 1.0, 256: 1.0}
+    assert choose([0.7, 0.5, 0.9], flat) == [8, 8, 8]
+    linear = {1: 1.0, 2: 2.0, 256: 256.0}  # every row costs a full step: no draft can pay for itself
+    assert choose([0.7, 0.5, 0.9], linear) == [0, 0, 0]
+
+
+def test_drafts_shrink_as_the_batch_grows_and_go_to_the_likeliest_generations():
+    # A CPU-like curve: rows are nearly free up to 8, then cost grows linearly.
+    curve = {1: 1.0, 2: 1.05, 4: 1.15, 8: 1.4, 16: 2.4, 32: 4.4, 64: 8.4, 128: 16.4, 256: 32.4}
+    totals = [sum(choose([0.8] * n, curve)) / n for n in (1, 4, 16)]
+    assert totals[0] > totals[1] > totals[2]
+    ks = choose([0.9, 0.3, 0.9, 0.3], curve)
+    assert ks[0] == ks[2] > ks[1] == ks[3]  # the same α gets the same k; the likelier, more
+
+
+def test_the_greedy_choice_is_no_worse_than_any_uniform_k():
+    curve = {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.6, 16: 2.5, 32: 4.5, 64: 8.5, 128: 16.5, 256: 32.5}
+    for alphas in ([0.8] * 8, [0.95, 0.2, 0.6, 0.6, 0.85, 0.4], [0.5] * 16):
+        ks = choose(alphas, curve)
+        best_uniform = max(rate([k] * len(alphas), alphas, curve) for k in range(9))
+        assert rate(ks, alphas, curve) >= best_uniform - 1e-9
+
+
+def test_fixed_lengths_are_kept_and_their_rows_counted():
+    curve = {1: 1.0, 2: 1.05, 4: 1.15, 8: 1.4, 16: 2.4, 32: 4.4, 64: 8.4, 128: 16.4, 256: 32.4}
+    ks = plan([0.8, 0.8], [30, None], [0, 8], [chain, chain], [0.0, 0.0], curve)
+    # The fixed generation keeps its 30; the other's k is the best given those 31 rows (here: more than alone,
+    # since the big forward makes each extra row relatively cheap).
+    def with_fixed(k):
+        return (expected_tokens(0.8, 30) + expected_tokens(0.8, k)) / interpolate(curve, 31 + k + 1)
+    assert ks[0] == 30 and ks[1] == max(range(9), key=with_fixed)
+    # A prefill chunk (α None: no token this round) is a fixed block of rows.
+    assert plan([None, 0.8], [127, None], [0, 8], [chain, chain], [0.0, 0.0], curve)[0] == 127
+    # A draft that costs time of its own (a draft model: c per token) is drafted less.
+    assert sum(choose([0.8] * 4, curve, costs=[0.3] * 4)) < sum(choose([0.8] * 4, curve))
