@@ -179,6 +179,7 @@ class SpeculativeDecoder:
     def _pieces(self, stream: Stream, settings: tuple) -> Iterator[str]:
         """One generation alone: :func:`step` over a single run until it is done."""
         run = Run(self, *settings)
+        stream.generation = run.generation  # (done at once: nothing to prefill and nothing to generate)
         while not run.done:
             pieces = step([run])[0]
             if run.error is not None:
@@ -319,11 +320,13 @@ def step(runs: list[Run], ks: list[int] | None = None) -> list[list[str]]:
     (the linear layers and the LM head once; attention per run over its own cache), then each verifies, rolls
     back and commits. Returns each run's new text pieces. ``ks``: each run's draft length (default: its k
     policy's). A run that raises is ended with the error (``Run.error``); the others go on."""
-    # 1. Draft: each run's rows, a prefill chunk or [root] + its drafter's proposal.
-    drafts = _propose([run for run in runs if not run.prefilling], ks and {id(r): k for r, k in zip(runs, ks)})
+    # 1. Draft: each run's rows, a prefill chunk or [root] + its drafter's proposal. (A run already done is left as
+    # it is.)
+    drafts = _propose([run for run in runs if not run.done and not run.prefilling],
+                      ks and {id(r): k for r, k in zip(runs, ks)})
     live, rows = [], []
     for run in runs:
-        if run.error is not None:
+        if run.done:
             continue
         try:
             rows.append(run.rows(drafts.get(id(run))))
