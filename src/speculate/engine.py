@@ -10,6 +10,12 @@ One round (Leviathan et al. 2023, Algorithm 1; Consultant Decoding, Algorithm 1)
 
 Plain decoding is the same loop with an empty draft (drafter ``none``): one target call per token.
 
+One generation or many: a generation is a :class:`Run`, and :func:`step` moves a list of runs one round each —
+every run drafts, ONE target forward scores all their rows (each run's cache its own; models/kv.py,
+``forward_many``), every run verifies and rolls back on its own. ``generate`` is ``step`` over one run; the server
+steps all its running requests together (server/scheduler.py). At int8 and q4 a row's bits do not depend on the
+other rows of a forward, so a run's tokens are the same alone or batched.
+
 Tree drafts (``Draft.parents``, e.g. drafter ``model-tree``) take the same four steps: the forward
 runs [last committed token] + the N nodes under the tree mask (each node sees its ancestors only),
 giving N+1 rows (row 0 after the root, row i+1 after node i); the verifier's tree rule

@@ -54,8 +54,8 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
     from ..server import ServerConfig, build_app
     from ..server.background import BackgroundServer
 
-    config = ServerConfig(model=model, draft_model=draft_model, max_batch=max(clients), max_queue=max(clients) * 2,
-                          dtype=dtype, prefix_cache=prefix_cache)
+    config = ServerConfig(model=model, draft_model=draft_model, drafter="model" if draft_model else "auto",
+                          max_batch=max(clients), max_queue=max(clients) * 2, dtype=dtype, prefix_cache=prefix_cache)
     app = build_app(config)  # as `speculate serve` builds it: models loaded on the generation thread
     pool = app.state.pool
     rounds = []
