@@ -9,10 +9,15 @@ when batched; fp32 makes no bit-exactness promise, so there only what holds is c
 
 from __future__ import annotations
 
+import os
+import platform
 import random
 import shutil
+import subprocess
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -631,3 +636,24 @@ def test_fp32_batched_runs_to_the_right_lengths_and_stays_greedy(tiny, monkeypat
     for kv, p, rows in zip(kvs, prompts, together):
         kv.reset()
         torch.testing.assert_close(rows, kv.forward(torch.tensor(p)), rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------ 6. other code paths
+@pytest.mark.skipif(os.environ.get("SPECULATE_KERNEL_FLAGS") is not None, reason="already another code path")
+@pytest.mark.parametrize("env", [
+    {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+     "SPECULATE_KERNEL_FLAGS": "-march=x86-64-v3 -mprefer-vector-width=256"},  # what an AVX2-only CPU runs
+    {"SPECULATE_KERNEL_FLAGS": "-march=x86-64-v2"},  # the kernels' scalar loops
+], ids=["avx2", "scalar-kernels"])
+def test_batched_equals_alone_under_other_code_paths(env, tmp_path):
+    """The batched-equals-alone tests again in a fresh process, under ATen's and MKL's AVX2 paths with the kernels
+    built for AVX2, and with the kernels' scalar loops: exactness may not rest on this CPU's fastest kernels."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86-64 code paths")
+    here = Path(__file__).resolve()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here), "-m", "not slow",
+                           "-k", "mixed_drafters or several_caches or seeded_sampling_batched or join_leave"],
+                          env={**os.environ, **env, "SPECULATE_CACHE": str(tmp_path)}, cwd=here.parent.parent,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout and "skipped" not in done.stdout
