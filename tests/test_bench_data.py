@@ -228,3 +228,36 @@ def test_extract_code_details(first_problems):
     assert extract_code(p, "return False") == "    return False"
     # A wrong body is caught by the tests.
     assert check_humaneval(p, extract_code(p, "```python\nreturn False\n```")).status == "failed"
+
+
+def test_mcnemar_exact_on_constructed_cases():
+    from scipy import stats as sstats
+
+    from speculate.bench.metrics import mcnemar
+
+    same = [1, 0, 1, 1, 0]
+    assert mcnemar(same, same) == (0, 0, 1.0)
+    # The reference solves 10 problems the method does not, the method none it does not: p = 2 / 2^10.
+    ref, ours = [1] * 10 + [0] * 5, [0] * 10 + [0] * 5
+    assert mcnemar(ours, ref) == (10, 0, pytest.approx(2 / 2 ** 10))
+    # Balanced discordance is no evidence either way; and the p-value is the exact binomial test's.
+    assert mcnemar([1, 0, 1, 0], [0, 1, 0, 1])[2] == 1.0
+    for b, c in ((7, 2), (3, 9), (15, 11)):
+        ref = [1] * b + [0] * c + [1] * 4
+        ours = [0] * b + [1] * c + [1] * 4
+        got = mcnemar(ours, ref)
+        assert got[:2] == (b, c)
+        assert got[2] == pytest.approx(sstats.binomtest(min(b, c), b + c, 0.5).pvalue)
+    with pytest.raises(ValueError):
+        mcnemar([0.5, 1], [1, 1])
+
+
+def test_keeps_quality_says_yes_no_or_cant_tell():
+    import math
+
+    from speculate.bench.metrics import keeps_quality
+
+    assert keeps_quality(0.98, 1.02) == "yes"
+    assert keeps_quality(0.80, 0.95) == "no"
+    assert keeps_quality(0.90, 1.00) == "can't tell"
+    assert keeps_quality(math.nan, math.nan) == "can't tell"

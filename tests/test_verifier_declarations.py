@@ -178,7 +178,7 @@ def test_cli_flags_and_request_fields_follow_the_declarations():
     assert set(PARAMS) <= flags
     fields = set(SpeculativeSettings.model_fields)
     assert fields == {"drafter", "verifier", "k"} | set(PARAMS)
-    assert set(PARAMS) == {"eps", "beta", "delta", "D", "tol", "theta", "rho"}  # (greedy is the engine's)
+    assert set(PARAMS) == {"eps", "beta", "argmax", "delta", "D", "tol", "theta", "rho"}  # (greedy is the engine's)
     # Every declared parameter can be set both ways.
     for name, declared in PARAMS.items():
         verifier, param = declared[0]

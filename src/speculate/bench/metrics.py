@@ -114,3 +114,28 @@ def bootstrap_ratio_ci(numerators: Sequence[float], denominators: Sequence[float
     with np.errstate(divide="ignore", invalid="ignore"):
         ratios = np.where(den_sums != 0, num_sums / np.where(den_sums != 0, den_sums, 1.0), np.nan)
     return _percentiles(ratios, confidence)
+
+
+def mcnemar(method: Sequence[float], reference: Sequence[float]) -> tuple[int, int, float]:
+    """McNemar's exact test for paired pass/fail outcomes (HumanEval pass@1, GSM8K accuracy), one pair per
+    problem: (b, c, two-sided p) with b = problems the reference solves and the method does not, c = the reverse.
+    Under "the same quality" each discordant problem goes either way with probability 1/2, so p is the exact
+    binomial tail: min(1, 2 · P[Binomial(b + c, 1/2) ≤ min(b, c)]); 1 without discordant problems."""
+    m, r = np.asarray(method, dtype=float), np.asarray(reference, dtype=float)
+    if m.shape != r.shape or m.ndim != 1 or not np.isin(np.concatenate([m, r]), (0.0, 1.0)).all():
+        raise ValueError("mcnemar needs two equal-length sequences of 0/1 outcomes")
+    b, c = int(((r == 1) & (m == 0)).sum()), int(((r == 0) & (m == 1)).sum())
+    n = b + c
+    if n == 0:
+        return b, c, 1.0
+    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2.0 ** n
+    return b, c, min(1.0, 2.0 * tail)
+
+
+def keeps_quality(low: float, high: float, threshold: float = 0.97) -> str:
+    """Whether a method keeps ``threshold`` of the target's quality, from the paired interval of its normalised
+    quality [low, high]: "yes" (low ≥ threshold), "no" (high < threshold) or "can't tell" (the interval spans it,
+    or there is none)."""
+    if math.isnan(low) or math.isnan(high):
+        return "can't tell"
+    return "yes" if low >= threshold else "no" if high < threshold else "can't tell"

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..models.cache import atomic_write_text
 from ..stats import alpha_mle
-from .metrics import bootstrap_ci, rouge_l
+from .metrics import bootstrap_ci, keeps_quality, mcnemar, rouge_l
 from .records import RUN_FILE, SAMPLES_FILE, read_records
 
 QUALITY = {"humaneval": "pass@1", "gsm8k": "accuracy", "mt_bench": "ROUGE-L vs target greedy (proxy)",
@@ -36,7 +36,7 @@ QUALITY = {"humaneval": "pass@1", "gsm8k": "accuracy", "mt_bench": "ROUGE-L vs t
 CSV_FIELDS = ["method", "dataset", "samples", "new_tokens", "seconds", "tokens_per_second", "speedup",
               "speedup_low", "speedup_high", "target_calls", "drafted_tokens", "llm_calls_ratio", "mean_accepted_length", "alpha",
               "acceptance_by_position", "quality_metric", "quality", "normalised_quality", "normalised_low",
-              "normalised_high", "target_nll", "identical_to_plain", "peak_rss_mb", "machine"]
+              "normalised_high", "keeps_97", "discordant", "mcnemar_p", "target_nll", "identical_to_plain", "peak_rss_mb", "machine"]
 MARKDOWN_FIELDS = CSV_FIELDS[:-1]  # the machine is in the markdown's heading
 
 
@@ -134,6 +134,10 @@ def summarise(records: list[dict], n_resamples: int = 2000, seed: int = 0) -> li
                 "quality": round(float(np.nanmean(q)), 4),
                 "normalised_quality": round(float(normalised(idx)), 4),
                 "normalised_low": round(float(n_lo), 4), "normalised_high": round(float(n_hi), 4),
+                # Does it keep 97 % of the target's quality (the paired interval above), and, for pass/fail tasks,
+                # McNemar's exact test over the problems one solves and the other does not (b lost / c gained).
+                "keeps_97": keeps_quality(n_lo, n_hi),
+                **_paired_test(dataset, q, p_q),
                 "target_nll": round(float(np.mean(nll)), 4) if nll else None,
                 "identical_to_plain": f"{same}/{len(keys)}",
                 "peak_rss_mb": max(r.get("peak_rss_mb", 0) for r in recs),
@@ -141,6 +145,14 @@ def summarise(records: list[dict], n_resamples: int = 2000, seed: int = 0) -> li
                 "machine": " | ".join(dict.fromkeys(r["machine"] for r in recs if r.get("machine"))),
             })
     return rows
+
+
+def _paired_test(dataset: str, q: np.ndarray, p_q: np.ndarray) -> dict:
+    """McNemar's fields for a pass/fail dataset (HumanEval, GSM8K); empty values otherwise."""
+    if dataset not in ("humaneval", "gsm8k"):
+        return {"discordant": None, "mcnemar_p": None}
+    b, c, p = mcnemar(q, p_q)
+    return {"discordant": f"{b} lost / {c} gained", "mcnemar_p": round(p, 4)}
 
 
 def _table(rows: list[dict], value) -> str:

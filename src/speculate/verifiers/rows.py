@@ -45,6 +45,12 @@ def residual_distribution(target_row: torch.Tensor, draft_row: torch.Tensor) -> 
     return residual / mass
 
 
+def argmax_rows(target_probs: torch.Tensor, sample_probs: torch.Tensor | None) -> torch.Tensor:
+    """Each row's argmax as greedy decoding takes it: of the warped rows where given (at temperature 0 the
+    one-hot of the logits' argmax), else of the raw ones."""
+    return (sample_probs if sample_probs is not None else target_probs).argmax(dim=-1)
+
+
 def nll(p: float) -> float:
     """-log(max(p, PROB_FLOOR)): finite, never NaN (NaN p is treated as 0)."""
     if not p > PROB_FLOOR:

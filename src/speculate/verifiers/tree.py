@@ -43,7 +43,7 @@ import torch
 
 from ..tree_shape import chain_as_tree, check_parents, children_of, depths, path_to, paths
 from .base import Verdict, sample_from, target_token, uniform
-from .rows import ema, nll, residual_distribution
+from .rows import argmax_rows, ema, nll, residual_distribution
 
 TreeVerdict = Verdict  # (one verdict type for chains and trees; the old name kept)
 
@@ -265,18 +265,20 @@ def tree_consultant(
     log-likelihood of the path, then first in node order). Lines 16-17: the target's token x' at the
     row after that path (argmax of ``target_probs`` if ``greedy``, else a draw from ``sample_probs``
     / ``target_probs``), and the carried state r = EMA_beta(r_path, -log p_target(x')), exactly as
-    ``ConsultantVerifier``. ``target_probs`` must be the raw (temperature 1) rows."""
+    ``ConsultantVerifier``. ``target_probs`` must be the raw (temperature 1) rows. With the verifier's ``argmax``
+    (our extension), a node whose token is the argmax of its parent's row passes whenever its parent does."""
     eps, beta = verifier.eps, verifier.beta
     token_list, parents, _ = _validate(tokens, parents, target_probs, who="tree_consultant")
     r0 = 0.0 if state is None else float(state)
     node_nll = [nll(p) for p in _target_at_nodes(target_probs, token_list, parents)]
+    top = argmax_rows(target_probs, sample_probs).tolist() if getattr(verifier, "argmax", False) else None
     r = [0.0] * len(parents)
     passing = [False] * len(parents)
     for i, parent in enumerate(parents):
         if parent >= 0 and not passing[parent]:
             continue
         r_i = ema(beta, r0 if parent < 0 else r[parent], node_nll[i])
-        if r_i <= eps:
+        if r_i <= eps or (top is not None and top[parent + 1] == token_list[i]):
             passing[i], r[i] = True, r_i
     node = _deepest(passing, parents, node_nll)
     token = target_token(target_probs, sample_probs, node + 1, verifier.greedy, generator)
