@@ -22,9 +22,10 @@ from ..spec import SpeculativeSpec
 from ..verifiers import VERIFIERS, verifier_for
 
 BASELINES = ("plain", "hf_generate", "hf_assisted", "hf_lookup", "llama_cpp")
-METHOD_KEYS = ("drafter", "verifier", "k", "temperature", "eps", "beta", "D")  # the rest: the drafter's options
+METHOD_KEYS = ("drafter", "verifier", "k", "temperature", "eps", "beta", "D", "argmax")  # the rest: the drafter's options
 FAMILY = {"greedy": "SD", "sample": "SD", "mentored": "MD", "consultant": "CD", "typical": "TA"}
-MATRIX_PARAMS = ("eps", "beta", "D")  # the verifier parameters a method records and the matrix expands
+# The verifier parameters a method records (the matrix expands eps, beta and D; argmax is set per method).
+MATRIX_PARAMS = ("eps", "beta", "D", "argmax")
 #: Which of them each verifier takes, from the verifiers' own declarations (the others are not expanded for it);
 #: a verifier's other parameters keep their defaults in a bench run.
 VERIFIER_PARAMS = {name: tuple(p.name for p in cls.params if p.user and p.name in MATRIX_PARAMS)
@@ -40,6 +41,7 @@ class Method:
     eps: float | str | None = None  # a number or "auto" (consultant)
     beta: float | None = None
     D: float | None = None
+    argmax: bool | None = None  # consultant's argmax clause (our extension); None: its default, the paper's rule
     temperature: float = 0.0
     options: tuple = ()  # the drafter's options (drafters.OPTIONS) as sorted (key, value) pairs, e.g. base_k=3
 
@@ -51,6 +53,8 @@ class Method:
         family = FAMILY.get(self.verifier or "", self.verifier or "?")
         parts = [f"{family}/{self.drafter}", f"k={self.k}"]
         parts += [_pair(key, getattr(self, key)) for key in ("eps", "beta", "D") if getattr(self, key) is not None]
+        if self.argmax:
+            parts.append("+argmax")
         if self.temperature:
             parts.append(f"T={self.temperature:g}")
         parts += [_pair(key, value) for key, value in self.options]

@@ -77,8 +77,12 @@ class Param:
 
     def check(self, who: str, value):
         """``value`` as this parameter's type, or ValueError ('auto' passes through where declared)."""
-        if self.kind is bool:
-            return bool(value)
+        if self.kind is bool:  # (text from a TOML table or a bench method string: true/false, not bool("false"))
+            if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
+                return value.strip().lower() in ("true", "1", "yes")
+            if isinstance(value, bool) or value in (0, 1):
+                return bool(value)
+            raise ValueError(f"{who}: {self.name} must be true or false ({self.meaning}), got {value!r}")
         if self.auto and is_auto(value):
             return AUTO
         number = None
