@@ -261,3 +261,6 @@ def test_keeps_quality_says_yes_no_or_cant_tell():
     assert keeps_quality(0.80, 0.95) == "no"
     assert keeps_quality(0.90, 1.00) == "can't tell"
     assert keeps_quality(math.nan, math.nan) == "can't tell"
+    # One problem lost of one solved: the bootstrap interval is [0, 0], McNemar's p is 1: no evidence of a loss.
+    assert keeps_quality(0.0, 0.0, p_value=1.0) == "can't tell"
+    assert keeps_quality(0.5, 0.8, p_value=0.01) == "no"

@@ -251,3 +251,16 @@ def test_tree_shape_lives_in_one_module():
     assert not hasattr(kv, "tree_depths_and_ancestors")
     with pytest.raises(ValueError, match="topological"):
         tree_shape.depths_and_ancestors([-1, 1])
+
+
+def test_a_bool_parameter_given_as_text_reads_true_or_false():
+    """A TOML table or a bench method string gives text: "false" is False (bool("false") would be True)."""
+    from speculate.bench.methods import parse_method
+    from speculate.verifiers import get_verifier
+
+    assert get_verifier("consultant", argmax="false").argmax is False
+    assert get_verifier("consultant", argmax="true").argmax is True
+    assert parse_method("drafter=lookup,verifier=consultant,k=6,argmax=false").argmax is False
+    assert parse_method("drafter=lookup,verifier=consultant,k=6,argmax=true").spec.verifier_params["argmax"] is True
+    with pytest.raises(ValueError, match="true or false"):
+        get_verifier("consultant", argmax="maybe")

@@ -132,10 +132,17 @@ def mcnemar(method: Sequence[float], reference: Sequence[float]) -> tuple[int, i
     return b, c, min(1.0, 2.0 * tail)
 
 
-def keeps_quality(low: float, high: float, threshold: float = 0.97) -> str:
+def keeps_quality(low: float, high: float, threshold: float = 0.97, p_value: float | None = None,
+                  alpha: float = 0.05) -> str:
     """Whether a method keeps ``threshold`` of the target's quality, from the paired interval of its normalised
     quality [low, high]: "yes" (low ≥ threshold), "no" (high < threshold) or "can't tell" (the interval spans it,
-    or there is none)."""
+    or there is none). For pass/fail tasks give McNemar's ``p_value`` too: a "no" then also needs p < ``alpha``,
+    because with few solved problems the bootstrap interval can collapse to a point (one problem solved by the
+    target and lost by the method gives [0, 0]) that one problem cannot support."""
     if math.isnan(low) or math.isnan(high):
         return "can't tell"
-    return "yes" if low >= threshold else "no" if high < threshold else "can't tell"
+    if low >= threshold:
+        return "yes"
+    if high < threshold and (p_value is None or p_value < alpha):
+        return "no"
+    return "can't tell"

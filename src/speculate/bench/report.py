@@ -136,8 +136,8 @@ def summarise(records: list[dict], n_resamples: int = 2000, seed: int = 0) -> li
                 "normalised_low": round(float(n_lo), 4), "normalised_high": round(float(n_hi), 4),
                 # Does it keep 97 % of the target's quality (the paired interval above), and, for pass/fail tasks,
                 # McNemar's exact test over the problems one solves and the other does not (b lost / c gained).
-                "keeps_97": keeps_quality(n_lo, n_hi),
-                **_paired_test(dataset, q, p_q),
+                **(paired := _paired_test(ds, q, p_q)),
+                "keeps_97": keeps_quality(n_lo, n_hi, p_value=paired["mcnemar_p"]),
                 "target_nll": round(float(np.mean(nll)), 4) if nll else None,
                 "identical_to_plain": f"{same}/{len(keys)}",
                 "peak_rss_mb": max(r.get("peak_rss_mb", 0) for r in recs),
@@ -147,9 +147,9 @@ def summarise(records: list[dict], n_resamples: int = 2000, seed: int = 0) -> li
     return rows
 
 
-def _paired_test(dataset: str, q: np.ndarray, p_q: np.ndarray) -> dict:
-    """McNemar's fields for a pass/fail dataset (HumanEval, GSM8K); empty values otherwise."""
-    if dataset not in ("humaneval", "gsm8k"):
+def _paired_test(datasets: list[str], q: np.ndarray, p_q: np.ndarray) -> dict:
+    """McNemar's fields where every dataset of the row is pass/fail (HumanEval, GSM8K); empty values otherwise."""
+    if not all(d in ("humaneval", "gsm8k") for d in datasets):
         return {"discordant": None, "mcnemar_p": None}
     b, c, p = mcnemar(q, p_q)
     return {"discordant": f"{b} lost / {c} gained", "mcnemar_p": round(p, 4)}
