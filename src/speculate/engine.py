@@ -236,23 +236,27 @@ class Run:
         """The rows of the next prefill chunk (0 once the prompt is in)."""
         return max(0, min(self.prompt_end, self.filled + self.prefill_chunk) - self.filled)
 
+    @property
+    def budget(self) -> int:
+        """The deepest draft the token budget can still take (the target adds one token)."""
+        return self.max_new_tokens - self.produced - 1
+
     def draft_length(self, k: int | None = None) -> int:
-        """This round's draft length: ``k`` (default: what the k policy asks for), never deeper than the budget can
-        still take (the target adds one token)."""
-        return min(self.policy.next_k() if k is None else k, self.max_new_tokens - self.produced - 1)
+        """This round's draft length: ``k`` (default: what the k policy asks for), within :attr:`budget`."""
+        return min(self.policy.next_k() if k is None else k, self.budget)
 
     def rows(self, draft: Draft | None = None) -> Rows:
         """1. This round's rows for the target: a prefill chunk (while :attr:`prefilling`), or [last committed
         token] + ``draft``, a proposal of the drafter."""
         if self.prefilling:
             self.draft = None
-            end = min(self.prompt_end, self.filled + self.prefill_chunk)
-            self.rows_last = end - self.filled
-            return Rows(self.kv, torch.tensor(self.tokens[self.filled: end]), want=0)
-        self.draft = draft.within(self.max_new_tokens - self.produced - 1)
-        self.rows_last = len(self.draft) + 1
-        root = torch.tensor(self.tokens[-1:])
-        return Rows(self.kv, torch.cat([root, self.draft.tokens]), _rooted(self.draft.parents))
+            rows = Rows(self.kv, torch.tensor(self.tokens[self.filled: self.filled + self.prefill_rows]), want=0)
+        else:
+            self.draft = draft.within(self.budget)
+            root = torch.tensor(self.tokens[-1:])
+            rows = Rows(self.kv, torch.cat([root, self.draft.tokens]), _rooted(self.draft.parents))
+        self.rows_last = rows.tokens.shape[0]  # (the scheduler's rows-per-forward metric)
+        return rows
 
     def take(self, logits: torch.Tensor | None) -> list[str]:
         """3-4. The target's rows for :meth:`rows`: verify, roll back, commit; returns the new text pieces."""
@@ -365,17 +369,17 @@ def _propose(runs: list[Run], ks: dict | None) -> dict[int, Draft]:
         groups.setdefault(many, []).append(run)
     for many, group in groups.items():
         lengths = [run.draft_length(None if ks is None else ks[id(run)]) for run in group]
+        if many is None:  # one by one: a drafter that raises ends its own run
+            for run, k in zip(group, lengths):
+                try:
+                    drafts[id(run)] = run.drafter.propose(run.tokens, k)
+                except Exception as e:  # noqa: BLE001
+                    run.fail(e)
+            continue
         try:
-            if many is None:
-                for run, k in zip(group, lengths):
-                    try:
-                        drafts[id(run)] = run.drafter.propose(run.tokens, k)
-                    except Exception as e:  # noqa: BLE001
-                        run.fail(e)
-            else:
-                drafts.update(zip(map(id, group), many([run.drafter for run in group], [run.tokens for run in group],
-                                                       lengths)))
-        except Exception as e:  # noqa: BLE001
+            drafts.update(zip(map(id, group), many([run.drafter for run in group], [run.tokens for run in group],
+                                                   lengths)))
+        except Exception as e:  # noqa: BLE001 — a batched proposal that raises ends its group's runs
             for run in group:
                 run.fail(e)
     return drafts

@@ -45,6 +45,11 @@ def _chat(client, url, model, prompt, speculative, max_tokens):
         time.sleep(float(r.headers.get("Retry-After", 1)))
 
 
+def _speculative(drafter: str, k) -> dict:
+    """A request's speculative settings: the drafter, and k for the speculative ones."""
+    return {"drafter": drafter} if drafter == "none" else {"drafter": drafter, "k": k}
+
+
 def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters: list[str] = ("none", "lookup"),
         dtype: str = "int8", prefix_cache: bool = True, k: str | int = "auto", prompts: str = "copy",
         draft_model: str | None = None) -> dict:
@@ -73,13 +78,13 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
             # measure once per machine), and a batched round.
             pool.max_batch = 2
             for drafter in drafters:
-                speculative = {"drafter": drafter} if drafter == "none" else {"drafter": drafter, "k": k}
+                speculative = _speculative(drafter, k)
                 with ThreadPoolExecutor(2) as threads:
                     list(threads.map(lambda p: _chat(http, server.url, model, p, speculative, 8), texts[:2]))
             cell = 0
             for n_clients in clients:
                 for drafter in drafters:
-                    speculative = {"drafter": drafter} if drafter == "none" else {"drafter": drafter, "k": k}
+                    speculative = _speculative(drafter, k)
                     jobs = [texts[i % len(texts)] for i in range(max(requests, n_clients))]
                     for mode in (MODES if cell % 2 == 0 else MODES[::-1]):
                         pool.max_batch = 1 if mode == "one" else n_clients

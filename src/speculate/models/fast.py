@@ -144,8 +144,9 @@ class FastKVModel:
         # int8 and q4: an attention whose rows do not depend on the other rows of a forward, so that a row's logits are
         # the same bits verified with others or decoded alone: the compiled kernel (models/kernel.py, exact
         # fp32 arithmetic in a fixed order), else integer sums in PyTorch ops (models/exact_attention.py).
-        # bf16 (and any model without a C compiler): PyTorch's fused attention. fp32 uses the kernel too where it builds (not for exactness: its matmuls are not row-independent), because
-        # it takes every generation of a batched forward in one call a layer where PyTorch's takes one each.
+        # bf16 (and any model without a C compiler): PyTorch's fused attention. fp32 uses the kernel too where it
+        # builds, not for exactness (its matmuls are not row-independent) but because it takes every generation of a
+        # batched forward in one call a layer, where PyTorch's takes one call each.
         self.invariant = any(is_quantized(m) for m in model.modules()) if exact is None else exact
         self.kernel = kernel.load() if self.invariant or (exact is None and self.dtype == torch.float32) else None
         self.attention = "kernel" if self.kernel else "integer" if self.invariant else "fused"
@@ -256,7 +257,7 @@ class FastKVModel:
         cos, sin = self.rotary(x, positions[None])
         if self.attention == "kernel":  # rotary, cache writes and attention of every segment: one call a layer
             cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [n, hd]
-            segs, masks = _kernel_segments(segments)
+            segs, masks = _kernel_segments(segments)  # (masks: kept alive for the calls that point into them)
         else:
             attends = [s.kv._attention(s.start, s.allowed) for s in segments]
             cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [n, 1, hd]: broadcast over heads
@@ -314,7 +315,7 @@ class FastKVModel:
         cos, sin = self.rotary(x, positions[None])
         cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [n, hd]
         taps = self.taps_of(segments)
-        segs, masks = _kernel_segments(segments)
+        segs, masks = _kernel_segments(segments)  # (masks: kept alive for the calls that point into them)
         if self.decoder is not None and not taps:
             x = x.float().contiguous()
             rc = self.decoder(ctypes.addressof(self._layer_structs()), len(self.blocks), x.data_ptr(), x.shape[0],

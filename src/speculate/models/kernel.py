@@ -71,14 +71,17 @@ def function(name: str):
     build: logged once; SPECULATE_NO_KERNEL set)."""
     if os.environ.get("SPECULATE_NO_KERNEL"):
         return None
+    if _loaded:  # built (or failed) already: no lock (the batched forward looks a function up every layer)
+        return _loaded.get(name)
     with _lock:
         if not _loaded:
             lib = library(SOURCES, extra=("-fopenmp",))
-            _loaded["lib"] = lib
+            found = {"lib": lib}
             for fname, (restype, argtypes) in SIGNATURES.items() if lib is not None else ():
                 fn = getattr(lib, fname)
                 fn.restype, fn.argtypes = restype, argtypes
-                _loaded[fname] = fn
+                found[fname] = fn
+            _loaded.update(found)  # all at once: a lock-free reader never sees half of them
         return _loaded.get(name)
 
 
