@@ -12,7 +12,7 @@ from speculate.bench.command import add_arguments, build_config
 from speculate.bench.methods import Method, engine_method, expand_matrix, parse_method
 from speculate.bench.report import summarise
 from speculate.bench.runner import BenchConfig, cut_at_stop, read_records, run_bench
-from speculate.calc.command import predictions
+from speculate.calc.results import predictions
 from speculate.cli import main
 from speculate.errors import SpeculateError
 
@@ -84,7 +84,8 @@ def test_run_writes_every_file_and_resumes(tmp_path, tiny_folders, monkeypatch):
     lost = json.loads(lines[-1])
     (out / "samples.jsonl").write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])
     run_bench(cfg, progress=False)
-    assert [c for c in calls if c == lost["method"]] and len(calls) == 2  # one warm-up + the lost sample
+    # a warm-up, the calibration generations (run.json's costs) and the lost sample
+    assert calls == [lost["method"]] * (2 + bench_runner.CALIBRATION_REPEATS)
     again = read_records(out / "samples.jsonl")
     assert len(again) == 4 and again[-1]["id"] == lost["id"] and again[-1]["method"] == lost["method"]
     assert again[-1]["turns"][0]["token_ids"] == lost["turns"][0]["token_ids"]
@@ -180,21 +181,69 @@ def test_summary_arithmetic_on_hand_made_records():
     assert allrow["speedup"] == pytest.approx((24 / 3.0) / (24 / 3.0))
 
 
-def test_predictions_use_the_profile_and_the_fitted_alpha():
-    from speculate.calc.profile import Profile
-    from speculate.calc.speedup import speedup
+def _timed_record(method, dataset, seconds, **stats):
+    return {"method": method, "dataset": dataset, "id": "s0", "turns": [{"seconds": seconds, "stats": stats}]}
 
-    prof = Profile({1: 0.1, 2: 0.11, 3: 0.12, 4: 0.2}, model="t", dtype="int8", draft_seconds=0.04)
-    run = {"profile": prof.to_dict(), "methods": {"CD": {"kind": "engine", "drafter": "model", "k": 3}}}
-    rows = [{"method": "CD", "dataset": "all", "alpha": 0.8, "mean_accepted_length": 2.9, "speedup": 1.5,
-             "target_calls": 10, "drafted_tokens": 30}]
-    (p,) = predictions(run, rows)
-    expected = speedup(0.8, 3, 0.4, prof.curve)
-    assert p["c"] == 0.4 and p["k"] == 3 and p["predicted"] == pytest.approx(expected, abs=1e-3)
-    assert p["error"] == pytest.approx(1.5 / expected - 1, abs=1e-3)
+
+def test_predictions_simple_and_costed_on_constructed_costs():
+    """The simple model, E(α, k) / (T(k+1)/T(1) + k·c), and the costed one, the run's seconds term by term
+    (calc/results.py), worked by hand on a constructed run."""
+    from speculate.calc.profile import Profile
+
+    prof = Profile({1: 0.1, 2: 0.11, 3: 0.12, 4: 0.2}, model="t", dtype="int8", context=100, draft_seconds=0.04,
+                   draft_prefill_seconds=0.5)
+    costs = {  # the calibration generations: t1 = 0.1 s, plain's engine 0.02 s a token
+        "plain": {"new_tokens": 10, "target_calls": 10, "drafted_tokens": 0, "target_seconds": 1.0, "draft_seconds": 0,
+                  "first_draft_seconds": 0, "prefill_seconds": 0.1, "wall_seconds": 1.3},
+        # 5 rounds: 12 tokens drafted after the first round in 0.96 s (c_eff = 0.08 / 0.1), the engine 0.01 s a round
+        "SD": {"new_tokens": 10, "target_calls": 5, "drafted_tokens": 15, "target_seconds": 0.6, "draft_seconds": 0.96,
+               "first_draft_seconds": 0.3, "prefill_seconds": 0.1, "wall_seconds": 0.1 + 0.6 + 0.96 + 0.3 + 0.05}}
+    run = {"profile": prof.to_dict(), "costs": costs,
+           "methods": {"plain": {"kind": "plain"}, "SD": {"kind": "engine", "drafter": "model", "k": 3}}}
+    records = []
+    for dataset in ("a", "b"):  # two identical datasets: "all" sums their seconds
+        records.append(_timed_record("plain", dataset, 5.0, new_tokens=40, target_calls=40, prefill_seconds=0.2,
+                               wall_seconds=5.0))
+        records.append(_timed_record("SD", dataset, 3.0, new_tokens=40, target_calls=11, drafted_tokens=33,
+                               accepted_draft_tokens=27, rejected_rounds=3, prefill_seconds=0.2, wall_seconds=3.0,
+                               prompt_tokens=60, reused_prompt_tokens=0))
+    rows = {p["dataset"]: p for p in predictions(run, records)}
+    assert set(rows) == {"a", "b", "all"}
+    a = rows["a"]
+    assert a["alpha"] == 0.9 and a["k"] == 3 and a["c"] == 0.4 and a["c_eff"] == pytest.approx(0.8)
+    expected_tokens = 1 + 0.9 + 0.81 + 0.729  # E(0.9, 3)
+    assert a["simple"] == pytest.approx(expected_tokens / (2.0 + 3 * 0.4), abs=1e-3)
+    # In units of the calibration's forward (0.1 s): plain's engine 0.2 a token, SD's verification 1.2 a round and
+    # engine 0.1 a round. So a forward here is u = 0.12 / 1.2 s, a round u·(1.2 + 3·0.8 + 0.1), half a round more for
+    # the generation's cut last round, and the draft model's prefill 60 × 0.005 s.
+    predicted_seconds = 0.2 + 0.3 + (40 / expected_tokens + 0.5) * 0.1 * (1.2 + 3 * 0.8 + 0.1)
+    assert a["costed"] == pytest.approx(5.0 / predicted_seconds, abs=1e-3)
+    assert a["measured"] == pytest.approx(5 / 3, abs=1e-3)
+    assert a["error"] == pytest.approx((5 / 3) / (5.0 / predicted_seconds) - 1, abs=2e-3)
+    assert rows["all"]["costed"] == pytest.approx(a["costed"], abs=1e-3)
+    assert rows["all"]["simple"] == pytest.approx(a["simple"], abs=1e-3)  # (α and k pooled over both)
+    # A run from before the costs were recorded: the simple model only.
+    assert all(p["costed"] is None and p["simple"] for p in predictions({**run, "costs": {}}, records))
     # model+lookup's rounds are of two kinds: no single-alpha prediction for it.
-    run["methods"]["CD"]["drafter"] = "model+lookup"
-    assert predictions(run, rows) == []
+    run["methods"]["SD"]["drafter"] = "model+lookup"
+    assert predictions(run, records) == []
+
+
+def test_run_records_each_methods_calibration_costs(tmp_path, tiny_folders):
+    """run.json's costs: every engine method's generation of the calibration prompt, its time split into the
+    target's forwards, the drafter's and the rest."""
+    sd = engine_method("lookup", "greedy", 3)
+    out = run_bench(_config(tmp_path, tiny_folders[0], [sd]), progress=False)
+    costs = json.loads((out / "run.json").read_text())["costs"]
+    assert set(costs) == {"plain", sd.name}
+    for stats in costs.values():
+        assert stats["generations"] == bench_runner.CALIBRATION_REPEATS
+        assert 0 < stats["new_tokens"] <= bench_runner.CALIBRATION_REPEATS * bench_runner.CALIBRATION_TOKENS
+        decode = stats["wall_seconds"] - stats["prefill_seconds"]
+        assert 0 < stats["target_seconds"] < decode
+        assert stats["target_seconds"] + stats["draft_seconds"] + stats["first_draft_seconds"] <= decode
+    plain = costs["plain"]  # one target forward per token, nothing drafted
+    assert plain["drafted_tokens"] == 0 and plain["target_calls"] == plain["new_tokens"]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -293,3 +342,20 @@ def test_hf_baselines_stop_on_text_incrementally(tiny):
         for n in range(step, len(new) + 1, step):
             verdicts[n] = bool(crit(torch.tensor([prompt + new[:n]]), None)[0])
         assert all(v == (n >= first) for n, v in verdicts.items()), (first, verdicts)
+
+
+def test_figure_4_joins_consultant_methods_that_differ_in_eps_only():
+    """The ε ablation's lines: one per (drafter, k, β, argmax clause, T), sorted by ε, with ``eps = auto`` placed
+    at the ε it calibrated to."""
+    from speculate.bench.report import _eps_lines
+
+    def spec(eps, argmax=False):
+        return {"verifier": "consultant", "drafter": "model", "k": 6, "beta": 0.2, "argmax": argmax,
+                "temperature": 0.0, "eps": eps}
+
+    specs = {"a": spec(4.0), "b": spec(0.5), "auto": spec("auto"), "arg": spec(2.0, True), "arg1": spec(1.0, True),
+             "sd": {"verifier": "greedy", "drafter": "model", "k": 6}}
+    rows = [{"method": m} for m in specs]
+    lines = sorted(([(eps, r["method"]) for eps, r in line] for line in _eps_lines(rows, specs, 1.92)), key=len)
+    assert lines == [[(1.0, "arg1"), (2.0, "arg")], [(0.5, "b"), (1.92, "auto"), (4.0, "a")]]
+    assert sorted(len(line) for line in _eps_lines(rows, specs, None)) == [2, 2]  # no calibrated ε: auto left out

@@ -196,6 +196,10 @@ def test_profile_on_a_tiny_model(tiny, tmp_path):
     again = load_profile(path)
     assert again.target_seconds == prof.target_seconds and again.c == pytest.approx(prof.c)
     assert again.curve == prof.curve and recommend_k(again, 0.8, 0.0) == recommend_k(prof, 0.8, 0.0)
+    # the draft model's prefill of the context (calc --from-results charges each prompt's at this rate)
+    assert 0 < prof.draft_prefill_seconds < math.inf and again.draft_prefill_seconds == prof.draft_prefill_seconds
+    older = {k: v for k, v in prof.to_dict().items() if k != "draft_prefill_seconds"}  # a profile from before it
+    assert Profile.from_dict(older).draft_prefill_seconds is None
     assert not [p for p in path.parent.iterdir() if p.name != "p.json"]  # no temporary left behind
 
 

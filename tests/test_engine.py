@@ -61,6 +61,29 @@ def test_greedy_oracle_drafts_equal_plain_decoding(tiny, seed, k):
                 assert out.stats.target_calls == math.ceil(n_new / (k + 1))
 
 
+def test_stats_split_the_decoding_time(tiny):
+    """Stats.target_seconds / draft_seconds / first_draft_seconds (the costed speedup model's terms,
+    calc/results.py): a drafter that sleeps 20 ms a proposal is charged at least that for every round, the first
+    round's apart, and the parts never exceed the decoding time."""
+    import time
+
+    class Slow(OracleDrafter):
+        def propose(self, tokens, k):
+            time.sleep(0.02)
+            return super().propose(tokens, k)
+
+    prompt = random_prompt(5, 7)
+    ref = plain(tiny[0], prompt, 24)
+    assert ref.stats.prompt_tokens == 7 and ref.stats.target_seconds > 0
+    out = SpeculativeDecoder(tiny[0], Slow(len(prompt), ref.token_ids, 0.3), "greedy", k=3).generate(
+        prompt, max_new_tokens=24)
+    s = out.stats
+    assert s.first_draft_seconds >= 0.02 and s.draft_seconds >= 0.02 * (s.target_calls - 1)
+    assert 0 < s.target_seconds and s.target_seconds + s.draft_seconds + s.first_draft_seconds <= \
+        s.wall_seconds - s.prefill_seconds
+    assert {"target_seconds", "draft_seconds", "first_draft_seconds", "prompt_tokens"} <= set(s.to_dict())
+
+
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_greedy_model_and_lookup_drafters_equal_plain_decoding(tiny, k):
     target = tiny[0]

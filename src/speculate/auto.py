@@ -85,9 +85,11 @@ def profile_for(target, draft=None, progress: bool = True, batch: bool = False) 
         path = path.with_name(path.stem + "-batch.json")
     if path.is_file():
         try:
-            return load_profile(path)
+            prof = load_profile(path)
+            if draft is None or prof.draft_prefill_seconds is not None:
+                return prof
         except SpeculateError:
-            pass  # unreadable: measure again and replace it
+            pass  # unreadable (or from before the draft's prefill was timed): measure again and replace it
     if progress:
         print(f"speculate: measuring the cost curve of {target.name} for --k auto (once; cached in {path})",
               file=sys.stderr, flush=True)

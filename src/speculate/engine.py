@@ -205,7 +205,7 @@ class Run:
         self.kv, self.drafter, self.policy = decoder.kv, decoder.drafter, decoder.k_policy
         self.sampling, self.verifier, self.generator = sampling, verifier, generator
         self.eos, self.max_new_tokens = decoder.eos, max_new_tokens
-        self.stats = Stats(exactness=exactness.mode(self.kv))
+        self.stats = Stats(exactness=exactness.mode(self.kv), prompt_tokens=len(prompt_ids))
         self.detok = Detokenizer(decoder.target.tokenizer, stops)
         self.finish = "length"  # "stop" (EOS or a stop string) or "length" (max_new_tokens)
         self.started = time.perf_counter()
@@ -332,8 +332,10 @@ def step(runs: list[Run], ks: list[int] | None = None) -> list[list[str]]:
     policy's). A run that raises is ended with the error (``Run.error``); the others go on."""
     # 1. Draft: each run's rows, a prefill chunk or [root] + its drafter's proposal. (A run already done is left as
     # it is.)
+    started = time.perf_counter()
     drafts = _propose([run for run in runs if not run.done and not run.prefilling],
                       ks and {id(r): k for r, k in zip(runs, ks)})
+    drafted = time.perf_counter()
     live, rows = [], []
     for run in runs:
         if run.done:
@@ -350,6 +352,12 @@ def step(runs: list[Run], ks: list[int] | None = None) -> list[list[str]]:
         for run in live:
             run.fail(e)
         return [[] for _ in runs]
+    # (The round's wall time, split for the speedup model: calc's --from-results. A batched round's times count whole
+    # for each of its runs: the time each waited.)
+    forwarded = time.perf_counter()
+    for run in live:
+        if run.draft is not None:
+            run.stats.timed_round(drafted - started, forwarded - drafted)
     # 3-4. Each verifies, rolls back and commits.
     pieces = {}
     for run, out in zip(live, logits):

@@ -26,6 +26,13 @@ class Stats:
     prefill_seconds: float = 0.0
     wall_seconds: float = 0.0  # prefill + decoding; loading excluded
     reused_prompt_tokens: int = 0  # prompt tokens whose KV the target's cache kept from the last generation
+    prompt_tokens: int = 0
+    # Where the decoding time went (after the prefill): the target's verification forwards, and the drafter's
+    # proposals, the first round's apart (a draft model prefills the prompt inside its first proposal). The rest of
+    # the wall time is the engine's own (verification, warping, rollback, commit, detokenising).
+    target_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    first_draft_seconds: float = 0.0
     # How the target's verified rows equal one-token decoding (models/exactness.py): "batched" (checked at load
     # on this machine), "row-by-row" (the check failed: rows verified one at a time) or "none" (not claimed).
     exactness: str = "none"
@@ -46,6 +53,14 @@ class Stats:
         for i in range(depth):
             self.drafted_by_position[i] += 1
             self.accepted_by_position[i] += i < n_accepted
+
+    def timed_round(self, draft_seconds: float, target_seconds: float) -> None:
+        """The seconds of one round's proposal and target forward (called before :meth:`record` counts the round)."""
+        if self.target_calls:
+            self.draft_seconds += draft_seconds
+        else:
+            self.first_draft_seconds += draft_seconds
+        self.target_seconds += target_seconds
 
     @property
     def mean_accepted_length(self) -> float:
@@ -85,6 +100,10 @@ class Stats:
             "accepted_by_position": list(self.accepted_by_position),
             "prefill_seconds": round(self.prefill_seconds, 4),
             "reused_prompt_tokens": self.reused_prompt_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "target_seconds": round(self.target_seconds, 4),
+            "draft_seconds": round(self.draft_seconds, 4),
+            "first_draft_seconds": round(self.first_draft_seconds, 4),
             "exactness": self.exactness,
             "wall_seconds": round(self.wall_seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),

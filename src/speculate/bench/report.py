@@ -235,11 +235,14 @@ def plot(rows: list[dict], run: dict, out: Path) -> list[Path]:
         for r in pts:  # which method each point is
             ax.annotate(r["method"], (r["normalised_quality"], r["speedup"]), fontsize=5, alpha=0.8,
                         xytext=(3, 2), textcoords="offset points")
-        cd = sorted((r for r in pts if specs.get(r["method"], {}).get("verifier") == "consultant"
-                     and isinstance(specs[r["method"]].get("eps"), (int, float))),
-                    key=lambda r: specs[r["method"]]["eps"])
-        if len(cd) > 1:
-            ax.plot([r["normalised_quality"] for r in cd], [r["speedup"] for r in cd], lw=0.8)
+        for cd in _eps_lines(pts, specs, run.get("eps_auto")):
+            if len(cd) > 1:
+                ax.plot([r["normalised_quality"] for _, r in cd], [r["speedup"] for _, r in cd], lw=0.8)
+            for eps, r in cd:  # --eps auto's choice, at its calibrated ε on the line
+                if specs[r["method"]].get("eps") == "auto":
+                    ax.scatter([r["normalised_quality"]], [r["speedup"]], marker="*", s=90, color="black", zorder=3)
+                    ax.annotate(f"ε auto = {eps:.2f}", (r["normalised_quality"], r["speedup"]), fontsize=6,
+                                xytext=(4, -9), textcoords="offset points")
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.set_xlabel("quality ÷ target greedy quality")
     ax.set_ylabel("speedup over plain decoding")
@@ -279,6 +282,19 @@ def plot(rows: list[dict], run: dict, out: Path) -> list[Path]:
         ax.legend(fontsize=6)
     save(fig, "acceptance_by_position.png")
     return made
+
+
+def _eps_lines(rows: list[dict], specs: dict, eps_auto: float | None) -> list[list[tuple[float, dict]]]:
+    """Figure 4's lines: the consultant methods that differ in ε only (same drafter, k, β, argmax clause,
+    temperature), each as (ε, row) sorted by ε; ``eps = auto`` at the ε it calibrated to (run.json)."""
+    lines = defaultdict(list)
+    for r in rows:
+        spec = specs.get(r["method"], {})
+        eps = eps_auto if spec.get("eps") == "auto" else spec.get("eps")
+        if spec.get("verifier") == "consultant" and isinstance(eps, (int, float)):
+            key = tuple(spec.get(k) for k in ("drafter", "k", "beta", "argmax", "temperature"))
+            lines[key].append((float(eps), r))
+    return [sorted(line, key=lambda p: p[0]) for line in lines.values()]
 
 
 def write_report(out: Path) -> list[dict]:

@@ -18,6 +18,7 @@ import json
 import resource
 import sys
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..auto import calibrate_eps, chinchilla_eps, profile_for, teacher_forced
+from ..calc.results import pool
 from ..engine import SpeculativeDecoder
 from ..spec import build_decoder
 from ..errors import SpeculateError
@@ -237,6 +239,11 @@ def _check_run_file(out: Path, cfg: BenchConfig) -> dict:
 
 # --- the run -----------------------------------------------------------------------------------------------
 
+CALIBRATION_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and a test."
+CALIBRATION_TOKENS = 128
+CALIBRATION_REPEATS = 2
+
+
 def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
     """Run (or resume) ``cfg``; returns the output folder, with samples.jsonl, run.json and the report."""
     from tqdm import tqdm
@@ -287,6 +294,18 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
     warm = encode_prompt(target.tokenizer, "Say hello.")
     for runner in runners.values():  # untimed: first-call allocations, lazy inits, profile loading
         runner(warm, 4, (), 0)
+    # Each engine method's own costs, from one generation of a fixed prompt (not a sample): its stats split the wall
+    # time into the target's forwards, the drafter's and the engine's own, for calc's --from-results.
+    # (Interleaved, twice over, and pooled: one slow moment of the machine does not set one method's costs.)
+    calibration = encode_prompt(target.tokenizer, CALIBRATION_PROMPT)
+    costs = defaultdict(list)
+    for _ in range(CALIBRATION_REPEATS):
+        for name, runner in runners.items():
+            stats = runner(calibration, CALIBRATION_TOKENS, (), 0).stats
+            if stats:
+                costs[name].append(stats)
+    run_info["costs"] = {**previous.get("costs", {}), **{name: pool(c) for name, c in costs.items()}}
+    atomic_write_text(out / RUN_FILE, json.dumps(run_info, indent=2) + "\n")
     bar = tqdm(total=len(samples) * len(methods), initial=len(samples) * len(methods) - len(todo),
                desc="bench", unit="gen", disable=not progress, file=sys.stderr)
     order = list(runners)

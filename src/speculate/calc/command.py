@@ -33,7 +33,7 @@ MODES = {
     "--p-target/--p-draft": ("p_target", "p_draft"),
     "--profile": ("profile", "model", "draft_model", "dtype", "context", "repeats", "max_n", "save"),
     "--eps-chinchilla": ("eps_chinchilla", "params", "tokens"),
-    "--from-results": ("from_results",),
+    "--from-results": ("from_results", "costs"),
     "--eps-auto": ("eps_auto", "model", "dtype", "calibration"),
 }
 _TRIGGERS = {"--alpha": ("alpha",), "--p-target/--p-draft": ("p_target", "p_draft"), "--profile": ("profile",),
@@ -71,6 +71,10 @@ def add_arguments(parser) -> None:
     r.add_argument("--from-results", metavar="DIR",
                    help="a `speculate bench` output folder: fit α per method from its rounds, take T(n)/T(1) and c "
                         "from the run's profile, and print predicted against measured speedup")
+    r.add_argument("--costs", choices=["calibration", "samples"],
+                   help="where the costed model's drafter and engine times come from: each method's calibration "
+                        "generation before the samples (default: a prediction), or the samples' own split (an "
+                        "account of where their time went)")
     e = parser.add_argument_group("Consultant Decoding's ε (paper eq. 9, Chinchilla; or calibrated)")
     e.add_argument("--eps-auto", action="store_true", default=None,
                    help="ε as --eps auto sets it: the target's (--model) mean NLL on a calibration text, with the "
@@ -261,48 +265,13 @@ def format_profile(prof) -> str:
     return "\n".join(out)
 
 
-# --- --from-results: the model against a bench run -------------------------------------------------------
-
-UNMODELLED = ("model+lookup",)  # drafters whose rounds mix two drafters: no prediction (predictions())
-
-
-def predictions(run: dict, rows: list[dict]) -> list[dict]:
-    """Per engine method and dataset of a bench run: α fitted from its rounds (the geometric MLE,
-    :attr:`Stats.alpha_estimate`), k (fixed, or the mean drafted per round for k = auto and for prompt
-    lookup, which drafts less than k when it finds no match), c from the run's profile (0 for lookup),
-    and the exact model's speedup E(α, k) / (T(k+1)/T(1) + k·c) beside the measured one. ``model+lookup``
-    is left out: its rounds are of two kinds (lookup's, free and of their own length, and the draft
-    model's), which one α and one c do not describe."""
-    from ..drafters import MODEL_DRAFTERS
-    from .profile import Profile
-
-    prof = Profile.from_dict(run["profile"])
-    curve, k_cover = prof.curve, max(prof.curve) - 1
-    specs = run.get("methods", {})
-    out = []
-    for r in rows:
-        spec = specs.get(r["method"], {})
-        if spec.get("kind") != "engine" or r["alpha"] is None or not r["mean_accepted_length"] or \
-                spec.get("drafter") in UNMODELLED:
-            continue
-        drafted_per_round = r["drafted_tokens"] / r["target_calls"] if r.get("target_calls") else None
-        drafts_with_model = spec.get("drafter") in MODEL_DRAFTERS
-        k = spec["k"] if isinstance(spec.get("k"), int) and drafts_with_model else \
-            max(1, round(drafted_per_round or 1))
-        k = min(k, k_cover)
-        c = (prof.c or 0.0) if drafts_with_model else 0.0
-        predicted = speedup(r["alpha"], k, c, curve)
-        out.append({"method": r["method"], "dataset": r["dataset"], "alpha": r["alpha"], "k": k, "c": round(c, 3),
-                    "predicted": round(predicted, 3), "measured": r["speedup"],
-                    "error": round(r["speedup"] / predicted - 1, 3)})
-    return out
-
+# --- --from-results: the model against a bench run (calc/results.py) ------------------------------------------
 
 def _from_results(args) -> int:
     from pathlib import Path
 
-    from ..bench.report import summarise
     from ..bench.records import RUN_FILE, SAMPLES_FILE, read_records, read_run_file
+    from .results import UNMODELLED, predictions
 
     folder = Path(args.from_results)
     if not (folder / RUN_FILE).is_file() or not (folder / SAMPLES_FILE).is_file():
@@ -311,14 +280,22 @@ def _from_results(args) -> int:
     run = read_run_file(folder)
     if run is None or not isinstance(run.get("profile"), dict) or not isinstance(run.get("methods"), dict):
         raise SpeculateError(f"--from-results: {folder / RUN_FILE} is unreadable or damaged")
-    preds = predictions(run, summarise(read_records(folder / SAMPLES_FILE, repair=False), n_resamples=200))
+    preds = predictions(run, read_records(folder / SAMPLES_FILE, repair=False), args.costs or "calibration")
     if not preds:
         raise SpeculateError(f"--from-results: {folder} has no speculative method with finished samples"
                              f" that the model describes (it leaves out {', '.join(UNMODELLED)})")
-    print(f"{'method':<40} {'dataset':<10} {'alpha':>6} {'k':>3} {'c':>6} {'predicted':>10} {'measured':>9} {'error':>7}")
+    cell = lambda v, fmt: "—" if v is None else format(v, fmt)  # noqa: E731
+    print(f"{'method':<46} {'dataset':<10} {'alpha':>6} {'k':>3} {'c':>6} {'c_eff':>6} {'simple':>8} "
+          f"{'costed':>8} {'measured':>9} {'error':>7} {'(simple)':>8}")
     for p in preds:
-        print(f"{p['method']:<40} {p['dataset']:<10} {p['alpha']:6.3f} {p['k']:3d} {p['c']:6.3f} "
-              f"{p['predicted']:9.2f}× {p['measured']:8.2f}× {p['error']:+7.1%}")
+        print(f"{p['method']:<46} {p['dataset']:<10} {cell(p['alpha'], '6.3f'):>6} {cell(p['k'], '3d'):>3} "
+              f"{p['c']:6.3f} {cell(p['c_eff'], '6.3f'):>6} {cell(p['simple'], '7.2f') + '×':>8} "
+              f"{cell(p['costed'], '7.2f') + '×':>8} {p['measured']:8.2f}× {cell(p['error'], '+7.1%'):>7} "
+              f"{cell(p['error_simple'], '+8.1%'):>8}")
+    print("simple: E(α, k) / (T(k+1)/T(1) + k·c); costed: the run's seconds predicted term by term from its "
+          "calibration costs (calc/results.py); error: measured ÷ predicted − 1")
+    if not run.get("costs") and args.costs != "samples":
+        print("this run has no calibration costs (recorded since issue 23): the costed model needs a rerun")
     left_out = sorted({name for name, spec in run.get("methods", {}).items() if spec.get("drafter") in UNMODELLED})
     if left_out:
         print(f"not predicted (rounds of two drafters, which one alpha and c do not describe): {', '.join(left_out)}")

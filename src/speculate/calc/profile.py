@@ -42,6 +42,9 @@ class Profile:
     repeats: int = 0
     draft_model: str | None = None
     draft_seconds: float | None = None
+    # One prefill of the context (``context`` tokens, from an empty cache) by the draft model: it prefills each
+    # prompt inside its first proposal, a cost plain decoding does not pay (calc's --from-results).
+    draft_prefill_seconds: float | None = None
     threads: int | None = None
     measured_at: str = ""
     extra: dict = field(default_factory=dict)
@@ -71,6 +74,7 @@ class Profile:
             "target_seconds": {str(n): t for n, t in sorted(self.target_seconds.items())},
             "curve": {str(n): r for n, r in self.curve.items()},
             "draft_model": self.draft_model, "draft_seconds": self.draft_seconds, "c": self.c,
+            "draft_prefill_seconds": self.draft_prefill_seconds,
             **({"extra": self.extra} if self.extra else {}),
         }
 
@@ -92,13 +96,14 @@ class Profile:
         n_max = max(seconds, default=0)
         if n_max < 2 or sorted(seconds) != list(range(1, n_max + 1)):
             raise SpeculateError(f"{source}: \"target_seconds\" must cover n = 1, 2, ... without gaps")
-        draft = d.get("draft_seconds")
-        values = list(seconds.values()) + ([draft] if draft is not None else [])
+        draft, draft_prefill = d.get("draft_seconds"), d.get("draft_prefill_seconds")
+        values = list(seconds.values()) + [v for v in (draft, draft_prefill) if v is not None]
         if not all(isinstance(v, (int, float)) and 0.0 < v < math.inf for v in values):
             raise SpeculateError(f"{source}: times must be finite and > 0")
         return cls(target_seconds=seconds, model=str(d.get("model", "")), dtype=str(d.get("dtype", "")),
                    context=int(d.get("context") or 0), repeats=int(d.get("repeats") or 0),
                    draft_model=d.get("draft_model"), draft_seconds=None if draft is None else float(draft),
+                   draft_prefill_seconds=None if draft_prefill is None else float(draft_prefill),
                    threads=d.get("threads"), measured_at=str(d.get("measured_at", "")),
                    extra=d.get("extra") or {})
 
@@ -185,8 +190,11 @@ def measure_profile(target, draft=None, context: int = 200, max_n: int = 16, rep
         d_kv.reset()
         d_kv.forward(d_ctx, last=1)
         runs.append(("draft", d_kv, new[:1].clamp(max=d_kv.vocab_size - 1), 1))
+        runs.append(("draft_prefill", d_kv, d_ctx, 1))
 
-    def call(kv, tokens, last) -> float:
+    def call(label, kv, tokens, last) -> float:
+        if label == "draft_prefill":  # from an empty cache, and the cache left as it was
+            kv.reset()
         start = time.perf_counter()
         kv.forward(tokens, last=last)
         elapsed = time.perf_counter() - start
@@ -200,11 +208,11 @@ def measure_profile(target, draft=None, context: int = 200, max_n: int = 16, rep
     gc.disable()
     try:
         for _ in range(warmup):
-            for _, kv, tokens, last in runs:
-                call(kv, tokens, last)
+            for run in runs:
+                call(*run)
         for _ in range(repeats):
-            for label, kv, tokens, last in order.sample(runs, len(runs)):
-                times[label].append(call(kv, tokens, last))
+            for run in order.sample(runs, len(runs)):
+                times[run[0]].append(call(*run))
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -214,6 +222,7 @@ def measure_profile(target, draft=None, context: int = 200, max_n: int = 16, rep
         model=target.name, dtype=_dtype_name(target), context=context, repeats=repeats,
         draft_model=None if draft is None else draft.name,
         draft_seconds=None if draft is None else medians["draft"],
+        draft_prefill_seconds=None if draft is None else medians["draft_prefill"],
         threads=torch.get_num_threads(),
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )

@@ -1,0 +1,172 @@
+"""The speedup model against a ``speculate bench`` run (``speculate calc --from-results``).
+
+Two predictions per speculative method and dataset, both from the acceptance the run measured (α̂, the
+geometric MLE, :func:`~speculate.stats.alpha_mle`) and costs measured apart from the samples:
+
+- **simple**: the lesson's exact model, E(α̂, k) / (T(k+1)/T(1) + k·c) (:func:`~speculate.calc.speedup.speedup`),
+  with the profile's T(n) and c. It leaves out what the run pays beside the forwards it counts.
+- **costed**: the wall time of the run predicted term by term (:func:`predict_seconds`):
+
+      plain:   T_plain  = P + N_p·t_p                        (measured: the baseline)
+      method:  T̂       = P + P_draft + (N / E(α̂, k)) · u·(T(k+1)/T(1) + k·c_eff + o_round)
+
+  P is the target's prefill (the same work for every method; plain's, measured); t_p plain decoding's seconds
+  per token on these samples; u = t_p / (1 + o_plain) one target forward at these samples' contexts; the rest
+  from the run's ``costs`` (each method's own generation of a fixed prompt before the samples, bench/runner.py),
+  each in units of one target forward of that same generation, and from the profile:
+
+  - c_eff: the drafter's seconds per drafted token, relative to one target forward, as the engine runs it: the
+    draft model's forward plus the catch-up rows it feeds (the correction or bonus token of the round before)
+    plus warping and sampling each drafted row (the profile's c counts a bare one-row forward);
+  - o_round and o_plain: the engine's own time per round and per plain token (verification, rollback, commit,
+    detokenising): the wall time minus the prefill, the target's forwards and the drafter's;
+  - P_draft: the draft model's prefill of every prompt (inside its first proposal), at the profile's rate
+    per token, over the prompt tokens the cache did not keep.
+
+The measured speedup is tokens/s over plain's tokens/s on the same samples, as the report's.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ..stats import alpha_mle
+from .profile import Profile
+from .speedup import expected_tokens, speedup
+
+UNMODELLED = ("model+lookup",)  # drafters whose rounds mix two drafters: no prediction (see predictions())
+
+
+def _turn_stats(record: dict):
+    return [t["stats"] for t in record["turns"] if t.get("stats")]
+
+
+def _total(records, key: str) -> float:
+    return sum(s.get(key, 0) for r in records for s in _turn_stats(r))
+
+
+def _k(spec: dict, drafted: float, rounds: float) -> int:
+    """The method's k: fixed (a model drafter's), else the mean drafted per round (k = auto, and prompt lookup,
+    which drafts less than k when it finds no match)."""
+    from ..drafters import MODEL_DRAFTERS
+
+    if isinstance(spec.get("k"), int) and spec.get("drafter") in MODEL_DRAFTERS:
+        return spec["k"]
+    return max(1, round(drafted / rounds)) if rounds else 1
+
+
+def method_costs(costs: dict, method: str) -> dict | None:
+    """From a run's ``costs`` (name → the stats of a calibration generation), each in units of plain decoding's
+    target forward there: plain's engine time per token (``o_plain``), and this method's verification forward per
+    round (``verify``: T(k+1)/T(1) as the engine runs it, on this machine as loaded as in the run), drafter time per
+    drafted token (``c_eff``) and engine time per round (``o_round``). None without both generations."""
+    plain, own = costs.get("plain"), costs.get(method)
+    if not plain or not own or not plain.get("target_calls") or not own.get("target_calls") or \
+            "target_seconds" not in plain or "target_seconds" not in own:
+        return None
+    decode = lambda s: s["wall_seconds"] - s["prefill_seconds"]  # noqa: E731
+    rounds, drafted = own["target_calls"], own["drafted_tokens"]
+    t1 = plain["target_seconds"] / plain["target_calls"]
+    # Each generation's first proposal holds the draft model's prefill of its prompt: left out of the per-token cost.
+    firsts = own.get("generations", 1)
+    later = drafted * (rounds - firsts) / rounds if rounds > firsts else 0
+    return {"o_plain": (decode(plain) - plain["target_seconds"]) / plain["new_tokens"] / t1,
+            "verify": own["target_seconds"] / rounds / t1,
+            "c_eff": own["draft_seconds"] / later / t1 if later else 0.0,
+            "o_round": (decode(own) - own["target_seconds"] - own["draft_seconds"] - own["first_draft_seconds"])
+            / rounds / t1}
+
+
+def predict_seconds(method_records: list[dict], plain_records: list[dict], alpha: float, k: int, cost: dict,
+                    profile: Profile, draft_model: bool) -> float:
+    """T̂ (module docstring): the predicted seconds of ``method_records``' generations, from plain's measured ones
+    on the same samples, the fitted α and k, the calibration ``cost`` (:func:`method_costs`) and the profile."""
+    new_plain = _total(plain_records, "new_tokens")
+    prefill = _total(plain_records, "prefill_seconds")
+    per_token = (_total(plain_records, "wall_seconds") - prefill) / new_plain
+    u = per_token / (1 + cost["o_plain"])
+    round_seconds = u * (cost["verify"] + k * cost["c_eff"] + cost["o_round"])
+    draft_prefill = 0.0
+    if draft_model and profile.draft_prefill_seconds:
+        fresh = sum(s.get("prompt_tokens", 0) - s.get("reused_prompt_tokens", 0)
+                    for r in method_records for s in _turn_stats(r))
+        draft_prefill = profile.draft_prefill_seconds / profile.context * fresh
+    # The last round of each generation is cut short by EOS, a stop string or the budget: half a round on average.
+    rounds = _total(method_records, "new_tokens") / expected_tokens(alpha, k) + len(method_records) / 2
+    return prefill + draft_prefill + rounds * round_seconds
+
+
+POOLED = ("new_tokens", "target_calls", "drafted_tokens", "target_seconds", "draft_seconds", "first_draft_seconds",
+          "prefill_seconds", "wall_seconds")
+
+
+def pool(stats: list[dict]) -> dict:
+    """Several generations' stats (Stats.to_dict()) summed into one, with their count as ``generations``: what
+    :func:`method_costs` reads."""
+    return {**{key: sum(s.get(key, 0) for s in stats) for key in POOLED}, "generations": len(stats)}
+
+
+def _pooled_stats(records: list[dict]) -> dict:
+    return pool([s for r in records for s in _turn_stats(r)])
+
+
+def predictions(run: dict, records: list[dict], costs_from: str = "calibration") -> list[dict]:
+    """Per engine method and dataset of a bench run (and ``all``: every dataset's seconds summed), the simple and
+    the costed model's speedup beside the measured one (the module docstring), on the samples both the method and
+    plain finished. ``model+lookup`` is left out: its rounds are of two kinds (lookup's, free and of their own
+    length, and the draft model's), which one α and one c do not describe. ``costed`` is None for a run without
+    calibration costs (before they were recorded). ``costs_from="samples"``: the drafter's and engine's times from
+    the samples' own split instead (per dataset), an account of where their time went rather than a prediction."""
+    from ..drafters import MODEL_DRAFTERS
+
+    prof = Profile.from_dict(run["profile"])
+    specs, costs = run.get("methods", {}), run.get("costs", {})
+    by = defaultdict(dict)  # (method, dataset) → id → record
+    for r in records:
+        if _turn_stats(r) or r["method"] == "plain":
+            by[r["method"], r["dataset"]][r["id"]] = r
+    datasets = list(dict.fromkeys(r["dataset"] for r in records))
+    out = []
+    for method, spec in specs.items():
+        if spec.get("kind") != "engine" or spec.get("drafter") in UNMODELLED:
+            continue
+        drafts_with_model = spec.get("drafter") in MODEL_DRAFTERS
+        cost = method_costs(costs, method)
+        rows = {}  # dataset → (tokens, seconds, plain's tokens, plain's seconds, predicted seconds, α, k)
+        for d in datasets:
+            ids = sorted(set(by.get((method, d), {})) & set(by.get(("plain", d), {})))
+            recs, plain = [by[method, d][i] for i in ids], [by["plain", d][i] for i in ids]
+            rounds, drafted = _total(recs, "target_calls"), _total(recs, "drafted_tokens")
+            alpha = alpha_mle(_total(recs, "accepted_draft_tokens"), _total(recs, "rejected_rounds"))
+            if alpha is None or not rounds:
+                continue
+            k = min(_k(spec, drafted, rounds), prof.max_n - 1)
+            if costs_from == "samples":
+                cost = method_costs({"plain": _pooled_stats(plain), method: _pooled_stats(recs)}, method)
+            predicted = None if cost is None else predict_seconds(recs, plain, alpha, k, cost, prof, drafts_with_model)
+            rows[d] = (_total(recs, "new_tokens"), _seconds(recs), _total(plain, "new_tokens"), _seconds(plain),
+                       predicted, alpha, k)
+        if len(rows) > 1:  # every dataset at its own contexts, α and k; the seconds summed
+            sums = [sum(v[i] for v in rows.values()) for i in range(4)]
+            predicted = None if cost is None else sum(v[4] for v in rows.values())
+            recs = [r for d in rows for r in by[method, d].values()]
+            alpha = alpha_mle(_total(recs, "accepted_draft_tokens"), _total(recs, "rejected_rounds"))
+            rows["all"] = (*sums, predicted, alpha, min(_k(spec, _total(recs, "drafted_tokens"),
+                                                           _total(recs, "target_calls")), prof.max_n - 1))
+        for d, (tokens, seconds, p_tokens, p_seconds, predicted, alpha, k) in rows.items():
+            measured = (tokens / seconds) / (p_tokens / p_seconds)
+            costed = None if predicted is None else (tokens / predicted) / (p_tokens / p_seconds)
+            simple = None if alpha is None else speedup(alpha, k, (prof.c or 0.0) if drafts_with_model else 0.0,
+                                                        prof.curve)
+            out.append({"method": method, "dataset": d, "alpha": None if alpha is None else round(alpha, 4), "k": k,
+                        "c": round(prof.c or 0.0, 3) if drafts_with_model else 0.0,
+                        "c_eff": None if cost is None else round(cost["c_eff"], 3),
+                        "simple": None if simple is None else round(simple, 3),
+                        "costed": None if costed is None else round(costed, 3), "measured": round(measured, 3),
+                        "error_simple": None if simple is None else round(measured / simple - 1, 3),
+                        "error": None if costed is None else round(measured / costed - 1, 3)})
+    return out
+
+
+def _seconds(records) -> float:
+    return sum(t["seconds"] for r in records for t in r["turns"])
