@@ -8,12 +8,16 @@ geometric MLE, :func:`~speculate.stats.alpha_mle`) and costs measured apart from
 - **costed**: the wall time of the run predicted term by term (:func:`predict_seconds`):
 
       plain:   T_plain  = P + N_p·t_p                        (measured: the baseline)
-      method:  T̂       = P + P_draft + (N / E(α̂, k)) · u·(T(k+1)/T(1) + k·c_eff + o_round)
+      method:  T̂       = P + P_draft + (N / E(α̂, k) + G/2) · u·(v + k·c_eff + o_round)
 
   P is the target's prefill (the same work for every method; plain's, measured); t_p plain decoding's seconds
-  per token on these samples; u = t_p / (1 + o_plain) one target forward at these samples' contexts; the rest
-  from the run's ``costs`` (each method's own generation of a fixed prompt before the samples, bench/runner.py),
-  each in units of one target forward of that same generation, and from the profile:
+  per token on these samples; u = t_p / (1 + o_plain) one target forward at these samples' contexts; G the
+  generations (each one's last round is cut short: half a round on average); the rest from the run's ``costs``
+  (each method's generations of a fixed prompt before the samples, bench/runner.py), in units of plain
+  decoding's target forward there, and from the profile:
+
+  - v: the method's verification forward, T(k+1)/T(1) as the engine runs it on the machine as loaded as in the
+    run (the profile's curve is measured apart, at a context of 200);
 
   - c_eff: the drafter's seconds per drafted token, relative to one target forward, as the engine runs it: the
     draft model's forward plus the catch-up rows it feeds (the correction or bonus token of the round before)
@@ -92,7 +96,8 @@ def predict_seconds(method_records: list[dict], plain_records: list[dict], alpha
                     for r in method_records for s in _turn_stats(r))
         draft_prefill = profile.draft_prefill_seconds / profile.context * fresh
     # The last round of each generation is cut short by EOS, a stop string or the budget: half a round on average.
-    rounds = _total(method_records, "new_tokens") / expected_tokens(alpha, k) + len(method_records) / 2
+    generations = sum(len(_turn_stats(r)) for r in method_records)
+    rounds = _total(method_records, "new_tokens") / expected_tokens(alpha, k) + generations / 2
     return prefill + draft_prefill + rounds * round_seconds
 
 
