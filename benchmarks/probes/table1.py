@@ -3,15 +3,21 @@
     python benchmarks/probes/table1.py RUN_DIR [RUN_DIR ...] [--reference "SD/model k=6"] [--n-resamples 2000]
 
 The folders' records are pooled (e.g. GSM8K 0-99 and 100-199, run on two cores as two folders; a sample in two
-folders is an error), then summarised as the bench report does (speedup over plain on the same samples, paired
-bootstrap intervals over samples, McNemar's exact test for pass/fail tasks, the 97 % verdict). Per dataset and
-method: normalised quality [interval], McNemar's discordant problems and p, "keeps 97 %", speedup [interval],
-speedup ÷ the reference's (default: the lossless method with the same drafter and k), the LLM-calls ratio and
-÷ the reference's, τ, and how many samples every method finished. Prints markdown.
+folders is an error), then summarised as the bench report does (paired bootstrap intervals over samples, McNemar's
+exact test for pass/fail tasks, the 97 % verdict). Two markdown tables:
+
+- quality and calls, over every pooled sample: per dataset and method, normalised quality [interval], McNemar's
+  discordant problems and p, "keeps 97 %", the LLM-calls ratio and ÷ the reference's (default: the lossless method
+  with the same drafter and k), τ. None of these depends on the machine's speed (the int8 tokens are the same on
+  the CPUs these runs used: docs/benchmarks.md);
+- speed, per machine (each record names the CPU it ran on, and a run resumed on another CPU would otherwise mix two
+  machines' seconds in one ratio): speedup over plain on the same samples [interval] and ÷ the reference's.
 """
 
 import argparse
+import re
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 from speculate.bench.records import read_records
@@ -30,27 +36,49 @@ def pooled(folders: list[Path]) -> list[dict]:
     return records
 
 
+def by_machine(records: list[dict]) -> dict[str, list[dict]]:
+    """The records grouped by the CPU they ran on: the machine line's CPU, ISA and BLAS (its core and thread counts
+    are the run's settings, the same for every folder of one table)."""
+    groups = defaultdict(list)
+    for r in records:
+        groups[re.sub(r", \d+ cores.*", "", r.get("machine", "unknown machine"))].append(r)
+    return dict(groups)
+
+
+def over(row: dict, ref: dict | None, key: str) -> str:
+    """``row[key] ÷ ref[key]`` to three places, or a dash where either is missing."""
+    return f"{row[key] / ref[key]:.3f}" if ref and ref.get(key) and row.get(key) else "—"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--reference", default="SD/model k=6", help="the method the ÷ columns divide by")
     ap.add_argument("--n-resamples", type=int, default=2000)
     args = ap.parse_args()
-    rows = summarise(pooled(args.runs), n_resamples=args.n_resamples)
+    records = pooled(args.runs)
+    rows = summarise(records, n_resamples=args.n_resamples)
     ref = {r["dataset"]: r for r in rows if r["method"] == args.reference}
     print("| dataset | method | samples | quality (normalised) [95 % paired interval] | lost / gained, McNemar p | "
-          "keeps 97 % | speedup [95 %] | ÷ SD | LLM-calls ratio | ÷ SD | τ |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "keeps 97 % | LLM-calls ratio | ÷ SD | τ |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        sd = ref.get(r["dataset"])
-        over = lambda key: f"{r[key] / sd[key]:.3f}" if sd and sd.get(key) and r.get(key) else "—"  # noqa: E731
         mc = f"{r['discordant']}, p = {r['mcnemar_p']:.3g}" if r.get("mcnemar_p") is not None else "—"
         calls = f"{r['llm_calls_ratio']:.3f}" if r.get("llm_calls_ratio") is not None else "—"
         tau = f"{r['mean_accepted_length']:.2f}" if r.get("mean_accepted_length") is not None else "—"
         print(f"| {r['dataset']} | {r['method']} | {r['samples']} | {r['quality']:.3f} ({r['normalised_quality']:.3f}) "
               f"[{r['normalised_low']:.3f}, {r['normalised_high']:.3f}] | {mc} | {r['keeps_97']} | "
-              f"{r['speedup']:.2f}× [{r['speedup_low']:.2f}, {r['speedup_high']:.2f}] | {over('speedup')} | "
-              f"{calls} | {over('llm_calls_ratio')} | {tau} |")
+              f"{calls} | {over(r, ref.get(r['dataset']), 'llm_calls_ratio')} | {tau} |")
+    print("\n| machine | dataset | method | samples | speedup [95 %] | ÷ SD |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for machine, group in by_machine(records).items():
+        rows = summarise(group, n_resamples=args.n_resamples)
+        ref = {r["dataset"]: r for r in rows if r["method"] == args.reference}
+        for r in rows:
+            if r["dataset"] == "all" and len({x["dataset"] for x in rows}) == 2:  # ("all" repeats one dataset)
+                continue
+            print(f"| {machine} | {r['dataset']} | {r['method']} | {r['samples']} | {r['speedup']:.2f}× "
+                  f"[{r['speedup_low']:.2f}, {r['speedup_high']:.2f}] | {over(r, ref.get(r['dataset']), 'speedup')} |")
 
 
 if __name__ == "__main__":
