@@ -229,6 +229,16 @@ def test_predictions_simple_and_costed_on_constructed_costs():
     assert predictions(run, records) == []
 
 
+def test_calibration_is_repeated_through_the_run_and_pooled(tmp_path, tiny_folders, monkeypatch):
+    """Every CALIBRATION_EVERY samples the calibration runs again, and run.json's costs pool all of this start's."""
+    monkeypatch.setattr(bench_runner, "CALIBRATION_EVERY", 1)
+    sd = engine_method("lookup", "greedy", 3)
+    out = run_bench(_config(tmp_path, tiny_folders[0], [sd]), progress=False)  # two samples: calibrated twice
+    costs = json.loads((out / "run.json").read_text())["costs"]
+    assert {name: c["generations"] for name, c in costs.items()} == \
+        {"plain": 2 * bench_runner.CALIBRATION_REPEATS, sd.name: 2 * bench_runner.CALIBRATION_REPEATS}
+
+
 def test_run_records_each_methods_calibration_costs(tmp_path, tiny_folders):
     """run.json's costs: every engine method's generation of the calibration prompt, its time split into the
     target's forwards, the drafter's and the rest."""

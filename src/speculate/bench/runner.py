@@ -242,6 +242,10 @@ def _check_run_file(out: Path, cfg: BenchConfig) -> dict:
 CALIBRATION_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and a test."
 CALIBRATION_TOKENS = 128
 CALIBRATION_REPEATS = 2
+# The calibration is repeated after every this many samples and pooled: costs measured only at the start were
+# measured under the start's load (another bench loading its models beside it), not the samples' (an AMD run's
+# 7-row forward took 0.12 s there and 0.15 s in its samples: docs/benchmarks.md, "The speedup model, costed").
+CALIBRATION_EVERY = 25
 
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
@@ -298,18 +302,24 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
     # time into the target's forwards, the drafter's and the engine's own, for calc's --from-results.
     # (Interleaved, twice over, and pooled: one slow moment of the machine does not set one method's costs.)
     calibration = encode_prompt(target.tokenizer, CALIBRATION_PROMPT)
-    costs = defaultdict(list)
-    for _ in range(CALIBRATION_REPEATS):
-        for name, runner in runners.items():
-            stats = runner(calibration, CALIBRATION_TOKENS, (), 0).stats
-            if stats:
-                costs[name].append(stats)
-    run_info["costs"] = {**previous.get("costs", {}), **{name: pool(c) for name, c in costs.items()}}
-    atomic_write_text(out / RUN_FILE, json.dumps(run_info, indent=2) + "\n")
+    costs = defaultdict(list)  # this start's calibration generations (a resumed run may be on another machine)
+
+    def calibrate():
+        for _ in range(CALIBRATION_REPEATS):
+            for name, runner in runners.items():
+                stats = runner(calibration, CALIBRATION_TOKENS, (), 0).stats
+                if stats:
+                    costs[name].append(stats)
+        run_info["costs"] = {**previous.get("costs", {}), **{name: pool(c) for name, c in costs.items()}}
+        atomic_write_text(out / RUN_FILE, json.dumps(run_info, indent=2) + "\n")
+
+    calibrate()
     bar = tqdm(total=len(samples) * len(methods), initial=len(samples) * len(methods) - len(todo),
                desc="bench", unit="gen", disable=not progress, file=sys.stderr)
     order = list(runners)
     for i, sample in enumerate(samples):
+        if i and i % CALIBRATION_EVERY == 0 and any((n, sample.dataset, sample.id) not in done for n in order):
+            calibrate()
         rot = i % len(order)
         for name in order[rot:] + order[:rot]:
             if (name, sample.dataset, sample.id) in done:

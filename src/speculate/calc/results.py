@@ -13,7 +13,8 @@ geometric MLE, :func:`~speculate.stats.alpha_mle`) and costs measured apart from
   P is the target's prefill (the same work for every method; plain's, measured); t_p plain decoding's seconds
   per token on these samples; u = t_p / (1 + o_plain) one target forward at these samples' contexts; G the
   generations (each one's last round is cut short: half a round on average); the rest from the run's ``costs``
-  (each method's generations of a fixed prompt before the samples, bench/runner.py), in units of plain
+  (each method's generations of a fixed prompt before the samples and after every
+  ``CALIBRATION_EVERY`` of them, pooled: bench/runner.py), in units of plain
   decoding's target forward there, and from the profile:
 
   - v: the method's verification forward, T(k+1)/T(1) as the engine runs it on the machine as loaded as in the
