@@ -50,6 +50,12 @@ def over(row: dict, ref: dict | None, key: str) -> str:
     return f"{row[key] / ref[key]:.3f}" if ref and ref.get(key) and row.get(key) else "—"
 
 
+def shown(rows: list[dict]) -> list[dict]:
+    """summarise's rows without its ``all`` rows where there is one dataset (they would repeat it)."""
+    one = len({r["dataset"] for r in rows if r["dataset"] != "all"}) == 1
+    return [r for r in rows if not (one and r["dataset"] == "all")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("runs", nargs="+", type=Path)
@@ -62,7 +68,7 @@ def main() -> None:
     print("| dataset | method | samples | quality (normalised) [95 % paired interval] | lost / gained, McNemar p | "
           "keeps 97 % | LLM-calls ratio | ÷ SD | τ |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
+    for r in shown(rows):
         mc = f"{r['discordant']}, p = {r['mcnemar_p']:.3g}" if r.get("mcnemar_p") is not None else "—"
         calls = f"{r['llm_calls_ratio']:.3f}" if r.get("llm_calls_ratio") is not None else "—"
         tau = f"{r['mean_accepted_length']:.2f}" if r.get("mean_accepted_length") is not None else "—"
@@ -74,9 +80,7 @@ def main() -> None:
     for machine, group in by_machine(records).items():
         rows = summarise(group, n_resamples=args.n_resamples)
         ref = {r["dataset"]: r for r in rows if r["method"] == args.reference}
-        for r in rows:
-            if r["dataset"] == "all" and len({x["dataset"] for x in rows}) == 2:  # ("all" repeats one dataset)
-                continue
+        for r in shown(rows):
             print(f"| {machine} | {r['dataset']} | {r['method']} | {r['samples']} | {r['speedup']:.2f}× "
                   f"[{r['speedup_low']:.2f}, {r['speedup_high']:.2f}] | {over(r, ref.get(r['dataset']), 'speedup')} |")
 
