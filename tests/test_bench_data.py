@@ -113,6 +113,10 @@ def test_gsm8k_prompt(shots):
     assert samples[0].reference == {"answer": "18"} and samples[0].stop == ("\nQuestion:",)
     if shots:
         assert "Natalia sold 48/2 = 24 clips in May." in text  # train problem 0, annotation removed
+    # What the bench's calibration puts before its request: the instruction and the examples, every sample's start.
+    shared = samples[0].shared
+    assert all(s.turns[0].startswith(shared + "\n\nQuestion: ") for s in samples)
+    assert shared.count("Question:") == shots and "Janet" not in shared
 
 
 # -------------------------------------------------------------------------------------- load_dataset

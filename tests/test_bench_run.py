@@ -51,8 +51,8 @@ def test_cut_at_stop():
 
 
 def _config(tmp_path, folder, methods, **kw):
-    return BenchConfig(model=str(folder), out=tmp_path / "run", methods=methods, datasets=["copy"],
-                       **{"limit": 2, "max_new_tokens": 10, **kw})
+    return BenchConfig(model=str(folder), out=tmp_path / "run", methods=methods,
+                       **{"datasets": ["copy"], "limit": 2, "max_new_tokens": 10, **kw})
 
 
 def test_run_writes_every_file_and_resumes(tmp_path, tiny_folders, monkeypatch):
@@ -222,6 +222,18 @@ def test_predictions_simple_and_costed_on_constructed_costs():
     assert a["error"] == pytest.approx((5 / 3) / (5.0 / predicted_seconds) - 1, abs=2e-3)
     assert rows["all"]["costed"] == pytest.approx(a["costed"], abs=1e-3)
     assert rows["all"]["simple"] == pytest.approx(a["simple"], abs=1e-3)  # (α and k pooled over both)
+    # Each dataset priced by its own calibration (dataset_costs), before the run's one for all (costs): b's
+    # verification forward twice as dear (its longer context) makes its round u·(2.4 + 3·0.8 + 0.1).
+    dear = {**costs, "SD": {**costs["SD"], "target_seconds": 1.2, "wall_seconds": costs["SD"]["wall_seconds"] + 0.6}}
+    per = {p["dataset"]: p for p in predictions({**run, "costs": {}, "dataset_costs": {"a": costs, "b": dear}},
+                                                 records)}
+    assert per["a"]["costed"] == pytest.approx(a["costed"], abs=1e-3)
+    assert per["b"]["costed"] == pytest.approx(
+        5.0 / (0.2 + 0.3 + (40 / expected_tokens + 0.5) * 0.1 * (2.4 + 3 * 0.8 + 0.1)), abs=1e-3)
+    only_a = {p["dataset"]: p for p in predictions({**run, "dataset_costs": {"a": dear}}, records)}
+    assert only_a["a"]["costed"] == per["b"]["costed"] and only_a["b"]["costed"] == a["costed"]  # b: the run's
+    no_b = {p["dataset"]: p for p in predictions({**run, "costs": {}, "dataset_costs": {"a": costs}}, records)}
+    assert no_b["b"]["costed"] is None and no_b["all"]["costed"] is None  # no sum over a dataset it cannot price
     # A run from before the costs were recorded: the simple model only.
     assert all(p["costed"] is None and p["simple"] for p in predictions({**run, "costs": {}}, records))
     # model+lookup's rounds are of two kinds: no single-alpha prediction for it.
@@ -229,14 +241,64 @@ def test_predictions_simple_and_costed_on_constructed_costs():
     assert predictions(run, records) == []
 
 
+def test_methods_running_the_same_forwards_share_their_costs():
+    """verify and c_eff pool every calibration of the same drafter and k (their forwards are the same work); the
+    engine's time per round stays each method's own; k = auto and other k are not pooled."""
+    from speculate.calc.results import method_costs
+
+    def stats(target_seconds, wall_extra):
+        return {"new_tokens": 10, "target_calls": 5, "drafted_tokens": 15, "target_seconds": target_seconds,
+                "draft_seconds": 0.96, "first_draft_seconds": 0.3, "prefill_seconds": 0.1,
+                "wall_seconds": 0.1 + target_seconds + 0.96 + 0.3 + wall_extra, "generations": 1}
+
+    costs = {"plain": {"new_tokens": 10, "target_calls": 10, "drafted_tokens": 0, "target_seconds": 1.0,
+                       "draft_seconds": 0, "first_draft_seconds": 0, "prefill_seconds": 0.1, "wall_seconds": 1.3},
+             "A": stats(0.5, 0.05), "B": stats(0.7, 0.25), "C": stats(0.9, 0.05), "D": stats(1.1, 0.05)}
+    engine = lambda k: {"kind": "engine", "drafter": "model", "k": k, "options": []}  # noqa: E731
+    specs = {"plain": {"kind": "plain"}, "A": engine(3), "B": engine(3), "C": engine(4), "D": engine("auto")}
+    alone, shared = method_costs(costs, "A"), method_costs(costs, "A", specs)
+    assert alone["verify"] == pytest.approx(0.5 / 5 / 0.1) and shared["verify"] == pytest.approx(1.2 / 10 / 0.1)
+    assert shared["c_eff"] == pytest.approx(alone["c_eff"]) == pytest.approx(0.96 / 12 / 0.1)
+    assert shared["o_round"] == pytest.approx(alone["o_round"]) == pytest.approx(0.05 / 5 / 0.1)
+    assert method_costs(costs, "B", specs)["o_round"] == pytest.approx(0.25 / 5 / 0.1)  # its own
+    for alone_name in ("C", "D"):
+        assert method_costs(costs, alone_name, specs) == method_costs(costs, alone_name)
+
+
 def test_calibration_is_repeated_through_the_run_and_pooled(tmp_path, tiny_folders, monkeypatch):
     """Every CALIBRATION_EVERY samples the calibration runs again, and run.json's costs pool all of this start's."""
     monkeypatch.setattr(bench_runner, "CALIBRATION_EVERY", 1)
     sd = engine_method("lookup", "greedy", 3)
     out = run_bench(_config(tmp_path, tiny_folders[0], [sd]), progress=False)  # two samples: calibrated twice
-    costs = json.loads((out / "run.json").read_text())["costs"]
-    assert {name: c["generations"] for name, c in costs.items()} == \
+    costs = json.loads((out / "run.json").read_text())["dataset_costs"]
+    assert {name: c["generations"] for name, c in costs["copy"].items()} == \
         {"plain": 2 * bench_runner.CALIBRATION_REPEATS, sd.name: 2 * bench_runner.CALIBRATION_REPEATS}
+
+
+def test_each_dataset_is_calibrated_after_its_shared_context(tmp_path, tiny_folders, monkeypatch):
+    """GSM8K's calibration runs after its few-shot examples (the context its samples run at), another dataset's on
+    the bare request; each dataset's costs are its own."""
+    prompts = []
+    real_call = bench_runner.Runner.__call__
+
+    def recording(self, ids, max_new_tokens, *a, **k):
+        if max_new_tokens == bench_runner.CALIBRATION_TOKENS:
+            prompts.append(self.target.tokenizer.decode(ids))
+        return real_call(self, ids, max_new_tokens, *a, **k)
+
+    monkeypatch.setattr(bench_runner.Runner, "__call__", recording)
+    sd = engine_method("lookup", "greedy", 3)
+    cfg = _config(tmp_path, tiny_folders[0], [sd], datasets=["copy", "gsm8k"], limit=1, shots=2)
+    run = json.loads((run_bench(cfg, progress=False) / "run.json").read_text())
+    assert set(run["dataset_costs"]) == {"copy", "gsm8k"} and "costs" not in run
+    shared = bench_runner.load_dataset("gsm8k", 1, shots=2)[0].shared
+    per_dataset = 2 * bench_runner.CALIBRATION_REPEATS  # plain and SD, twice each
+    assert len(prompts) == 2 * per_dataset
+    assert all(bench_runner.CALIBRATION_PROMPT in p and shared not in p for p in prompts[:per_dataset])
+    assert all(shared + "\n\n" + bench_runner.CALIBRATION_PROMPT in p for p in prompts[per_dataset:])
+    run_bench(cfg, progress=False)  # resumed with nothing left to do: no calibration, the costs kept
+    assert len(prompts) == 2 * per_dataset
+    assert json.loads((cfg.out / "run.json").read_text())["dataset_costs"] == run["dataset_costs"]
 
 
 def test_run_records_each_methods_calibration_costs(tmp_path, tiny_folders):
@@ -244,7 +306,7 @@ def test_run_records_each_methods_calibration_costs(tmp_path, tiny_folders):
     target's forwards, the drafter's and the rest."""
     sd = engine_method("lookup", "greedy", 3)
     out = run_bench(_config(tmp_path, tiny_folders[0], [sd]), progress=False)
-    costs = json.loads((out / "run.json").read_text())["costs"]
+    costs = json.loads((out / "run.json").read_text())["dataset_costs"]["copy"]
     assert set(costs) == {"plain", sd.name}
     for stats in costs.values():
         assert stats["generations"] == bench_runner.CALIBRATION_REPEATS

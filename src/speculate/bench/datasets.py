@@ -40,6 +40,9 @@ class Sample:
     system: str | None = None
     reference: dict = field(default_factory=dict, hash=False)  # metric input (answer, tests, category...)
     stop: tuple[str, ...] = ()  # stop strings for generation
+    # The start of the first turn that all of the dataset's samples share (the few-shot examples): the bench's
+    # calibration measures its costs after it, at the contexts the samples run at (bench/runner.py).
+    shared: str = ""
 
 
 # ----------------------------------------------------------------------------------------------- paths
@@ -176,11 +179,14 @@ def _worked_example(row: dict) -> str:
     return f"Question: {row['question']}\nAnswer: {reasoning}\nThe answer is {answer.strip()}."
 
 
+def gsm8k_shared(examples: list[dict]) -> str:
+    """What every GSM8K prompt starts with: the instruction and the worked examples (may be none)."""
+    return "\n\n".join([GSM8K_INSTRUCTION] + [_worked_example(row) for row in examples])
+
+
 def gsm8k_prompt(question: str, examples: list[dict]) -> str:
     """The single user turn: the instruction, the worked examples (may be none), then the question."""
-    parts = [GSM8K_INSTRUCTION] + [_worked_example(row) for row in examples]
-    parts.append(f"Question: {question}\nAnswer:")
-    return "\n\n".join(parts)
+    return f"{gsm8k_shared(examples)}\n\nQuestion: {question}\nAnswer:"
 
 
 def _load_gsm8k(limit: int | None, shots: int, root: Path) -> list[Sample]:
@@ -191,7 +197,8 @@ def _load_gsm8k(limit: int | None, shots: int, root: Path) -> list[Sample]:
         raise SpeculateError(f"--shots {shots} is more than the {len(train)} GSM8K train examples")
     # A few-shot model tends to go on with the next "Question:" after its answer: stop there.
     return [Sample("gsm8k", f"gsm8k-{i}", (gsm8k_prompt(row["question"], train),),
-                   reference={"answer": gsm8k_answer(row["answer"])}, stop=("\nQuestion:",))
+                   reference={"answer": gsm8k_answer(row["answer"])}, stop=("\nQuestion:",),
+                   shared=gsm8k_shared(train))
             for i, row in enumerate(test)]
 
 

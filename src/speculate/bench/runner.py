@@ -242,10 +242,20 @@ def _check_run_file(out: Path, cfg: BenchConfig) -> dict:
 CALIBRATION_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and a test."
 CALIBRATION_TOKENS = 128
 CALIBRATION_REPEATS = 2
-# The calibration is repeated after every this many samples and pooled: costs measured only at the start were
-# measured under the start's load (another bench loading its models beside it), not the samples' (an AMD run's
-# 7-row forward took 0.12 s there and 0.15 s in its samples: docs/benchmarks.md, "The speedup model, costed").
+# Each dataset is calibrated before its first sample and again after every this many of its samples, and its
+# calibrations pooled: costs measured only at the start were measured under the start's load (another bench
+# loading its models beside it), not the samples' (an AMD run's 7-row forward took 0.12 s there and 0.15 s in its
+# samples: docs/benchmarks.md, "The speedup model, costed").
 CALIBRATION_EVERY = 25
+
+
+def calibration_prompt(sample: Sample) -> list[dict]:
+    """The calibration's messages for ``sample``'s dataset: its system prompt and the context its samples share
+    (GSM8K's ~1,030 tokens of examples), then a fixed request: its costs are measured at the samples' contexts
+    (an AMD run's 7-row forward took 0.15 s in HumanEval's samples and 0.18 s in GSM8K's 8-shot ones)."""
+    user = f"{sample.shared}\n\n{CALIBRATION_PROMPT}" if sample.shared else CALIBRATION_PROMPT
+    return ([{"role": "system", "content": sample.system}] if sample.system else []) + \
+        [{"role": "user", "content": user}]
 
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
@@ -286,6 +296,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
         run_info["eps_auto"] = round(calibrate_eps(target), 4)
         run_info["eps_chinchilla"] = chinchilla_eps(target)
     run_info["methods"] = {**previous.get("methods", {}), **run_info["methods"]}
+    for key in ("costs", "dataset_costs"):  # earlier starts' calibrations (costs: before the per-dataset ones)
+        if previous.get(key):
+            run_info[key] = previous[key]
     atomic_write_text(out / RUN_FILE, json.dumps(run_info, indent=2) + "\n")
 
     path = out / SAMPLES_FILE
@@ -298,28 +311,36 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
     warm = encode_prompt(target.tokenizer, "Say hello.")
     for runner in runners.values():  # untimed: first-call allocations, lazy inits, profile loading
         runner(warm, 4, (), 0)
-    # Each engine method's own costs, from one generation of a fixed prompt (not a sample): its stats split the wall
-    # time into the target's forwards, the drafter's and the engine's own, for calc's --from-results.
-    # (Interleaved, twice over, and pooled: one slow moment of the machine does not set one method's costs.)
-    calibration = encode_prompt(target.tokenizer, CALIBRATION_PROMPT)
-    costs = defaultdict(list)  # this start's calibration generations (a resumed run may be on another machine)
+    # Each engine method's own costs per dataset, from generations of a fixed request after the dataset's shared
+    # context (not a sample): their stats split the wall time into the target's forwards, the drafter's and the
+    # engine's own, for calc's --from-results. (Interleaved, twice over, repeated through the run and pooled: one
+    # slow moment of the machine does not set one method's costs.)
+    costs = defaultdict(lambda: defaultdict(list))  # dataset → method → this start's calibration generations
+    dataset_costs = previous.get("dataset_costs", {})  # (a resumed run may be on another machine: this start's win)
 
-    def calibrate():
+    def calibrate(sample: Sample):
+        ids = encode_prompt(target.tokenizer, calibration_prompt(sample))
         for _ in range(CALIBRATION_REPEATS):
             for name, runner in runners.items():
-                stats = runner(calibration, CALIBRATION_TOKENS, (), 0).stats
+                stats = runner(ids, CALIBRATION_TOKENS, (), 0).stats
                 if stats:
-                    costs[name].append(stats)
-        run_info["costs"] = {**previous.get("costs", {}), **{name: pool(c) for name, c in costs.items()}}
+                    costs[sample.dataset][name].append(stats)
+        run_info["dataset_costs"] = {**dataset_costs, **{
+            d: {**dataset_costs.get(d, {}), **{name: pool(c) for name, c in by_method.items()}}
+            for d, by_method in costs.items()}}
         atomic_write_text(out / RUN_FILE, json.dumps(run_info, indent=2) + "\n")
 
-    calibrate()
     bar = tqdm(total=len(samples) * len(methods), initial=len(samples) * len(methods) - len(todo),
                desc="bench", unit="gen", disable=not progress, file=sys.stderr)
     order = list(runners)
+    since = {}  # dataset → its samples run since its last calibration
     for i, sample in enumerate(samples):
-        if i and i % CALIBRATION_EVERY == 0 and any((n, sample.dataset, sample.id) not in done for n in order):
-            calibrate()
+        if all((n, sample.dataset, sample.id) in done for n in order):
+            continue
+        if since.get(sample.dataset, CALIBRATION_EVERY) >= CALIBRATION_EVERY:
+            calibrate(sample)
+            since[sample.dataset] = 0
+        since[sample.dataset] += 1
         rot = i % len(order)
         for name in order[rot:] + order[:rot]:
             if (name, sample.dataset, sample.id) in done:

@@ -12,10 +12,11 @@ geometric MLE, :func:`~speculate.stats.alpha_mle`) and costs measured apart from
 
   P is the target's prefill (the same work for every method; plain's, measured); t_p plain decoding's seconds
   per token on these samples; u = t_p / (1 + o_plain) one target forward at these samples' contexts; G the
-  generations (each one's last round is cut short: half a round on average); the rest from the run's ``costs``
-  (each method's generations of a fixed prompt before the samples and after every
-  ``CALIBRATION_EVERY`` of them, pooled: bench/runner.py), in units of plain
-  decoding's target forward there, and from the profile:
+  generations (each one's last round is cut short: half a round on average); the rest from the run's
+  ``dataset_costs`` (each method's generations of a fixed request after the dataset's shared context, before its
+  first sample and after every ``CALIBRATION_EVERY`` of them, pooled: bench/runner.py; runs from before that have
+  one ``costs`` for all datasets, from the bare request), in units of plain decoding's target forward there, and
+  from the profile:
 
   - v: the method's verification forward, T(k+1)/T(1) as the engine runs it on the machine as loaded as in the
     run (the profile's curve is measured apart, at a context of 200);
@@ -60,26 +61,45 @@ def _k(spec: dict, drafted: float, rounds: float) -> int:
     return max(1, round(drafted / rounds)) if rounds else 1
 
 
-def method_costs(costs: dict, method: str) -> dict | None:
+def _forwards(spec: dict | None):
+    """What fixes a method's forwards (the verification's rows, the drafter's work per drafted token): methods with
+    the same key run the same ones and differ only in their verifier's own time. None: shared with no other
+    (k = auto's rows vary with each method's acceptance)."""
+    if not spec or spec.get("kind") != "engine" or not isinstance(spec.get("k"), int):
+        return None
+    return spec.get("drafter"), spec["k"], tuple(spec.get("options") or ())
+
+
+def method_costs(costs: dict, method: str, specs: dict | None = None) -> dict | None:
     """From a run's ``costs`` (name → the stats of a calibration generation), each in units of plain decoding's
     target forward there: plain's engine time per token (``o_plain``), and this method's verification forward per
     round (``verify``: T(k+1)/T(1) as the engine runs it, on this machine as loaded as in the run), drafter time per
-    drafted token (``c_eff``) and engine time per round (``o_round``). None without both generations."""
+    drafted token (``c_eff``) and engine time per round (``o_round``). None without both generations.
+
+    With ``specs`` (name → Method.to_dict()), ``verify`` and ``c_eff`` pool the calibrations of every method that
+    runs the same forwards (:func:`_forwards`): one cost, measured over all their generations rather than two
+    each. (Each method's own 7-row forward ranged 0.098-0.143 s over one calibration of a ten-method run while
+    another process shared the machine; the samples' did not.)"""
     plain, own = costs.get("plain"), costs.get(method)
     if not plain or not own or not plain.get("target_calls") or not own.get("target_calls") or \
             "target_seconds" not in plain or "target_seconds" not in own:
         return None
+    key = _forwards((specs or {}).get(method))
+    same = [costs[n] for n in costs if key is not None and _forwards(specs.get(n)) == key
+            and costs[n].get("target_calls") and "target_seconds" in costs[n]] or [own]
+    forwards = {k: sum(s.get(k, 0) for s in same) for k in ("target_seconds", "target_calls", "draft_seconds",
+                                                            "drafted_tokens", "generations")}
     decode = lambda s: s["wall_seconds"] - s["prefill_seconds"]  # noqa: E731
-    rounds, drafted = own["target_calls"], own["drafted_tokens"]
+    rounds, drafted = forwards["target_calls"], forwards["drafted_tokens"]
     t1 = plain["target_seconds"] / plain["target_calls"]
     # Each generation's first proposal holds the draft model's prefill of its prompt: left out of the per-token cost.
-    firsts = own.get("generations", 1)
+    firsts = forwards["generations"] or len(same)
     later = drafted * (rounds - firsts) / rounds if rounds > firsts else 0
     return {"o_plain": (decode(plain) - plain["target_seconds"]) / plain["new_tokens"] / t1,
-            "verify": own["target_seconds"] / rounds / t1,
-            "c_eff": own["draft_seconds"] / later / t1 if later else 0.0,
+            "verify": forwards["target_seconds"] / rounds / t1,
+            "c_eff": forwards["draft_seconds"] / later / t1 if later else 0.0,
             "o_round": (decode(own) - own["target_seconds"] - own["draft_seconds"] - own["first_draft_seconds"])
-            / rounds / t1}
+            / own["target_calls"] / t1}
 
 
 def predict_seconds(method_records: list[dict], plain_records: list[dict], alpha: float, k: int, cost: dict,
@@ -126,7 +146,7 @@ def predictions(run: dict, records: list[dict], costs_from: str = "calibration")
     from ..drafters import MODEL_DRAFTERS
 
     prof = Profile.from_dict(run["profile"])
-    specs, costs = run.get("methods", {}), run.get("costs", {})
+    specs, costs, dataset_costs = run.get("methods", {}), run.get("costs", {}), run.get("dataset_costs", {})
     by = defaultdict(dict)  # (method, dataset) → id → record
     for r in records:
         if _turn_stats(r) or r["method"] == "plain":
@@ -137,7 +157,6 @@ def predictions(run: dict, records: list[dict], costs_from: str = "calibration")
         if spec.get("kind") != "engine" or spec.get("drafter") in UNMODELLED:
             continue
         drafts_with_model = spec.get("drafter") in MODEL_DRAFTERS
-        cost = method_costs(costs, method)
         rows = {}  # dataset → (tokens, seconds, plain's tokens, plain's seconds, predicted seconds, α, k)
         for d in datasets:
             ids = sorted(set(by.get((method, d), {})) & set(by.get(("plain", d), {})))
@@ -149,12 +168,14 @@ def predictions(run: dict, records: list[dict], costs_from: str = "calibration")
             k = min(_k(spec, drafted, rounds), prof.max_n - 1)
             if costs_from == "samples":
                 cost = method_costs({"plain": _pooled_stats(plain), method: _pooled_stats(recs)}, method)
+            else:  # the dataset's own calibration; else the run's one for all datasets (older runs)
+                cost = method_costs(dataset_costs.get(d, {}), method, specs) or method_costs(costs, method, specs)
             predicted = None if cost is None else predict_seconds(recs, plain, alpha, k, cost, prof, drafts_with_model)
             rows[d] = (_total(recs, "new_tokens"), _seconds(recs), _total(plain, "new_tokens"), _seconds(plain),
                        predicted, alpha, k)
         if len(rows) > 1:  # every dataset at its own contexts, α and k; the seconds summed
             sums = [sum(v[i] for v in rows.values()) for i in range(4)]
-            predicted = None if cost is None else sum(v[4] for v in rows.values())
+            predicted = None if any(v[4] is None for v in rows.values()) else sum(v[4] for v in rows.values())
             recs = [r for d in rows for r in by[method, d].values()]
             alpha = alpha_mle(_total(recs, "accepted_draft_tokens"), _total(recs, "rejected_rounds"))
             rows["all"] = (*sums, predicted, alpha, min(_k(spec, _total(recs, "drafted_tokens"),
