@@ -350,3 +350,38 @@ def test_default_model_int8(default_model, cache):
             assert out.token_ids == ref.token_ids
             accepted += out.stats.accepted_draft_tokens
     assert accepted > 20
+
+
+_STATS_DIGEST = """
+import hashlib, sys, torch
+from speculate.models import load_model, quantize
+m = load_model(sys.argv[1], dtype="fp32")
+stats = quantize.calibrate(m.model, quantize.calibration_ids(m.tokenizer))
+h = hashlib.sha256()
+for name in sorted(stats):
+    h.update(name.encode() + stats[name].float().numpy().tobytes())
+print(torch.backends.cpu.get_cpu_capability(), h.hexdigest())
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="known defect: the int8 conversion's fp32 calibration follows the CPU's "
+                   "kernels (README, Exactness; docs/benchmarks.md, Consultant Decoding at scale)")
+def test_int8_conversion_does_not_depend_on_the_cpu_code_path(default_model):
+    """The smoothing statistics that fix the int8 weights, under the default code path and under AVX2 kernels:
+    equal, or two machines convert the same model into two int8 models (852 of the default model's 134 M int8
+    weights differed, 2026-12-02). Fails today; the marker comes off with the fix."""
+    import os
+    import subprocess
+    import sys
+
+    def digest(env):
+        done = subprocess.run([sys.executable, "-c", _STATS_DIGEST, str(default_model.path)], env={**os.environ, **env},
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split()
+
+    here = digest({})
+    if here[0] in ("DEFAULT", "AVX2"):
+        pytest.xfail("this CPU's default code path is AVX2 already: no other path to compare with")
+    other = digest({"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"})
+    assert other[0] == "AVX2" and here[1] == other[1]
