@@ -316,7 +316,6 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
     # engine's own, for calc's --from-results. (Interleaved, twice over, repeated through the run and pooled: one
     # slow moment of the machine does not set one method's costs.)
     costs = defaultdict(lambda: defaultdict(list))  # dataset → method → this start's calibration generations
-    dataset_costs = previous.get("dataset_costs", {})  # (a resumed run may be on another machine: this start's win)
 
     def calibrate(sample: Sample):
         ids = encode_prompt(target.tokenizer, calibration_prompt(sample))
@@ -325,9 +324,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
                 stats = runner(ids, CALIBRATION_TOKENS, (), 0).stats
                 if stats:
                     costs[sample.dataset][name].append(stats)
-        run_info["dataset_costs"] = {**dataset_costs, **{
-            d: {**dataset_costs.get(d, {}), **{name: pool(c) for name, c in by_method.items()}}
-            for d, by_method in costs.items()}}
+        # This start's pooled costs replace an earlier start's (a resumed run may be on another machine).
+        run_info.setdefault("dataset_costs", {}).setdefault(sample.dataset, {}).update(
+            {name: pool(c) for name, c in costs[sample.dataset].items()})
         atomic_write_text(out / RUN_FILE, json.dumps(run_info, indent=2) + "\n")
 
     bar = tqdm(total=len(samples) * len(methods), initial=len(samples) * len(methods) - len(todo),

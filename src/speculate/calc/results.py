@@ -80,13 +80,12 @@ def method_costs(costs: dict, method: str, specs: dict | None = None) -> dict | 
     runs the same forwards (:func:`_forwards`): one cost, measured over all their generations rather than two
     each. (Each method's own 7-row forward ranged 0.098-0.143 s over one calibration of a ten-method run while
     another process shared the machine; the samples' did not.)"""
+    usable = lambda s: bool(s and s.get("target_calls") and "target_seconds" in s)  # noqa: E731
     plain, own = costs.get("plain"), costs.get(method)
-    if not plain or not own or not plain.get("target_calls") or not own.get("target_calls") or \
-            "target_seconds" not in plain or "target_seconds" not in own:
+    if not usable(plain) or not usable(own):
         return None
     key = _forwards((specs or {}).get(method))
-    same = [costs[n] for n in costs if key is not None and _forwards(specs.get(n)) == key
-            and costs[n].get("target_calls") and "target_seconds" in costs[n]] or [own]
+    same = [s for n, s in costs.items() if key is not None and _forwards(specs.get(n)) == key and usable(s)] or [own]
     forwards = {k: sum(s.get(k, 0) for s in same) for k in ("target_seconds", "target_calls", "draft_seconds",
                                                             "drafted_tokens", "generations")}
     decode = lambda s: s["wall_seconds"] - s["prefill_seconds"]  # noqa: E731
