@@ -237,8 +237,12 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
         bar.close()
         raise
     bar.close()
+    # The training loop's seconds, as the final checkpoint keeps them: a rerun of a finished run reports the same
+    # number (the evaluation below is not training, and timing it made the rerun's total drift either way).
+    loop_seconds = earlier
     if steps > start:
-        save_checkpoint(ckpt, heads, optim, steps, gen, settings, spent(), best, curve)
+        loop_seconds = spent()
+        save_checkpoint(ckpt, heads, optim, steps, gen, settings, loop_seconds, best, curve)
     if best is not None:  # the best held-out measurement's weights (the last step's unless a later one was worse)
         heads.load_state_dict(best["heads"])
     heads.eval()
@@ -248,7 +252,7 @@ def train_heads(kind: str, loaded, data: DistillData, out_dir: Path, steps: int,
                if kind == "eagle" else {}),
             "best_step": None if best is None else best["step"], "heldout_curve": curve,
             "data": data.meta, "vocab_subset": None if vocab is None else int(vocab.numel()),
-            "vocab_coverage": _coverage(data, vocab), "train_seconds": round(spent(), 1)}
+            "vocab_coverage": _coverage(data, vocab), "train_seconds": round(loop_seconds, 1)}
     heads.requires_grad_(False)
     return heads, meta
 
