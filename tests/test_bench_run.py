@@ -51,8 +51,8 @@ def test_cut_at_stop():
 
 
 def _config(tmp_path, folder, methods, **kw):
-    return BenchConfig(model=str(folder), out=tmp_path / "run", methods=methods,
-                       **{"datasets": ["copy"], "limit": 2, "max_new_tokens": 10, **kw})
+    return BenchConfig(model=str(folder), methods=methods,
+                       **{"out": tmp_path / "run", "datasets": ["copy"], "limit": 2, "max_new_tokens": 10, **kw})
 
 
 def test_run_writes_every_file_and_resumes(tmp_path, tiny_folders, monkeypatch):
@@ -89,6 +89,27 @@ def test_run_writes_every_file_and_resumes(tmp_path, tiny_folders, monkeypatch):
     again = read_records(out / "samples.jsonl")
     assert len(again) == 4 and again[-1]["id"] == lost["id"] and again[-1]["method"] == lost["method"]
     assert again[-1]["turns"][0]["token_ids"] == lost["turns"][0]["token_ids"]
+
+
+def test_a_run_resumes_only_with_the_weights_it_was_made_with(tmp_path, tiny_folders):
+    """run.json names the int8 conversion (the cached tensors' sha256); resuming with another conversion, or a
+    run from before runs named theirs, is refused with one clear error, not mixed into the same records."""
+    cfg = _config(tmp_path, tiny_folders[0], [], dtype="int8", limit=1)
+    out = run_bench(cfg, progress=False)
+    run_file = out / "run.json"
+    weights = json.loads(run_file.read_text())["weights"]
+    assert weights["draft"] is None and weights["target"].startswith("int8 ") and len(weights["target"]) == 21
+    run_bench(cfg, progress=False)  # the same conversion: resumes
+    info = json.loads(run_file.read_text())
+    run_file.write_text(json.dumps({**info, "weights": {**weights, "target": "int8 0123456789abcdef"}}))
+    with pytest.raises(SpeculateError, match=r"other weights \(target: int8 0123456789abcdef → int8 [0-9a-f]{16}"):
+        run_bench(cfg, progress=False)
+    run_file.write_text(json.dumps({k: v for k, v in info.items() if k != "weights"}))
+    with pytest.raises(SpeculateError, match="before runs named their quantized weights"):
+        run_bench(cfg, progress=False)
+    # fp32 converts nothing: no weights to check
+    plain = run_bench(_config(tmp_path, tiny_folders[0], [], limit=1, out=tmp_path / "fp32"), progress=False)
+    assert json.loads((plain / "run.json").read_text())["weights"] == {"target": None, "draft": None}
 
 
 def test_skip_leaves_out_the_first_samples(tmp_path, tiny_folders):

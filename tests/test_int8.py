@@ -52,6 +52,17 @@ def logits(loaded, ids, fast=True):
     return kv.forward(torch.tensor(ids))
 
 
+def assert_paths_agree(loaded, ids):
+    """The fused int8 fast path gives the Hugging Face modules' logits (each a slice of the fused int8 layer):
+    the same argmax on every row, and within 1e-4 on all but one row in 25. Not on every row: the two paths'
+    fp32 parts (attention, norms) round differently, and an activation that lands that close to an int8
+    rounding boundary is quantized one step apart by the two (seen on one row of 50, 2026-12-02)."""
+    fast, hf = logits(loaded, ids), logits(loaded, ids, fast=False)
+    assert torch.equal(fast.argmax(-1), hf.argmax(-1))
+    close = torch.isclose(fast, hf, rtol=1e-4, atol=1e-4).all(dim=-1)
+    assert int((~close).sum()) <= len(ids) // 25, (~close).nonzero().flatten().tolist()
+
+
 # -------------------------------------------------------------------------------------------------
 def test_kernel_is_exact_and_rows_are_independent():
     """The int8 product is exact integer arithmetic (no 16-bit saturation, even with every product at
@@ -166,9 +177,7 @@ def test_int8_model_structure_and_fast_path(int8_tiny, tiny):
     assert model.model.embed_tokens.weight.dtype == torch.float32
     assert torch.equal(model.model.embed_tokens.weight, tiny[0].model.model.embed_tokens.weight)
     assert supports(model) and isinstance(KVModel(int8_tiny), FastKVModel)
-    # The fused fast path equals the Hugging Face modules (each a slice of the fused int8 layer).
-    ids = random_prompt(1, 30)
-    torch.testing.assert_close(logits(int8_tiny, ids), logits(int8_tiny, ids, fast=False), rtol=1e-4, atol=1e-4)
+    assert_paths_agree(int8_tiny, random_prompt(1, 30))
 
 
 def test_int8_qwen2(tmp_path, cache):
@@ -179,9 +188,8 @@ def test_int8_qwen2(tmp_path, cache):
     assert isinstance(int8.model.model.layers[0].self_attn.qkv_proj, quantize.Int8Linear)
     assert int8.model.model.layers[0].self_attn.qkv_proj.bias is not None
     ids = random_prompt(3, 50)
-    a = logits(int8, ids)
-    torch.testing.assert_close(a, logits(int8, ids, fast=False), rtol=1e-4, atol=1e-4)
-    b = logits(fp32, ids)
+    assert_paths_agree(int8, ids)
+    a, b = logits(int8, ids), logits(fp32, ids)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
 
 
@@ -352,36 +360,77 @@ def test_default_model_int8(default_model, cache):
     assert accepted > 20
 
 
-_STATS_DIGEST = """
+_CONVERSION_DIGEST = """
 import hashlib, sys, torch
 from speculate.models import load_model, quantize
 m = load_model(sys.argv[1], dtype="fp32")
-stats = quantize.calibrate(m.model, quantize.calibration_ids(m.tokenizer))
+tensors = quantize.quantize(m.model, m.tokenizer)
 h = hashlib.sha256()
-for name in sorted(stats):
-    h.update(name.encode() + stats[name].float().numpy().tobytes())
+for name in sorted(tensors):
+    h.update(name.encode() + tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
 print(torch.backends.cpu.get_cpu_capability(), h.hexdigest())
 """
 
 
-@pytest.mark.xfail(strict=True, reason="known defect: the int8 conversion's fp32 calibration follows the CPU's "
-                   "kernels (README, Exactness; docs/benchmarks.md, Consultant Decoding at scale)")
 def test_int8_conversion_does_not_depend_on_the_cpu_code_path(default_model):
-    """The smoothing statistics that fix the int8 weights, under the default code path and under AVX2 kernels:
-    equal, or two machines convert the same model into two int8 models (852 of the default model's 134 M int8
-    weights differed, 2026-12-02). Fails today; the marker comes off with the fix."""
+    """The whole int8 conversion of the default model (int8 weights, scales, smoothed norms), bit for bit, under
+    the default code path and under AVX2 kernels. With fp32 statistics 823 of its 134 M int8 weights differed
+    between the two (benchmarks/probes/int8_cpu_paths.py --old); float64 on bf16's grid makes them equal."""
     import os
     import subprocess
     import sys
 
     def digest(env):
-        done = subprocess.run([sys.executable, "-c", _STATS_DIGEST, str(default_model.path)], env={**os.environ, **env},
+        done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", _CONVERSION_DIGEST,
+                               str(default_model.path)], env={**os.environ, **env},
                               capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.returncode == 0, done.stderr[-2000:]  # (and no value near a rounding boundary: no warning)
         return done.stdout.split()
 
     here = digest({})
-    if here[0] in ("DEFAULT", "AVX2"):
-        pytest.xfail("this CPU's default code path is AVX2 already: no other path to compare with")
     other = digest({"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"})
-    assert other[0] == "AVX2" and here[1] == other[1]
+    if here[0] in ("DEFAULT", "AVX2"):  # still a check: the same conversion twice, in two processes
+        assert other[0] == here[0]
+    else:
+        assert other[0] == "AVX2"
+    assert here[1] == other[1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_calibration_is_the_models_forward_on_a_grid(tiny, tmp_path, arch):
+    """calibrate()'s float64 forward gives Hugging Face's float64 forward's statistics for every linear layer
+    (rope, GQA, q/k/v biases, causal attention, the MLP, the final norm), rounded to bf16's grid: within
+    2^-8 relative (half its spacing), and every value exactly a bf16 number."""
+    base = tiny[0] if arch == "llama" else load_model(str(qwen2_folder(tmp_path)))
+    wide = outlier_model(base)
+    sequences = quantize.calibration_ids(wide.tokenizer)
+    near = []
+    got = quantize.calibrate(wide.model, sequences, near)
+    wide.model.double()
+    want = quantize.hf_statistics(wide.model, sequences)
+    assert set(got) == set(want) and len(got) == 7 * len(wide.model.model.layers) + 1
+    for name, amax in got.items():
+        assert torch.equal(amax, amax.bfloat16().float()), name
+        torch.testing.assert_close(amax.double(), want[name], rtol=2 ** -8, atol=0, msg=name)
+    assert sum(near) == 0 and len(near) == len(got)
+
+
+def test_values_near_a_rounding_boundary_are_counted_and_reported(tiny, monkeypatch):
+    """_on_grid counts values that a 1e-10 relative error could round the other way (halfway between two bf16
+    numbers), and quantize() warns once when there are any."""
+    from speculate.errors import SpeculateWarning
+
+    def grid(x):
+        return float(torch.tensor([x], dtype=torch.float64).to(torch.bfloat16))
+
+    low, high = 1.0, 1.0078125  # neighbouring bf16 numbers: bisect to the boundary between them
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if grid(mid) == 1.0 else (low, mid)
+    near = []
+    values = torch.tensor([1.0, low, high, high * (1 + 1e-12), high * (1 + 1e-6), 3.0], dtype=torch.float64)
+    got = quantize._on_grid(values, near)
+    assert near == [3] and got.tolist() == [1.0, 1.0, 1.0078125, 1.0078125, 1.0078125, 3.0]
+    monkeypatch.setattr(quantize, "MARGIN", 0.01)  # every value is "near" one now
+    with pytest.warns(SpeculateWarning, match="within 0.01 of a rounding boundary"):
+        quantize.quantize(tiny[0].model, tiny[0].tokenizer)

@@ -237,6 +237,21 @@ def _check_run_file(out: Path, cfg: BenchConfig) -> dict:
     return {}
 
 
+def _check_weights(out: Path, previous: dict, weights: dict) -> None:
+    """Refuse to resume a run with other quantized weights than its records were made with: another conversion
+    of the same model is another model (int8 before and after quantize.FORMAT 2 differ in most weights)."""
+    if not previous or not any(weights.values()):  # a new run, or fp32/bf16 (nothing converted)
+        return
+    old = previous.get("weights")
+    if old is None:
+        raise SpeculateError(f"{out} holds a run from before runs named their quantized weights, made with an "
+                             f"earlier conversion; it cannot be resumed with these weights: use another --out")
+    differ = [f"{role}: {old.get(role)} → {now}" for role, now in weights.items() if old.get(role) != now]
+    if differ:
+        raise SpeculateError(f"{out} holds a run made with other weights ({'; '.join(differ)}: another conversion "
+                             f"of the model); use another --out")
+
+
 # --- the run -----------------------------------------------------------------------------------------------
 
 CALIBRATION_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and a test."
@@ -284,12 +299,14 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
               file=sys.stderr)
     target = load_model(cfg.model, dtype=cfg.dtype)
     draft = load_model(cfg.draft_model, dtype=cfg.draft_dtype or cfg.dtype) if cfg.draft_model else None
+    weights = {"target": target.weights, "draft": draft.weights if draft else None}
+    _check_weights(out, previous, weights)
     profile = profile_for(target, draft, progress=progress)
 
     run_info = {"settings": {**cfg.fixed(), "datasets": cfg.datasets, "limit": cfg.limit, "skip": cfg.skip,
                              "turns": cfg.turns, "prefix_cache": cfg.prefix_cache},
                 **machine_header(),
-                "torch": torch.__version__, "profile": profile.to_dict(),
+                "torch": torch.__version__, "weights": weights, "profile": profile.to_dict(),
                 "started": previous.get("started") or time.strftime("%Y-%m-%d %H:%M:%S"),
                 "methods": {m.name: m.to_dict() for m in methods}}
     if any(m.eps == "auto" for m in methods):

@@ -144,6 +144,9 @@ class LoadedModel:
     name: str
     path: Path
     dtype: str = "fp32"
+    # Which conversion this is, for int8 and q4: "<dtype> <sha256 of the cached tensors, 16 digits>" (a run's
+    # records name it: two conversions of one model are two models, bench/runner.py). None at fp32 and bf16.
+    weights: str | None = None
     # The thread that loaded it (check_thread): loading runs parallel torch ops, which give that thread an
     # OpenMP team for as long as it lives (a weak reference: the thread may end).
     thread: weakref.ref = field(default_factory=lambda: weakref.ref(threading.current_thread()), compare=False,
@@ -216,6 +219,7 @@ def _to_quantized(loaded: LoadedModel, name: str, kind: str) -> None:
         with building(folder) as tmp:
             save_file(tensors, tmp / f"{kind}.safetensors", metadata=meta)
     (quantize if kind == "int8" else blocks).apply(loaded.model, tensors)
+    loaded.weights = f"{kind} {json.loads((folder / MANIFEST).read_text())['files'][file.name]['sha256'][:16]}"
 
 
 _WARNED_THREAD = False

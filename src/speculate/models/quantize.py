@@ -21,8 +21,9 @@ operation before it, so nothing is added at run time:
   (and bias) are divided by s, one s per value channel, shared by the query heads of a KV group;
 * the LM head: the final norm's weight is divided by s; the tied embedding keeps its own fp32 copy.
 
-max|X_j| is calibrated by running the fp32 model over :data:`CALIBRATION` (a fixed, self-contained
-text: chat turns with arithmetic, prose and code; ~1,000 tokens, ~2 s). Only Llama-family models
+max|X_j| is calibrated by running the model in float64 over :data:`CALIBRATION` (a fixed, self-contained
+text: chat turns with arithmetic, prose and code; ~1,000 tokens, ~5 s for the default model), and it and s
+are rounded to bf16's grid: the int8 weights are the same on every CPU (see :func:`_on_grid`). Only Llama-family models
 (Llama, Qwen2, Mistral) are smoothed and fused; other architectures get unsmoothed int8 layers and run
 on the Hugging Face path, where batched rows are not bit-exact.
 
@@ -48,7 +49,10 @@ import warnings
 import torch
 from torch import nn
 
-FORMAT = 1  # bump when the meaning of the cached tensors changes
+from ..errors import SpeculateWarning
+
+# Bump when the cached tensors change. 2: statistics and s in float64 on bf16's grid (were fp32, CPU-dependent).
+FORMAT = 2
 # SmoothQuant migration strength α per kind of layer. Measured on SmolLM2-135M (held-out GSM8K test
 # answers and MT-Bench questions, mean of α ± 0.004): 0.5 everywhere gives KL(fp32‖int8) 0.019 / 0.028
 # per token; α = 0.8 for q/k/v 0.016 / 0.023; other changes (0.6 everywhere; 0.9, 0.7, 0.6, 0.45 on
@@ -262,49 +266,152 @@ def calibration_ids(tokenizer) -> list[list[int]]:
     return out
 
 
+# Every number that fixes the int8 weights is computed in float64 and then rounded to bfloat16's grid, so that
+# it does not depend on the CPU: the fp32 kernels that run the model (BLAS blocking, vector width, threads)
+# round differently from one CPU to another (statistics up to 2e-5 apart between AVX-512 and AVX2 kernels), and
+# that moved 823 of the default model's 134 M int8 weights (2026-12-02). float64 kernels differ by ~1e-16 per
+# operation instead (5e-14 in the statistics); a value that far from a boundary rounds the same everywhere. A
+# value within MARGIN (relative) of a boundary between two grid points could round either way on another
+# CPU: those are counted and reported (:func:`quantize` warns), never silently trusted. bf16's grid (2^-8
+# relative) costs nothing in accuracy: s_j moves by ≤ 0.4 %, and smoothing folds the same s into both sides.
+GRID = torch.bfloat16
+MARGIN = 1e-10
+
+
+def _on_grid(x64: torch.Tensor, near: list[int] | None = None) -> torch.Tensor:
+    """float64 ``x64`` rounded to :data:`GRID`, as fp32; appends to ``near`` how many entries lie within
+    :data:`MARGIN` of a rounding boundary (values that close to x64 round differently from it)."""
+    grid = x64.to(GRID)
+    if near is not None:
+        moved = (x64 * (1 - MARGIN)).to(GRID).ne(grid) | (x64 * (1 + MARGIN)).to(GRID).ne(grid)
+        near.append(int(moved.sum()))
+    return grid.float()
+
+
+def _rms64(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """Llama's RMSNorm (x / rms(x) · w) in float64."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon) * norm.weight.double()
+
+
+def _rope64(model: nn.Module, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin [length, head_dim] in float64. The default rope's frequencies are recomputed in
+    float64 (Hugging Face computes them in fp32, with a vectorised pow); other rope types' come from the
+    model's buffer, as they are."""
+    rotary = model.model.rotary_emb
+    inv = rotary.inv_freq.double()
+    theta = (getattr(model.config, "rope_parameters", None) or {}).get("rope_theta")
+    if getattr(rotary, "rope_type", "default") == "default" and theta:
+        exact = 1.0 / (float(theta) ** (torch.arange(0, 2 * len(inv), 2, dtype=torch.float64) / (2 * len(inv))))
+        if torch.allclose(exact, inv, rtol=1e-6):  # the same frequencies: the buffer is their fp32 rounding
+            inv = exact
+    angles = torch.arange(length, dtype=torch.float64)[:, None] * inv[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    scale = float(getattr(rotary, "attention_scaling", 1.0))
+    return angles.cos() * scale, angles.sin() * scale
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as Hugging Face's Llama applies it (x [heads, T, d]; the halves' rotation)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
 @torch.inference_mode()
-def calibrate(model: nn.Module, sequences: list[list[int]]) -> dict[str, torch.Tensor]:
-    """max |x_j| over the calibration tokens, per input channel j of every linear layer (a Llama-family
-    model: ``model.model`` is the decoder, its output the LM head's input)."""
+def hf_statistics(model: nn.Module, sequences: list[list[int]]) -> dict[str, torch.Tensor]:
+    """The reference for :func:`calibrate`: max |x_j| of every linear layer's input, by hooks on Hugging Face's own
+    forward in the model's dtype, unrounded (float64 tensors). FORMAT 1 calibrated this way at fp32, which made
+    the int8 weights depend on the CPU (benchmarks/probes/int8_cpu_paths.py --old); tests/test_int8.py checks
+    calibrate() against it."""
     stats: dict[str, torch.Tensor] = {}
     hooks = []
 
     def hook(name):
         def record(module, args):
-            amax = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(dim=0).float()
+            amax = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(dim=0).double()
             stats[name] = amax if name not in stats else torch.maximum(stats[name], amax)
         return record
 
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             hooks.append(module.register_forward_pre_hook(hook(name)))
-    head = model.get_output_embeddings()
     try:
         for ids in sequences:
-            # The decoder only (its output is the LM head's input): the logits of every position
-            # would cost more than the layers.
-            hidden = model.model(input_ids=torch.tensor([ids]), use_cache=False).last_hidden_state
-            if isinstance(head, nn.Linear):
-                hook("lm_head")(head, (hidden,))
+            model(input_ids=torch.tensor([ids]), use_cache=False)
     finally:
         for h in hooks:
             h.remove()
     return stats
 
 
+@torch.inference_mode()
+def calibrate(model: nn.Module, sequences: list[list[int]], near: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """max |x_j| over the calibration tokens, per input channel j of every linear layer of a Llama-family
+    model, on :data:`GRID` (see :func:`_on_grid`; ``near`` collects the count of values near a boundary).
+
+    The decoder runs here in float64, one layer at a time over every sequence (a layer's weights are
+    converted once, and a float64 copy of the whole model, 2x its fp32 memory, is never made). It is
+    Hugging Face's Llama/Qwen2/Mistral forward (tests/test_int8.py compares the two): the calibration turns
+    are a few hundred tokens, shorter than any sliding window of these architectures."""
+    cfg, decoder = model.config, model.model
+    n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    stats: dict[str, torch.Tensor] = {}
+
+    def record(name: str, x: torch.Tensor) -> None:
+        amax = x.abs().amax(dim=0)
+        stats[name] = amax if name not in stats else torch.maximum(stats[name], amax)
+
+    embed = decoder.embed_tokens.weight
+    hidden = [embed[torch.tensor(ids)].double() for ids in sequences]  # [T, H] per sequence
+    ropes = [_rope64(model, len(ids)) for ids in sequences]
+    for i, layer in enumerate(decoder.layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        w = {name: p.detach().double() for name, p in layer.named_parameters()}
+
+        def linear(x, name):
+            return torch.nn.functional.linear(x, w[name + ".weight"], w.get(name + ".bias"))
+
+        attn = layer.self_attn
+        for j, (h, (cos, sin)) in enumerate(zip(hidden, ropes)):
+            t = h.shape[0]
+            x = _rms64(h, layer.input_layernorm)  # q/k/v's input
+            for name in ("q_proj", "k_proj", "v_proj"):
+                record(a + name, x)
+            q, k, v = (linear(x, f"self_attn.{name}").view(t, -1, attn.head_dim).transpose(0, 1)
+                       for name in ("q_proj", "k_proj", "v_proj"))  # [heads, T, d]
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            k, v = k.repeat_interleave(n_heads // n_kv, dim=0), v.repeat_interleave(n_heads // n_kv, dim=0)
+            scores = (q @ k.transpose(1, 2)) * attn.scaling
+            scores.masked_fill_(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))  # causal
+            o = (scores.softmax(-1) @ v).transpose(0, 1).reshape(t, -1)  # o_proj's input
+            record(a + "o_proj", o)
+            h = h + linear(o, "self_attn.o_proj")
+            x = _rms64(h, layer.post_attention_layernorm)  # gate/up's input
+            record(m + "gate_proj", x)
+            record(m + "up_proj", x)
+            u = layer.mlp.act_fn(linear(x, "mlp.gate_proj")) * linear(x, "mlp.up_proj")  # down_proj's input
+            record(m + "down_proj", u)
+            hidden[j] = h + linear(u, "mlp.down_proj")
+    if isinstance(model.get_output_embeddings(), nn.Linear):
+        for h in hidden:
+            record("lm_head", _rms64(h, decoder.norm))  # the final norm's output: the LM head's input
+    return {name: _on_grid(amax, near) for name, amax in stats.items()}
+
+
 def smooth(model: nn.Module, stats: dict[str, torch.Tensor], alpha: float | dict[str, float] = ALPHA,
-           skip=(), layers=None, head: bool = True) -> dict[str, torch.Tensor]:
+           skip=(), layers=None, head: bool = True, near: list[int] | None = None) -> dict[str, torch.Tensor]:
     """SmoothQuant scales folded into the weights: {parameter name: new fp32 tensor} for every
     parameter that changes (the model itself is not modified). Layers named in ``skip`` (see
     :func:`_selected`) are left as they are. The result computes the same function as the model.
     ``alpha``: one value, or one per kind of layer (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head).
-    ``layers`` (indices; default all) and ``head``: which parts to smooth (one at a time saves memory)."""
+    ``layers`` (indices; default all) and ``head``: which parts to smooth (one at a time saves memory).
+    Every s is on :data:`GRID` (``near``: see :func:`_on_grid`), so the folds are exact to the tensors' rounding."""
     if not _smoothable(model):
         return {}
 
-    def _scales(act, wmax, kind):
+    def _scales(act, wmax, kind):  # float64, then GRID: see _on_grid
         a = alpha.get(kind, 0.5) if isinstance(alpha, dict) else alpha
-        return (act.clamp_min(1e-5).pow(a) / wmax.clamp_min(1e-5).pow(1 - a)).clamp_min(1e-5)
+        act, wmax = act.double().clamp_min(1e-5), wmax.double().clamp_min(1e-5)
+        return _on_grid((act.pow(a) / wmax.pow(1 - a)).clamp_min(1e-5), near)
 
     params = dict(model.named_parameters(remove_duplicate=False))
     new: dict[str, torch.Tensor] = {}
@@ -376,7 +483,8 @@ def quantize(model: nn.Module, tokenizer, alpha: float | dict[str, float] = ALPH
     Keys: ``int8.<layer>.{weight,scales,bias}`` for int8 layers, ``fp32.<parameter>`` for changed fp32
     parameters (smoothed norms, smoothed layers kept in fp32)."""
     smoothing = smooth_layers and _smoothable(model)
-    stats = calibrate(model, calibration_ids(tokenizer)) if smoothing else {}
+    near: list[int] = []  # values near a rounding boundary (see _on_grid)
+    stats = calibrate(model, calibration_ids(tokenizer), near) if smoothing else {}
     params = dict(model.named_parameters(remove_duplicate=False))
     groups = plan(model)
     # One decoder layer at a time (then the head): the smoothed fp32 copies of one layer at most.
@@ -385,7 +493,7 @@ def quantize(model: nn.Module, tokenizer, alpha: float | dict[str, float] = ALPH
     out: dict[str, torch.Tensor] = {}
     done = set()
     for prefix, layers, head in parts:
-        new = smooth(model, stats, alpha, skip=keep_fp32, layers=layers, head=head) if smoothing else {}
+        new = smooth(model, stats, alpha, skip=keep_fp32, layers=layers, head=head, near=near) if smoothing else {}
 
         def get(name):
             return new[name] if name in new else params[name].detach()
@@ -405,6 +513,9 @@ def quantize(model: nn.Module, tokenizer, alpha: float | dict[str, float] = ALPH
         for name, tensor in new.items():
             if name not in quantized:
                 out[f"fp32.{name}"] = tensor.contiguous()
+    if sum(near):
+        warnings.warn(f"int8 conversion: {sum(near)} smoothing value(s) lie within {MARGIN:g} of a rounding boundary, "
+                      f"so another CPU may convert this model into slightly different int8 weights", SpeculateWarning)
     return out
 
 
