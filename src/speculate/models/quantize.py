@@ -22,18 +22,20 @@ operation before it, so nothing is added at run time:
 * the LM head: the final norm's weight is divided by s; the tied embedding keeps its own fp32 copy.
 
 max|X_j| is calibrated by running the model in float64 over :data:`CALIBRATION` (a fixed, self-contained
-text: chat turns with arithmetic, prose and code; ~1,000 tokens, ~5 s for the default model), and it and s
-are rounded to bf16's grid: the int8 weights are the same on every CPU (see :func:`_on_grid`). Only Llama-family models
-(Llama, Qwen2, Mistral) are smoothed and fused; other architectures get unsmoothed int8 layers and run
-on the Hugging Face path, where batched rows are not bit-exact.
+text: chat turns with arithmetic, prose and code; ~1,000 tokens; the whole conversion takes ~8 s for the
+default model on one core), and it and s are rounded to bf16's grid, so the int8 weights are the same on
+every CPU (see :func:`_on_grid`). Only Llama-family models (Llama, Qwen2, Mistral) are smoothed and fused;
+other architectures get unsmoothed int8 layers and run on the Hugging Face path, where batched rows are
+not bit-exact.
 
 Smoothing, per-channel weight scales and no layer kept in fp32 are what agreed best with fp32 on held-out
 text (the comparisons: docs/benchmarks.md, "How the quantizer was chosen").
 
 Everything that touches PyTorch's quantized kernels is in :func:`_pack`, :func:`_unpack` and
 :func:`_kernel` (quantized tensors are deprecated in PyTorch; torch.ao.quantization itself is not used):
-replacing them (torchao, a custom kernel) is a change to those three alone. The kernel computes exactly on this CPU (AVX512-VNNI); CPUs without VNNI may
-saturate 16-bit pair sums in fbgemm's u8×s8 kernel — tests/test_int8.py checks exactness.
+replacing them (torchao, a custom kernel) is a change to those three alone. The kernel's integer products
+are exact with VNNI; CPUs without it may saturate 16-bit pair sums in fbgemm's u8×s8 kernel, which is why
+tests/test_int8.py checks exactness on whatever CPU it runs on.
 
 :func:`quantize` returns plain tensors (int8 weights, scales, biases, and the smoothed fp32 norm
 weights): the loader caches them (atomic, checksummed) and :func:`apply` rebuilds the int8 model from
@@ -280,7 +282,8 @@ MARGIN = 1e-10
 
 def _on_grid(x64: torch.Tensor, near: list[int] | None = None) -> torch.Tensor:
     """float64 ``x64`` rounded to :data:`GRID`, as fp32; appends to ``near`` how many entries lie within
-    :data:`MARGIN` of a rounding boundary (values that close to x64 round differently from it)."""
+    a relative :data:`MARGIN` of a rounding boundary: there another CPU's float64 sums, a few ulps away,
+    could round to the neighbouring grid value."""
     grid = x64.to(GRID)
     if near is not None:
         moved = (x64 * (1 - MARGIN)).to(GRID).ne(grid) | (x64 * (1 + MARGIN)).to(GRID).ne(grid)
