@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 
 import pytest
@@ -57,3 +58,13 @@ def assert_chains_equal_one_token(kv, ids):
     kv.reset(32)
     rows = torch.cat([kv.forward(ids[i: i + 1]) for i in range(90)])
     assert torch.equal(got[0], rows[:70]) and torch.equal(got[1], rows[70:79]) and torch.equal(got[2], rows[73:90])
+
+
+def assert_pytest_passed(done, skipped: bool = True) -> None:
+    """A pytest run in a subprocess (``done``: its CompletedProcess) passed: exit 0 and, on its summary line,
+    tests passed and none failed or errored (nor skipped, where ``skipped`` is False). The summary line only:
+    test names and warnings may contain those words."""
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    summary = done.stdout.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed", summary) and not re.search(r"\d+ (failed|errors?)\b", summary), summary
+    assert skipped or not re.search(r"\d+ skipped", summary), summary

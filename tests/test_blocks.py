@@ -23,7 +23,7 @@ from speculate.errors import SpeculateError
 from speculate.models import blocks
 from speculate.models.fast import FastKVModel
 from speculate.models.loader import cpu_flags
-from conftest import assert_chains_equal_one_token
+from conftest import assert_chains_equal_one_token, assert_pytest_passed
 
 KINDS = list(blocks.TYPES)
 SIMPLE = ["Q4_0", "Q4_1", "Q8_0"]  # what gguf-py also quantizes, and what a folder's weights become
@@ -238,8 +238,7 @@ def test_the_other_code_paths_compute_the_same(march, tmp_path):
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here), "-k",
                            "arithmetic or thread_count or several_types or dequantize_to"], env=env,
                           cwd=here.parent.parent, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "failed" not in done.stdout
+    assert_pytest_passed(done)
     probe = subprocess.run([sys.executable, "-c", "from speculate.models import blocks; print(blocks.group())"],
                            env=env, capture_output=True, text=True, timeout=120)
     assert probe.stdout.strip() == "8", probe.stderr[-1000:]  # the 256-bit or scalar layout, not this CPU's

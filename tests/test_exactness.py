@@ -1,7 +1,8 @@
 """Batch invariance on the CPU that runs the tests: every op of the int8 forward gives a row the same bits alone
 as with other rows (the attention kernel, its PyTorch fallback, the int8 layers, norms, element-wise ops), chains
 and random trees equal one-token decoding, the load-time self-check can fail and its fallback stays exact, and
-the whole file passes again under other ATen/MKL code paths (ATEN_CPU_CAPABILITY=avx2, MKL_ENABLE_INSTRUCTIONS).
+the whole file passes again under other ATen/MKL/fbgemm code paths (ATEN_CPU_CAPABILITY=avx2,
+MKL_ENABLE_INSTRUCTIONS, FBGEMM_ENABLE_INSTRUCTIONS).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from speculate.errors import SpeculateWarning
 from speculate.models import exact_attention, exactness, kernel
 from speculate.models.fast import FastKVModel
 from speculate.models.quantize import Int8Linear
-from conftest import assert_chains_equal_one_token, noisy_copy
+from conftest import assert_chains_equal_one_token, assert_pytest_passed, noisy_copy
 
 ROW_COUNTS = (2, 3, 5, 9, 16, 61)
 
@@ -185,16 +186,16 @@ def test_a_failed_self_check_falls_back_to_exact_row_by_row_verification(tiny_fo
 
 @pytest.mark.skipif(os.environ.get("SPECULATE_OTHER_PATHS") == "1", reason="already the other code paths")
 def test_the_same_holds_under_other_cpu_code_paths(tmp_path):
-    """This file's tests again with ATen's AVX2 kernels and MKL limited to AVX2 (other blockings and
-    vector widths than the default on an AVX-512 CPU), in a fresh process."""
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    """This file's tests again with ATen's AVX2 kernels, MKL limited to AVX2 (other blockings and vector
+    widths than the default on an AVX-512 CPU) and fbgemm's pre-VNNI int8 kernels (7-bit activations:
+    quantize.activation_levels), in a fresh process."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
            "SPECULATE_OTHER_PATHS": "1", "SPECULATE_CACHE": str(tmp_path)}
     here = Path(__file__).resolve()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here),
                            "-k", "not slow and not other_cpu_code_paths"], env=env, cwd=here.parent.parent,
                           capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "failed" not in done.stdout
+    assert_pytest_passed(done)
 
 
 @pytest.mark.slow

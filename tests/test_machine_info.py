@@ -41,6 +41,19 @@ def test_summary_from_a_described_machine():
          "onednn_bf16": False, "env": {"ATEN_CPU_CAPABILITY": "avx2"}}
     assert machine.summary(d) == ("AMD EPYC 9654 96-Core Processor, AVX2 + VNNI, MKL, 8 cores (4 usable), "
                                   "4 torch threads, no fast bf16 matmul; ATEN_CPU_CAPABILITY=avx2")
+    d.update(vnni=False, int8_activation_bits=7, env={"FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"})
+    assert machine.summary(d) == ("AMD EPYC 9654 96-Core Processor, AVX2, MKL, 8 cores (4 usable), "
+                                  "4 torch threads, no fast bf16 matmul, 7-bit int8 activations; "
+                                  "FBGEMM_ENABLE_INSTRUCTIONS=AVX2")
+
+
+def test_int8_activation_bits_follow_the_kernel(monkeypatch):
+    """Recorded from the kernel's behaviour (quantize.activation_levels), not from the CPU's flags."""
+    from speculate.models import quantize
+
+    for levels, bits in ((127, 8), (63, 7)):
+        monkeypatch.setattr(quantize, "activation_levels", lambda levels=levels: levels)
+        assert machine.describe()["int8_activation_bits"] == bits
 
 
 def test_env_overrides_are_recorded(monkeypatch):

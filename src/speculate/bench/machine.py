@@ -15,8 +15,8 @@ import platform
 import re
 
 # Environment variables that change which kernels run (or how many threads run them).
-ENV_OVERRIDES = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
-                 "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+ENV_OVERRIDES = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "FBGEMM_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA",
+                 "DNNL_MAX_CPU_ISA", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # The flags that matter for these kernels, as /proc/cpuinfo spells them.
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16",
          "avx512_fp16", "avx_ne_convert", "asimd", "bf16", "i8mm", "sve")
@@ -34,6 +34,16 @@ def _blas(config: str) -> str:
     if name in ("open", "openblas") or (not name and "OpenBLAS" in config):  # OpenBLAS builds say "open"
         return "OpenBLAS"
     return {"accelerate": "Accelerate", "blis": "BLIS", "flexi": "FlexiBLAS"}.get(name, name or "unknown")
+
+
+def _int8_activation_bits() -> int | None:
+    """8, or 7 where the int8 kernel lacks VNNI (models/quantize.py, activation_levels); None: no int8 kernel."""
+    from ..models import quantize
+
+    try:
+        return 8 if quantize.activation_levels() == 127 else 7
+    except Exception:  # no fbgemm in this build, or a kernel exact at neither width: int8 will not load
+        return None
 
 
 def describe() -> dict:
@@ -73,6 +83,7 @@ def describe() -> dict:
         "mkl": torch.backends.mkl.is_available(),
         "onednn": torch.backends.mkldnn.is_available(),
         "onednn_bf16": onednn_bf16(),  # torch's bf16 matmul goes to oneDNN (fast) or not (slow); None: unknown
+        "int8_activation_bits": _int8_activation_bits(),  # 7 where fbgemm's kernel would saturate at 8
         "cores": os.cpu_count() or 0,
         "usable_cores": usable,
         "torch_threads": torch.get_num_threads(),
@@ -93,6 +104,8 @@ def summary(info: dict | None = None) -> str:
     parts.append(f"{d['torch_threads']} torch threads")
     if d["onednn_bf16"] is False:
         parts.append("no fast bf16 matmul")
+    if d.get("int8_activation_bits") == 7:  # (records from before it was recorded: 8)
+        parts.append("7-bit int8 activations")
     line = ", ".join(parts)
     if d["env"]:
         line += "; " + " ".join(f"{k}={v}" for k, v in d["env"].items())

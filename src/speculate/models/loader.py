@@ -55,6 +55,10 @@ class SlowPrecisionWarning(SpeculateWarning):
     """A precision that this CPU runs far slower than fp32 (see :func:`bf16_slow_reason`)."""
 
 
+class ReducedPrecisionWarning(SpeculateWarning):
+    """int8 on a CPU whose int8 kernel needs 7-bit activations to stay exact (quantize.activation_levels)."""
+
+
 _CPU_INFO = None
 
 
@@ -130,9 +134,17 @@ def bf16_slow_reason(flags: set[str] | None = None, onednn: bool | None = None) 
 
 
 def warn_if_slow(dtype: str) -> None:
-    """One warning line (SlowPrecisionWarning) when ``dtype`` is bf16 and this CPU has no fast bf16 matmul."""
+    """One warning line when ``dtype`` is bf16 and this CPU has no fast bf16 matmul (SlowPrecisionWarning), or
+    int8 and its int8 kernel has no VNNI (ReducedPrecisionWarning)."""
     if dtype == "bf16" and (reason := bf16_slow_reason()):
         warnings.warn(reason, SlowPrecisionWarning, stacklevel=3)
+    if dtype == "int8":
+        from . import quantize
+
+        if quantize.activation_levels() != 127:
+            warnings.warn("int8 on this CPU: its int8 kernel has no VNNI, so activations get 7 bits to keep the "
+                          "products exact, and int8 is less accurate here (docs/benchmarks.md, Exactness); "
+                          "--dtype q4 or fp32 keep their accuracy", ReducedPrecisionWarning, stacklevel=3)
 
 
 @dataclass
@@ -145,7 +157,8 @@ class LoadedModel:
     path: Path
     dtype: str = "fp32"
     # Which conversion this is, for int8 and q4: "<dtype> <sha256 of the cached tensors, 16 digits>" (a run's
-    # records name it: two conversions of one model are two models, bench/runner.py). None at fp32 and bf16.
+    # records name it: two conversions of one model are two models, bench/runner.py), + " a7" where int8 runs
+    # with 7-bit activations (quantize.activation_levels: a CPU without VNNI). None at fp32 and bf16.
     weights: str | None = None
     # The thread that loaded it (check_thread): loading runs parallel torch ops, which give that thread an
     # OpenMP team for as long as it lives (a weak reference: the thread may end).
@@ -220,6 +233,8 @@ def _to_quantized(loaded: LoadedModel, name: str, kind: str) -> None:
             save_file(tensors, tmp / f"{kind}.safetensors", metadata=meta)
     (quantize if kind == "int8" else blocks).apply(loaded.model, tensors)
     loaded.weights = f"{kind} {json.loads((folder / MANIFEST).read_text())['files'][file.name]['sha256'][:16]}"
+    if kind == "int8" and quantize.activation_levels() != 127:  # the same weights, other numerics: name them
+        loaded.weights += " a7"
 
 
 _WARNED_THREAD = False

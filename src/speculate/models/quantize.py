@@ -34,8 +34,8 @@ text (the comparisons: docs/benchmarks.md, "How the quantizer was chosen").
 Everything that touches PyTorch's quantized kernels is in :func:`_pack`, :func:`_unpack` and
 :func:`_kernel` (quantized tensors are deprecated in PyTorch; torch.ao.quantization itself is not used):
 replacing them (torchao, a custom kernel) is a change to those three alone. The kernel's integer products
-are exact with VNNI; CPUs without it may saturate 16-bit pair sums in fbgemm's u8×s8 kernel, which is why
-tests/test_int8.py checks exactness on whatever CPU it runs on.
+are exact with VNNI; without it fbgemm saturates 16-bit pair sums of full-range uint8 activations, so there
+activations get 7 bits and stay exact (:func:`activation_levels`, measured once per process).
 
 :func:`quantize` returns plain tensors (int8 weights, scales, biases, and the smoothed fp32 norm
 weights): the loader caches them (atomic, checksummed) and :func:`apply` rebuilds the int8 model from
@@ -44,6 +44,7 @@ them without calibrating again.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import warnings
@@ -51,7 +52,7 @@ import warnings
 import torch
 from torch import nn
 
-from ..errors import SpeculateWarning
+from ..errors import SpeculateError, SpeculateWarning
 
 # Bump when the cached tensors change. 2: statistics and s in float64 on bf16's grid (were fp32, CPU-dependent).
 FORMAT = 2
@@ -119,8 +120,38 @@ def _unpack(packed) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _kernel():
     """fp32 x, quantized to uint8 with a given scale and zero point, times a packed int8 weight → fp32
-    (exact integer products, then one float rescale per output)."""
+    (integer products, then one float rescale per output)."""
     return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.default
+
+
+def _exact_at(levels: int) -> bool:
+    """Whether the kernel's products are exact with activations quantized to ±``levels`` (zero point
+    levels + 1), on the inputs that overflow a 16-bit pair sum soonest: every activation at +1 (uint8
+    2·levels + 1) against weights all at +127 or all at −127."""
+    int8 = torch.full((16, 256), 127, dtype=torch.int8)
+    int8[8:] = -127
+    x = torch.ones(4, 256)
+    got = _kernel()(x, 1 / levels, levels + 1, _pack(int8, torch.ones(16)))
+    want = torch.full((4, 1), 127.0 * 256) * int8[:, 0].float().sign()
+    return torch.allclose(got, want, rtol=1e-5, atol=0)  # (a saturated sum is off by half or more)
+
+
+@functools.cache
+def activation_levels() -> int:
+    """The int8 activations' levels on each side of 0 on this CPU: 127, or 63 where 127 would saturate.
+
+    fbgemm multiplies uint8 activations (the int8 value + a zero point) by int8 weights. With VNNI
+    (``vpdpbusd``: Intel since Cascade Lake, AMD since Zen 4) products accumulate straight into int32,
+    exactly. Without it (AVX2, and AVX-512 before VNNI) adjacent products are first added in int16 with
+    saturation (``vpmaddubsw``): two products of 255 × 127 exceed 32,767 and the result is silently
+    wrong. With 63 levels and zero point 64 every uint8 is at most 127 and a pair at most 2 × 127 × 127 =
+    32,258: exact by construction, at 7-bit activation precision. Measured (:func:`_exact_at`), not read
+    off the CPU's flags: the kernel's own dispatch decides (``FBGEMM_ENABLE_INSTRUCTIONS`` forces it)."""
+    for levels in (127, 63):
+        if _exact_at(levels):
+            return levels
+    raise SpeculateError("this CPU's int8 kernel (fbgemm) does not compute exact integer products; "
+                         "use --dtype fp32")
 
 
 class QuantizedLinear(nn.Module):
@@ -153,8 +184,9 @@ class QuantizedLinear(nn.Module):
 class Int8Linear(QuantizedLinear):
     """``y = x Wᵀ + b`` with an int8 W (symmetric, one scale per output row) and x quantized per row.
 
-    Each row of x is divided by its own max |x|, quantized to int8 with the fixed scale 1/127, and the
-    integer product is rescaled by that max: rows never influence each other's rounding.
+    Each row of x is divided by its own max |x|, quantized with the fixed scale 1/L (L =
+    :func:`activation_levels`: 127, or 63 where fbgemm would saturate), and the integer product is rescaled
+    by that max: rows never influence each other's rounding.
     """
 
     def __init__(self, int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
@@ -162,6 +194,7 @@ class Int8Linear(QuantizedLinear):
         self.out_features, self.in_features = int8.shape
         self._packed = _pack(int8, scales)
         self._matmul = _kernel()  # looked up once: it runs 121 times per SmolLM2 step
+        self._levels = activation_levels()
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
     @classmethod
@@ -181,13 +214,13 @@ class Int8Linear(QuantizedLinear):
         """``forward`` for x of shape [rows, in_features] (the lean path calls this directly)."""
         # x.abs().amax(): vector_norm(x, inf) is 7x slower on 8 rows.
         r = x.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30)
-        y = self._matmul(x / r, 1 / 127, 128, self._packed)
+        y = self._matmul(x / r, 1 / self._levels, self._levels + 1, self._packed)
         return y.mul_(r) if self.bias is None else torch.addcmul(self.bias, y, r)
 
     def add_matmul_2d(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``residual + forward(x)`` for 2-D x, the rescaling and the sum in one op."""
         r = x.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30)
-        y = torch.addcmul(residual, self._matmul(x / r, 1 / 127, 128, self._packed), r)
+        y = torch.addcmul(residual, self._matmul(x / r, 1 / self._levels, self._levels + 1, self._packed), r)
         return y if self.bias is None else y.add_(self.bias)
 
     def weight_bytes(self) -> int:
