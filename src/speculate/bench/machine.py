@@ -16,7 +16,7 @@ import re
 
 # Environment variables that change which kernels run (or how many threads run them).
 ENV_OVERRIDES = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "FBGEMM_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA",
-                 "DNNL_MAX_CPU_ISA", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+                 "DNNL_MAX_CPU_ISA", "SPECULATE_KERNEL_FLAGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # The flags that matter for these kernels, as /proc/cpuinfo spells them.
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16",
          "avx512_fp16", "avx_ne_convert", "asimd", "bf16", "i8mm", "sve")
