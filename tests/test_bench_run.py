@@ -259,6 +259,14 @@ def test_predictions_simple_and_costed_on_constructed_costs():
     assert no_b["b"]["costed"] is None and no_b["all"]["costed"] is None  # no sum over a dataset it cannot price
     # A run from before the costs were recorded: the simple model only.
     assert all(p["costed"] is None and p["simple"] for p in predictions({**run, "costs": {}}, records))
+    # k beyond the profile's T(n) (T(5) for k = 4; the profile stops at 4): the costed model still prices every
+    # round of the method's own k (its calibration measured that verification), the simple one says nothing.
+    beyond = {p["dataset"]: p for p in predictions(
+        {**run, "methods": {**run["methods"], "SD": {**run["methods"]["SD"], "k": 4}}}, records)}["a"]
+    e4 = expected_tokens + 0.9 ** 4
+    assert beyond["k"] == 4 and beyond["simple"] is None and beyond["error_simple"] is None
+    assert beyond["costed"] == pytest.approx(5.0 / (0.2 + 0.3 + (40 / e4 + 0.5) * 0.1 * (1.2 + 4 * 0.8 + 0.1)),
+                                             abs=1e-3)
     # model+lookup's rounds are of two kinds: no single-alpha prediction for it.
     run["methods"]["SD"]["drafter"] = "model+lookup"
     assert predictions(run, records) == []

@@ -8,8 +8,10 @@ exact test for pass/fail tasks, the 97 % verdict). Two markdown tables:
 
 - quality and calls, over every pooled sample: per dataset and method, normalised quality [interval], McNemar's
   discordant problems and p, "keeps 97 %", the LLM-calls ratio and ÷ the reference's (default: the lossless method
-  with the same drafter and k), τ. None of these depends on the machine's speed (the int8 tokens are the same on
-  the CPUs these runs used: docs/benchmarks.md);
+  with the same drafter and k), τ. None of these depends on the machine's speed; each sample's methods are paired
+  within its own folder, against that machine's plain decoding (before quantize.FORMAT 2 each CPU converted
+  its own int8 model, so pooled folders from two CPUs mean "against the int8 target it verified with":
+  docs/benchmarks.md, "Consultant Decoding at scale");
 - speed, per machine (each record names the CPU it ran on, and a run resumed on another CPU would otherwise mix two
   machines' seconds in one ratio): speedup over plain on the same samples [interval] and ÷ the reference's.
 """

@@ -284,13 +284,13 @@ def _from_results(args) -> int:
     if not preds:
         raise SpeculateError(f"--from-results: {folder} has no speculative method with finished samples"
                              f" that the model describes (it leaves out {', '.join(UNMODELLED)})")
-    cell = lambda v, fmt: "—" if v is None else format(v, fmt)  # noqa: E731
+    cell = lambda v, fmt, unit="": "—" if v is None else format(v, fmt) + unit  # noqa: E731
     print(f"{'method':<46} {'dataset':<10} {'alpha':>6} {'k':>3} {'c':>6} {'c_eff':>6} {'simple':>8} "
           f"{'costed':>8} {'measured':>9} {'error':>7} {'(simple)':>8}")
     for p in preds:
         print(f"{p['method']:<46} {p['dataset']:<10} {cell(p['alpha'], '6.3f'):>6} {cell(p['k'], '3d'):>3} "
-              f"{p['c']:6.3f} {cell(p['c_eff'], '6.3f'):>6} {cell(p['simple'], '7.2f') + '×':>8} "
-              f"{cell(p['costed'], '7.2f') + '×':>8} {p['measured']:8.2f}× {cell(p['error'], '+7.1%'):>7} "
+              f"{p['c']:6.3f} {cell(p['c_eff'], '6.3f'):>6} {cell(p['simple'], '7.2f', '×'):>8} "
+              f"{cell(p['costed'], '7.2f', '×'):>8} {p['measured']:8.2f}× {cell(p['error'], '+7.1%'):>7} "
               f"{cell(p['error_simple'], '+8.1%'):>8}")
     print("simple: E(α, k) / (T(k+1)/T(1) + k·c); costed: the run's seconds predicted term by term from its "
           "calibration costs (calc/results.py); error: measured ÷ predicted − 1")

@@ -164,7 +164,9 @@ def predictions(run: dict, records: list[dict], costs_from: str = "calibration")
             alpha = alpha_mle(_total(recs, "accepted_draft_tokens"), _total(recs, "rejected_rounds"))
             if alpha is None or not rounds:
                 continue
-            k = min(_k(spec, drafted, rounds), prof.max_n - 1)
+            # The method's own k, also beyond the profile's T(n) (the costed model prices the verification from
+            # the calibration; only the simple model needs T(k+1) from the profile).
+            k = _k(spec, drafted, rounds)
             if costs_from == "samples":
                 cost = method_costs({"plain": _pooled_stats(plain), method: _pooled_stats(recs)}, method)
             else:  # the dataset's own calibration; else the run's one for all datasets (older runs)
@@ -177,13 +179,13 @@ def predictions(run: dict, records: list[dict], costs_from: str = "calibration")
             predicted = None if any(v[4] is None for v in rows.values()) else sum(v[4] for v in rows.values())
             recs = [r for d in rows for r in by[method, d].values()]
             alpha = alpha_mle(_total(recs, "accepted_draft_tokens"), _total(recs, "rejected_rounds"))
-            rows["all"] = (*sums, predicted, alpha, min(_k(spec, _total(recs, "drafted_tokens"),
-                                                           _total(recs, "target_calls")), prof.max_n - 1))
+            rows["all"] = (*sums, predicted, alpha, _k(spec, _total(recs, "drafted_tokens"),
+                                                        _total(recs, "target_calls")))
         for d, (tokens, seconds, p_tokens, p_seconds, predicted, alpha, k) in rows.items():
             measured = (tokens / seconds) / (p_tokens / p_seconds)
             costed = None if predicted is None else (tokens / predicted) / (p_tokens / p_seconds)
-            simple = None if alpha is None else speedup(alpha, k, (prof.c or 0.0) if drafts_with_model else 0.0,
-                                                        prof.curve)
+            simple = None if alpha is None or k >= prof.max_n else speedup(
+                alpha, k, (prof.c or 0.0) if drafts_with_model else 0.0, prof.curve)  # (T(k+1): n ≤ max_n)
             out.append({"method": method, "dataset": d, "alpha": None if alpha is None else round(alpha, 4), "k": k,
                         "c": round(prof.c or 0.0, 3) if drafts_with_model else 0.0,
                         "c_eff": None if cost is None else round(cost["c_eff"], 3),

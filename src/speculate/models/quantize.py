@@ -127,13 +127,14 @@ def _kernel():
 def _exact_at(levels: int) -> bool:
     """Whether the kernel's products are exact with activations quantized to ±``levels`` (zero point
     levels + 1), on the inputs that overflow a 16-bit pair sum soonest: every activation at +1 (uint8
-    2·levels + 1) against weights all at +127 or all at −127."""
+    2·levels + 1) against weights all at +127 or all at −127; one row (a decode step) and eight (a verification)."""
     int8 = torch.full((16, 256), 127, dtype=torch.int8)
     int8[8:] = -127
-    x = torch.ones(4, 256)
-    got = _kernel()(x, 1 / levels, levels + 1, _pack(int8, torch.ones(16)))
-    want = torch.full((4, 1), 127.0 * 256) * int8[:, 0].float().sign()
-    return torch.allclose(got, want, rtol=1e-5, atol=0)  # (a saturated sum is off by half or more)
+    packed = _pack(int8, torch.ones(16))
+    want = 127.0 * 256 * int8[:, 0].float().sign()
+    # (a saturated sum is off by half or more)
+    return all(torch.allclose(_kernel()(torch.ones(rows, 256), 1 / levels, levels + 1, packed), want.expand(rows, -1),
+                              rtol=1e-5, atol=0) for rows in (1, 8))
 
 
 @functools.cache
