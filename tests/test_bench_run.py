@@ -267,6 +267,17 @@ def test_predictions_simple_and_costed_on_constructed_costs():
     assert beyond["k"] == 4 and beyond["simple"] is None and beyond["error_simple"] is None
     assert beyond["costed"] == pytest.approx(5.0 / (0.2 + 0.3 + (40 / e4 + 0.5) * 0.1 * (1.2 + 4 * 0.8 + 0.1)),
                                              abs=1e-3)
+    # A tree of depth k drafts more nodes than k a round (here 6 a call at k = 3), and c_eff prices one node: its
+    # rounds cost u·(1.2 + 6·0.4 + 0.1) (its calibration drafted 30 nodes, 24 after the first round, in 0.96 s).
+    tree_run = {**run, "costs": {**costs, "TREE": {**costs["SD"], "drafted_tokens": 30}},
+                "methods": {**run["methods"], "TREE": {"kind": "engine", "drafter": "model-tree", "k": 3}}}
+    tree_records = records + [{**r, "method": "TREE", "turns": [{**t, "stats": {**t["stats"], "drafted_tokens": 66}}
+                                                               for t in r["turns"]]}
+                              for r in records if r["method"] == "SD"]
+    tree = {(p["method"], p["dataset"]): p for p in predictions(tree_run, tree_records)}["TREE", "a"]
+    assert tree["c_eff"] == pytest.approx(0.4)
+    assert tree["costed"] == pytest.approx(5.0 / (0.2 + 0.3 + (40 / expected_tokens + 0.5) * 0.1 * (1.2 + 6 * 0.4 + 0.1)),
+                                           abs=1e-3)
     # model+lookup's rounds are of two kinds: no single-alpha prediction for it.
     run["methods"]["SD"]["drafter"] = "model+lookup"
     assert predictions(run, records) == []

@@ -109,7 +109,11 @@ def predict_seconds(method_records: list[dict], plain_records: list[dict], alpha
     prefill = _total(plain_records, "prefill_seconds")
     per_token = (_total(plain_records, "wall_seconds") - prefill) / new_plain
     u = per_token / (1 + cost["o_plain"])
-    round_seconds = u * (cost["verify"] + k * cost["c_eff"] + cost["o_round"])
+    # A chain drafts k tokens a round; a tree of depth k more (model-tree's default: 2k nodes), and c_eff is the cost
+    # of one drafted node: price the nodes drafted per round where there are more than k.
+    calls = _total(method_records, "target_calls")
+    nodes = max(k, _total(method_records, "drafted_tokens") / calls) if calls else k
+    round_seconds = u * (cost["verify"] + nodes * cost["c_eff"] + cost["o_round"])
     draft_prefill = 0.0
     if draft_model and profile.draft_prefill_seconds:
         fresh = sum(s.get("prompt_tokens", 0) - s.get("reused_prompt_tokens", 0)
