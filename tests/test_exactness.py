@@ -189,8 +189,8 @@ def test_the_same_holds_under_other_cpu_code_paths(tmp_path):
     """This file's tests again with ATen's AVX2 kernels, MKL limited to AVX2 (other blockings and vector
     widths than the default on an AVX-512 CPU) and fbgemm's pre-VNNI int8 kernels (7-bit activations:
     quantize.activation_levels), in a fresh process."""
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
-           "SPECULATE_OTHER_PATHS": "1", "SPECULATE_CACHE": str(tmp_path)}
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+           "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "SPECULATE_OTHER_PATHS": "1", "SPECULATE_CACHE": str(tmp_path)}
     here = Path(__file__).resolve()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here),
                            "-k", "not slow and not other_cpu_code_paths"], env=env, cwd=here.parent.parent,
