@@ -93,7 +93,7 @@ def test_run_writes_every_file_and_resumes(tmp_path, tiny_folders, monkeypatch):
 
 
 def test_a_run_resumes_only_with_the_weights_it_was_made_with(tmp_path, tiny_folders):
-    """run.json names the int8 conversion (the cached tensors' sha256); resuming with another conversion, or a
+    """run.json names the int8 conversion (its tensors' digest); resuming with another conversion, or a
     run from before runs named theirs, is refused with one clear error, not mixed into the same records."""
     cfg = _config(tmp_path, tiny_folders[0], [], dtype="int8", limit=1)
     out = run_bench(cfg, progress=False)

@@ -415,14 +415,11 @@ def test_default_model_int8(default_model, cache):
 
 
 _CONVERSION_DIGEST = """
-import hashlib, sys, torch
+import sys, torch
 from speculate.models import load_model, quantize
+from speculate.models.cache import tensors_digest
 m = load_model(sys.argv[1], dtype="fp32")
-tensors = quantize.quantize(m.model, m.tokenizer)
-h = hashlib.sha256()
-for name in sorted(tensors):
-    h.update(name.encode() + tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
-print(torch.backends.cpu.get_cpu_capability(), h.hexdigest())
+print(torch.backends.cpu.get_cpu_capability(), tensors_digest(quantize.quantize(m.model, m.tokenizer)))
 """
 
 
@@ -458,6 +455,35 @@ def test_int8_conversion_does_not_depend_on_the_cpu_code_path(default_model):
         assert other[0] == "AVX2"
     assert here[1] == other[1]
     assert quantize.FORMAT == 2 and here[1] == DEFAULT_INT8_DIGEST
+
+
+def test_a_conversion_is_named_by_its_tensors_not_by_its_file(tiny_folders, tmp_path, monkeypatch):
+    """The int8 weights' name (bench records compare it to refuse resuming with another conversion) is the digest
+    of the converted tensors, so one conversion written twice, or on two machines, has one name. It was the cache
+    file's sha256, which differs between writes of the same tensors: safetensors writes its metadata map in a
+    random order each process."""
+    from safetensors.torch import load_file
+
+    from speculate.models.cache import tensors_digest
+
+    names, files = [], []
+    for n in range(2):  # two conversions of one model, each into a cache of its own, each in a new process
+        monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path / str(n)))
+        done = subprocess.run([sys.executable, "-c", "import sys; from speculate import load_model; "
+                               "print(load_model(sys.argv[1], dtype='int8').weights)", str(tiny_folders[0])],
+                              env=dict(os.environ), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        names.append(done.stdout.split()[1])
+        files.append(next((tmp_path / str(n)).rglob("int8.safetensors")))
+    tensors = load_file(files[0])
+    assert names == [tensors_digest(tensors)[:16]] * 2
+    assert all(torch.equal(t, load_file(f)[k]) for f in files[1:] for k, t in tensors.items())
+    # the digest reads names and bytes: a changed name, or one changed bit of one tensor, changes it
+    key = sorted(tensors)[0]
+    flipped = tensors[key].clone()
+    flipped.view(torch.uint8).view(-1)[0] ^= 1
+    assert tensors_digest({**tensors, key + "x": tensors[key]}) != tensors_digest(tensors)
+    assert tensors_digest({**tensors, key: flipped}) != tensors_digest(tensors)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

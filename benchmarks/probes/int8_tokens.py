@@ -29,6 +29,9 @@ from speculate.bench.machine import describe, summary
 from speculate.models.fast import FastKVModel
 from speculate.text import encode_prompt, eos_ids
 
+# Records made before this date name a conversion by its cache file's sha256, which differs between two writes of
+# the same tensors (safetensors writes its metadata in a random order); since, by the tensors' (cache.tensors_digest).
+TENSOR_NAMES_SINCE = "2026-12-03"
 MODELS = "smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct,qwen2.5-coder-1.5b-instruct"
 
 
@@ -75,7 +78,8 @@ def compare(path_a: str, path_b: str) -> None:
     a, b = (json.load(open(p)) for p in (path_a, path_b))
     print(f"A: {a['machine']} ({a['cpu_capability']}), {a['date']}\nB: {b['machine']} ({b['cpu_capability']}), "
           f"{b['date']}")
-    for name in a["models"].keys() & b["models"].keys():
+    old = min(a["date"], b["date"]) < TENSOR_NAMES_SINCE
+    for name in sorted(a["models"].keys() & b["models"].keys()):
         ma, mb = a["models"][name], b["models"][name]
         same_tokens = same_bits = 0
         notes = []
@@ -87,7 +91,9 @@ def compare(path_a: str, path_b: str) -> None:
                 notes.append(f"{ra['id']}: first different token at {at} (margin there {ra['margins'][at]} / "
                              f"{rb['margins'][at]})")
         n = len(ma["prompts"])
-        print(f"{name}: conversion {'equal' if ma['weights'] == mb['weights'] else 'DIFFERENT'} "
+        conversion = ("equal" if ma["weights"] == mb["weights"] else "not comparable (a record from before "
+                      f"{TENSOR_NAMES_SINCE} names the cache file)" if old else "DIFFERENT")
+        print(f"{name}: conversion {conversion} "
               f"({ma['weights']} / {mb['weights']}); tokens equal on {same_tokens}/{n} prompts; "
               f"logits bit-equal on {same_bits}/{n}")
         for note in notes:

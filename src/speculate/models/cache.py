@@ -37,6 +37,19 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
+def tensors_digest(tensors: dict) -> str:
+    """sha256 of a set of tensors' names and bytes, in name order: what a conversion computed, independent of how
+    it was serialized. (A safetensors file's own sha256 is not: its metadata is a hash map that safetensors writes
+    in a random order each process, so one conversion saved twice gets one of several file digests.)"""
+    import torch  # (this module otherwise needs no torch)
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(memoryview(tensors[name].contiguous().view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
 def write_manifest(folder: Path, extra: dict | None = None) -> None:
     files = {
         p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}

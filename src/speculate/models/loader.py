@@ -26,7 +26,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from ..errors import SpeculateError, SpeculateWarning  # noqa: E402
-from .cache import MANIFEST, building, cache_root, scratch_prefix, sha256_file, verified  # noqa: E402
+from .cache import MANIFEST, building, cache_root, scratch_prefix, sha256_file, tensors_digest, verified  # noqa: E402
 from .registry import ALIASES, DEFAULT_MODEL, GGUFSource  # noqa: E402
 
 # Weight precisions. int8 loads the fp32 weights, then swaps in smoothed int8 linear layers (quantize.py); q4 swaps
@@ -156,7 +156,7 @@ class LoadedModel:
     name: str
     path: Path
     dtype: str = "fp32"
-    # Which conversion this is, for int8 and q4: "<dtype> <sha256 of the cached tensors, 16 digits>" (a run's
+    # Which conversion this is, for int8 and q4: "<dtype> <cache.tensors_digest, 16 digits>" (a run's
     # records name it: two conversions of one model are two models, bench/runner.py), + " a7" where int8 runs
     # with 7-bit activations (quantize.activation_levels: a CPU without VNNI). None at fp32 and bf16.
     weights: str | None = None
@@ -197,6 +197,9 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = "fp32", progress:
     return loaded
 
 
+DIGEST = "tensors_sha256"  # the quantized cache's metadata key for cache.tensors_digest
+
+
 def _to_quantized(loaded: LoadedModel, name: str, kind: str) -> None:
     """Quantize once (int8: calibrate, smooth, quantize, see quantize.py; q4: the GGUF's blocks, see blocks.py),
     cache the resulting tensors (atomic, checksummed), and rebuild the model from the cache on later loads."""
@@ -216,11 +219,13 @@ def _to_quantized(loaded: LoadedModel, name: str, kind: str) -> None:
     if verified(folder):
         try:
             with safe_open(file, "pt") as f:
-                current = f.metadata() == meta  # written by this version of quantize.py
+                stored = f.metadata() or {}
+            current = {k: v for k, v in stored.items() if k != DIGEST} == meta  # written by this quantize.py
         except Exception:  # an unreadable header: rebuild
             current = False
         if current:
             tensors = load_file(file)
+            digest = stored.get(DIGEST) or tensors_digest(tensors)  # (a cache written before the digest was kept)
     if tensors is None:
         if kind == "int8":
             tensors = quantize.quantize(loaded.model, loaded.tokenizer)
@@ -229,10 +234,12 @@ def _to_quantized(loaded: LoadedModel, name: str, kind: str) -> None:
                 tensors = blocks.build(loaded.model, gguf)
         else:
             tensors = blocks.build(loaded.model, None)
+        digest = tensors_digest(tensors)
         with building(folder) as tmp:
-            save_file(tensors, tmp / f"{kind}.safetensors", metadata=meta)
+            save_file(tensors, tmp / f"{kind}.safetensors", metadata={**meta, DIGEST: digest})
     (quantize if kind == "int8" else blocks).apply(loaded.model, tensors)
-    loaded.weights = f"{kind} {json.loads((folder / MANIFEST).read_text())['files'][file.name]['sha256'][:16]}"
+    # The conversion's name in bench records: its tensors' digest, not the file's (see cache.tensors_digest).
+    loaded.weights = f"{kind} {digest[:16]}"
     if kind == "int8" and quantize.activation_levels() != 127:  # the same weights, other numerics: name them
         loaded.weights += " a7"
 
