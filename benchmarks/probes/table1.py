@@ -1,6 +1,10 @@
 """The paper's Table 1 from one or more `speculate bench` folders (docs/results.md, "Consultant Decoding at scale").
 
     python benchmarks/probes/table1.py RUN_DIR [RUN_DIR ...] [--reference "SD/model k=6"] [--n-resamples 2000]
+        [--samples-of OTHER_RUN_DIR]
+
+``--samples-of`` keeps only the samples that another run holds too: e.g. the int8 records of the problems an fp32
+run of the same methods has reached, to set the two precisions side by side on the same problems.
 
 The folders' records are pooled (e.g. GSM8K 0-99 and 100-199, run on two cores as two folders; a sample in two
 folders is an error), then summarised as the bench report does (paired bootstrap intervals over samples, McNemar's
@@ -63,8 +67,12 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--reference", default="SD/model k=6", help="the method the ÷ columns divide by")
     ap.add_argument("--n-resamples", type=int, default=2000)
+    ap.add_argument("--samples-of", type=Path, help="keep only the samples this run folder holds too")
     args = ap.parse_args()
     records = pooled(args.runs)
+    if args.samples_of:
+        keep = {(r["dataset"], r["id"]) for r in pooled([args.samples_of])}
+        records = [r for r in records if (r["dataset"], r["id"]) in keep]
     rows = summarise(records, n_resamples=args.n_resamples)
     ref = {r["dataset"]: r for r in rows if r["method"] == args.reference}
     print("| dataset | method | samples | quality (normalised) [95 % paired interval] | lost / gained, McNemar p | "
