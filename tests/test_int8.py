@@ -462,9 +462,11 @@ def test_a_conversion_is_named_by_its_tensors_not_by_its_file(tiny_folders, tmp_
     of the converted tensors, so one conversion written twice, or on two machines, has one name. It was the cache
     file's sha256, which differs between writes of the same tensors: safetensors writes its metadata map in a
     random order each process."""
-    from safetensors.torch import load_file
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
 
-    from speculate.models.cache import tensors_digest
+    from speculate.models.cache import building, tensors_digest
+    from speculate.models.loader import DIGEST
 
     names, files = [], []
     for n in range(2):  # two conversions of one model, each into a cache of its own, each in a new process
@@ -478,6 +480,16 @@ def test_a_conversion_is_named_by_its_tensors_not_by_its_file(tiny_folders, tmp_
     tensors = load_file(files[0])
     assert names == [tensors_digest(tensors)[:16]] * 2
     assert all(torch.equal(t, load_file(f)[k]) for f in files[1:] for k, t in tensors.items())
+    # a cache written before the digest was kept in its metadata: named alike, and rewritten with the digest once
+    with safe_open(files[0], "pt") as f:
+        meta = f.metadata()
+    assert meta.pop(DIGEST) == tensors_digest(tensors)
+    with building(files[0].parent) as tmp:
+        save_file(tensors, tmp / files[0].name, metadata=meta)
+    monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path / "0"))
+    assert load_model(str(tiny_folders[0]), dtype="int8").weights.split()[1] == names[0]
+    with safe_open(files[0], "pt") as f:
+        assert f.metadata() == {**meta, DIGEST: tensors_digest(tensors)}
     # the digest reads names and bytes: a changed name, or one changed bit of one tensor, changes it
     key = sorted(tensors)[0]
     flipped = tensors[key].clone()

@@ -215,7 +215,7 @@ def _to_quantized(loaded: LoadedModel, name: str, kind: str) -> None:
     meta = quantize.settings() if kind == "int8" else blocks.settings()
     if name not in ALIASES:  # a local folder: its weights may change under the same path; rebuild then
         meta["source"] = ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in _weight_files(loaded.path))
-    tensors = None
+    tensors = digest = None
     if verified(folder):
         try:
             with safe_open(file, "pt") as f:
@@ -225,7 +225,7 @@ def _to_quantized(loaded: LoadedModel, name: str, kind: str) -> None:
             current = False
         if current:
             tensors = load_file(file)
-            digest = stored.get(DIGEST) or tensors_digest(tensors)  # (a cache written before the digest was kept)
+            digest = stored.get(DIGEST)  # None in a cache written before the digest was kept: rewritten below
     if tensors is None:
         if kind == "int8":
             tensors = quantize.quantize(loaded.model, loaded.tokenizer)
@@ -234,6 +234,7 @@ def _to_quantized(loaded: LoadedModel, name: str, kind: str) -> None:
                 tensors = blocks.build(loaded.model, gguf)
         else:
             tensors = blocks.build(loaded.model, None)
+    if digest is None:
         digest = tensors_digest(tensors)
         with building(folder) as tmp:
             save_file(tensors, tmp / f"{kind}.safetensors", metadata={**meta, DIGEST: digest})
