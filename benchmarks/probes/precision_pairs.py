@@ -11,19 +11,21 @@ per dataset, the problems the method lost or gained against plain in A, in B, an
 """
 
 import argparse
+import math
 from collections import defaultdict
 from pathlib import Path
 
-from speculate.bench.records import read_records
+from speculate.bench.report import _quality
+from table1 import pooled  # (this folder: the script's own, first on sys.path)
 
 
 def outcomes(spec: str) -> dict:
-    """(dataset, id) → method → (solved, token ids), pooled over the comma-separated folders of ``spec``."""
+    """(dataset, id) → method → (1.0 solved / 0.0 not, token ids), pooled over the comma-separated folders of
+    ``spec`` as table1 pools them; pass/fail tasks only (HumanEval, GSM8K): others have no outcome here."""
     table = defaultdict(dict)
-    for folder in spec.split(","):
-        for r in read_records(Path(folder) / "samples.jsonl", repair=False):
-            q = r["quality"]
-            table[r["dataset"], r["id"]][r["method"]] = (q.get("passed", q.get("correct")), r["turns"][0]["token_ids"])
+    for r in pooled([Path(folder) for folder in spec.split(",")]):
+        if not math.isnan(solved := _quality(r, None)):
+            table[r["dataset"], r["id"]][r["method"]] = (solved, r["turns"][0]["token_ids"])
     return table
 
 
@@ -44,7 +46,7 @@ def main() -> None:
     both.sort(key=lambda key: (key[0], int(key[1].replace("-", "/").split("/")[-1])))
     print(f"| problem | A: plain, {args.method} | B: plain, method | plain's tokens A = B | method's tokens A = B |")
     print("| --- | --- | --- | --- | --- |")
-    mark = {True: "✓", False: "✗", None: "?"}
+    mark = {1.0: "✓", 0.0: "✗"}
     for key in both:
         ra, rb = a[key], b[key]
         print(f"| {key[1]} | {mark[ra['plain'][0]]} {mark[ra[args.method][0]]} | {mark[rb['plain'][0]]} "
