@@ -11,7 +11,7 @@ import torch
 from speculate.bench import runner as bench_runner
 from speculate.bench.command import add_arguments, build_config
 from speculate.bench.methods import Method, engine_method, expand_matrix, parse_method
-from speculate.bench.report import summarise
+from speculate.bench.report import summarise, to_markdown
 from speculate.bench.runner import BenchConfig, cut_at_stop, read_records, run_bench
 from speculate.calc.results import predictions
 from speculate.cli import main
@@ -68,6 +68,9 @@ def test_run_writes_every_file_and_resumes(tmp_path, tiny_folders, monkeypatch):
     rows = {(r["method"], r["dataset"]): r for r in json.loads((out / "summary.json").read_text())}
     assert rows[sd.name, "copy"]["identical_to_plain"] == "2/2"  # greedy speculative = plain, token for token
     assert rows["plain", "copy"]["speedup"] == 1.0 and rows["plain", "copy"]["llm_calls_ratio"] == 1.0
+    # every record names the start of the bench that timed it: one start here
+    assert len({r["started"] for r in records}) == 1
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", records[0]["started"])
 
     calls = []
     real_call = bench_runner.Runner.__call__
@@ -204,8 +207,67 @@ def test_summary_arithmetic_on_hand_made_records():
     assert allrow["speedup"] == pytest.approx((24 / 3.0) / (24 / 3.0))
 
 
-def _timed_record(method, dataset, seconds, **stats):
-    return {"method": method, "dataset": dataset, "id": "s0", "turns": [{"seconds": seconds, "stats": stats}]}
+def test_speed_divides_only_seconds_one_start_timed():
+    """A resumed run that adds a method times it in a later start, beside no plain decoding: its seconds are not
+    divided by plain's from the earlier start (another day, maybe another load). Quality still counts them all."""
+    def at(record, started):
+        return {**record, "started": started}
+
+    records = [
+        at(_record("plain", "gsm8k", 0, 10, 1.0, 10, {"correct": True}), "A"),
+        at(_record("plain", "gsm8k", 1, 10, 1.0, 10, {"correct": True}), "A"),
+        at(_record("plain", "gsm8k", 2, 10, 1.0, 10, {"correct": True}), "A"),
+        at(_record("CD", "gsm8k", 0, 10, 0.5, 4, {"correct": True}), "A"),  # 2× plain, timed together
+        at(_record("CD", "gsm8k", 1, 10, 0.5, 4, {"correct": True}), "A"),
+        at(_record("CD", "gsm8k", 2, 10, 0.1, 4, {"correct": False}), "B"),  # 10× plain's seconds of start A
+        *(at(_record("MD", "gsm8k", i, 10, 0.2, 4, {"correct": True}), "B") for i in range(3)),
+    ]
+    rows = {(r["method"], r["dataset"]): r for r in summarise(records, n_resamples=200)}
+    cd, md = rows["CD", "gsm8k"], rows["MD", "gsm8k"]
+    assert cd["speedup"] == pytest.approx(2.0) and cd["timed_samples"] == 2 and cd["samples"] == 3
+    assert cd["speedup_low"] == pytest.approx(2.0) and cd["speedup_high"] == pytest.approx(2.0)
+    assert cd["normalised_quality"] == pytest.approx(2 / 3, abs=1e-4)  # over all three samples
+    assert md["speedup"] is None and md["timed_samples"] == 0 and md["normalised_quality"] == 1.0
+    table = to_markdown(list(rows.values()), {})
+    assert "2.00× [2.00, 2.00] (2 of 3 timed with plain)" in table and "not timed with plain" in table
+    # records from before they named their start pair as they always did
+    old = [{k: v for k, v in r.items() if k != "started"} for r in records]
+    cd_old = {(r["method"], r["dataset"]): r for r in summarise(old, n_resamples=200)}["CD", "gsm8k"]
+    assert cd_old["timed_samples"] == 3 and cd_old["speedup"] == pytest.approx(30 / 1.1 / 10, abs=1e-3)
+
+
+def _timed_record(method, dataset, seconds, id="s0", started=None, **stats):
+    return {"method": method, "dataset": dataset, "id": id, "turns": [{"seconds": seconds, "stats": stats}],
+            **({"started": started} if started else {})}
+
+
+def test_predictions_measure_one_start_against_its_own_calibration():
+    """calc --from-results divides seconds one start timed for both methods, and where run.json names the start
+    that measured a dataset's calibration costs, only that start's samples are set against them."""
+    from speculate.calc.profile import Profile
+
+    prof = Profile({1: 0.1, 2: 0.11, 3: 0.12, 4: 0.2}, model="t", dtype="int8", context=100, draft_seconds=0.04)
+    stats = {"new_tokens": 10, "target_calls": 5, "drafted_tokens": 15, "target_seconds": 0.6, "draft_seconds": 0.9,
+             "first_draft_seconds": 0.3, "prefill_seconds": 0.1, "wall_seconds": 2.0}
+    costs = {"plain": {**stats, "target_calls": 10, "drafted_tokens": 0, "draft_seconds": 0, "first_draft_seconds": 0,
+                       "target_seconds": 1.0, "wall_seconds": 1.2}, "SD": stats}
+    run = {"profile": prof.to_dict(), "dataset_costs": {"a": costs},
+           "methods": {"plain": {"kind": "plain"}, "SD": {"kind": "engine", "drafter": "model", "k": 3}}}
+    sd = dict(new_tokens=40, target_calls=11, drafted_tokens=33, accepted_draft_tokens=27, rejected_rounds=3,
+              prefill_seconds=0.2, prompt_tokens=60, reused_prompt_tokens=0)
+    plain = dict(new_tokens=40, target_calls=40, prefill_seconds=0.2, wall_seconds=4.0)
+    records = [  # s0: both timed by start A (SD 2× plain); s1: both by B (4×); s2: SD by B beside plain by A (10×)
+        _timed_record("plain", "a", 4.0, "s0", "A", **plain),
+        _timed_record("SD", "a", 2.0, "s0", "A", **sd, wall_seconds=2.0),
+        _timed_record("plain", "a", 4.0, "s1", "B", **plain),
+        _timed_record("SD", "a", 1.0, "s1", "B", **sd, wall_seconds=1.0),
+        _timed_record("plain", "a", 4.0, "s2", "A", **plain),
+        _timed_record("SD", "a", 0.4, "s2", "B", **sd, wall_seconds=0.4),
+    ]
+    measured = lambda r: {p["dataset"]: p for p in predictions(r, records)}["a"]["measured"]  # noqa: E731
+    assert measured(run) == pytest.approx(8 / 3, abs=1e-3)  # s0 and s1: 8 s of plain over 3 s; s2 never
+    assert measured({**run, "dataset_costs_started": {"a": "A"}}) == pytest.approx(2.0)
+    assert measured({**run, "dataset_costs_started": {"a": "B"}}) == pytest.approx(4.0)
 
 
 def test_predictions_simple_and_costed_on_constructed_costs():

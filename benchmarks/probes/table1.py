@@ -17,7 +17,8 @@ exact test for pass/fail tasks, the 97 % verdict). Two markdown tables:
   its own int8 model, so pooled folders from two CPUs mean "against the int8 target it verified with":
   docs/benchmarks.md, "Consultant Decoding at scale");
 - speed, per machine (each record names the CPU it ran on, and a run resumed on another CPU would otherwise mix two
-  machines' seconds in one ratio): speedup over plain on the same samples [interval] and ÷ the reference's.
+  machines' seconds in one ratio): speedup over plain on the same samples [interval] and ÷ the reference's; of
+  those, only the samples one start of the bench timed both for (the report's ``timed_samples``).
 """
 
 import argparse
@@ -90,9 +91,11 @@ def main() -> None:
     for machine, group in by_machine(records).items():
         rows = summarise(group, n_resamples=args.n_resamples)
         ref = {r["dataset"]: r for r in rows if r["method"] == args.reference}
-        for r in shown(rows):
-            print(f"| {machine} | {r['dataset']} | {r['method']} | {r['samples']} | {r['speedup']:.2f}× "
-                  f"[{r['speedup_low']:.2f}, {r['speedup_high']:.2f}] | {over(r, ref.get(r['dataset']), 'speedup')} |")
+        for r in shown(rows):  # the samples each method and plain decoding were timed on together
+            if r["speedup"] is not None:
+                print(f"| {machine} | {r['dataset']} | {r['method']} | {r['timed_samples']} | {r['speedup']:.2f}× "
+                      f"[{r['speedup_low']:.2f}, {r['speedup_high']:.2f}] | "
+                      f"{over(r, ref.get(r['dataset']), 'speedup')} |")
 
 
 if __name__ == "__main__":

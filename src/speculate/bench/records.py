@@ -44,6 +44,15 @@ def read_records(path: Path, repair: bool = True) -> list[dict]:
     return records
 
 
+def timed_together(record: dict, other: dict) -> bool:
+    """Whether two records' seconds may be divided: both timed by the same start of ``speculate bench`` (its
+    ``started`` time, in each record since 2026-12-03), so interleaved on one machine under one load. A resumed
+    run whose new start adds a method to samples timed earlier would otherwise divide this start's seconds by
+    plain decoding's from another day (a 1.46× "speedup" for a method as fast as its neighbour, at fp32:
+    docs/benchmarks.md, "At fp32"). Records written before they named their start pair as they always did."""
+    return record.get("started") == other.get("started")
+
+
 def append_record(path: Path, record: dict) -> None:
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -6,7 +6,9 @@ Definitions (all over the samples that every reported method finished, so the me
 the same prompts):
 
 - speedup: tokens/s of the method ÷ tokens/s of ``plain`` (our engine, no drafts) on those samples,
-  measured interleaved in the same run; 95 % percentile-bootstrap interval over samples;
+  measured interleaved in the same run: of a resumed run, only the samples whose method and plain records one
+  start of the bench timed (``timed_samples``; records.timed_together); 95 % percentile-bootstrap interval
+  over samples;
 - LLM-calls ratio: target forwards ÷ new tokens (1.0 for plain decoding); mean acceptance length τ:
   new tokens ÷ target forwards; acceptance by position i: P(draft i kept | drafted);
 - quality: HumanEval pass@1 (sandboxed execution), GSM8K accuracy of the final number; MT-Bench and
@@ -29,12 +31,12 @@ import numpy as np
 from ..models.cache import atomic_write_text
 from ..stats import alpha_mle
 from .metrics import bootstrap_ci, keeps_quality, mcnemar, rouge_l
-from .records import RUN_FILE, SAMPLES_FILE, read_records
+from .records import RUN_FILE, SAMPLES_FILE, read_records, timed_together
 
 QUALITY = {"humaneval": "pass@1", "gsm8k": "accuracy", "mt_bench": "ROUGE-L vs target greedy (proxy)",
            "copy": "ROUGE-L vs target greedy (proxy)"}
 CSV_FIELDS = ["method", "dataset", "samples", "new_tokens", "seconds", "tokens_per_second", "speedup",
-              "speedup_low", "speedup_high", "target_calls", "drafted_tokens", "llm_calls_ratio", "mean_accepted_length", "alpha",
+              "speedup_low", "speedup_high", "timed_samples", "target_calls", "drafted_tokens", "llm_calls_ratio", "mean_accepted_length", "alpha",
               "acceptance_by_position", "quality_metric", "quality", "normalised_quality", "normalised_low",
               "normalised_high", "keeps_97", "discordant", "mcnemar_p", "target_nll", "identical_to_plain", "peak_rss_mb", "machine"]
 MARKDOWN_FIELDS = CSV_FIELDS[:-1]  # the machine is in the markdown's heading
@@ -98,6 +100,7 @@ def summarise(records: list[dict], n_resamples: int = 2000, seed: int = 0) -> li
             sec = np.array([_sum(r, "seconds") for r in recs], float)
             q = np.array([_quality(r, plain[k]) for r, k in zip(recs, keys)])
             idx = np.arange(len(keys))
+            timed = idx[[timed_together(r, plain[k]) for r, k in zip(recs, keys)]]  # speed: one start's pairs
 
             # bootstrap_ci resamples the sample indices (as floats): both measures are ratios of sums over
             # the same resampled prompts, for the method and for plain decoding.
@@ -109,7 +112,8 @@ def summarise(records: list[dict], n_resamples: int = 2000, seed: int = 0) -> li
                 i = i.astype(int)
                 return q[i].mean() / p_q[i].mean() if p_q[i].mean() > 0 else math.nan
 
-            s_lo, s_hi = bootstrap_ci(idx, stat=speed, n_resamples=n_resamples, seed=seed)
+            s_lo, s_hi = bootstrap_ci(timed, stat=speed, n_resamples=n_resamples, seed=seed) if timed.size \
+                else (math.nan, math.nan)
             n_lo, n_hi = bootstrap_ci(idx, stat=normalised, n_resamples=n_resamples, seed=seed)
             calls = sum(_stat(r, "target_calls") for r in recs)
             accepted = sum(_stat(r, "accepted_draft_tokens") for r in recs)
@@ -122,8 +126,9 @@ def summarise(records: list[dict], n_resamples: int = 2000, seed: int = 0) -> li
                 "method": method, "dataset": dataset, "samples": len(keys),
                 "new_tokens": int(tok.sum()), "seconds": round(float(sec.sum()), 3),
                 "tokens_per_second": round(float(tok.sum() / sec.sum()), 3),
-                "speedup": round(float(speed(idx)), 3), "speedup_low": round(float(s_lo), 3),
-                "speedup_high": round(float(s_hi), 3),
+                "speedup": round(float(speed(timed)), 3) if timed.size else None,
+                "speedup_low": round(float(s_lo), 3) if timed.size else None,
+                "speedup_high": round(float(s_hi), 3) if timed.size else None, "timed_samples": int(timed.size),
                 "target_calls": int(calls) if engine else None,
                 "drafted_tokens": int(sum(_stat(r, "drafted_tokens") for r in recs)) if engine else None,
                 "llm_calls_ratio": round(calls / tok.sum(), 4) if engine else None,
@@ -166,6 +171,15 @@ def _table(rows: list[dict], value) -> str:
     return "\n".join(out)
 
 
+def _speedup(row: dict) -> str:
+    """A row's speedup and interval, with how many of its samples it was timed on where that is fewer."""
+    if row["speedup"] is None:
+        return "not timed with plain"
+    fewer = f" ({row['timed_samples']} of {row['samples']} timed with plain)" \
+        if row["timed_samples"] < row["samples"] else ""
+    return f"{row['speedup']:.2f}× [{row['speedup_low']:.2f}, {row['speedup_high']:.2f}]{fewer}"
+
+
 def to_markdown(rows: list[dict], run: dict) -> str:
     s = run.get("settings", {})
     # The machines the samples were measured on (each record names its own: run.json names the latest run's,
@@ -187,8 +201,7 @@ def to_markdown(rows: list[dict], run: dict) -> str:
                   f"Chinchilla estimate: " + (f"{run['eps_chinchilla']:.3f}" if run.get("eps_chinchilla") else "n/a"),
                   ""]
     lines += ["## Speedup and normalised quality (the paper's Table 1)", "",
-              _table(rows, lambda r: f"{r['speedup']:.2f}× [{r['speedup_low']:.2f}, {r['speedup_high']:.2f}]; "
-                                     f"{r['normalised_quality']:.3f}"), "",
+              _table(rows, lambda r: f"{_speedup(r)}; {r['normalised_quality']:.3f}"), "",
               "## Mean acceptance length τ and LLM-calls ratio (Table 13)", "",
               _table(rows, lambda r: "" if r["mean_accepted_length"] is None else
                      f"τ {r['mean_accepted_length']:.2f}; calls {r['llm_calls_ratio']:.3f}"), "",
@@ -216,7 +229,7 @@ def plot(rows: list[dict], run: dict, out: Path) -> list[Path]:
 
     specs = run.get("methods", {})
     made = []
-    allrows = [r for r in rows if r["dataset"] != "all"]
+    allrows = [r for r in rows if r["dataset"] != "all" and r["speedup"] is not None]
 
     def save(fig, name):
         path = out / name

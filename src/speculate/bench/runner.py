@@ -303,17 +303,19 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
     _check_weights(out, previous, weights)
     profile = profile_for(target, draft, progress=progress)
 
+    started = time.strftime("%Y-%m-%d %H:%M:%S")  # this start's: each record names it (records.timed_together)
     run_info = {"settings": {**cfg.fixed(), "datasets": cfg.datasets, "limit": cfg.limit, "skip": cfg.skip,
                              "turns": cfg.turns, "prefix_cache": cfg.prefix_cache},
                 **machine_header(),
                 "torch": torch.__version__, "weights": weights, "profile": profile.to_dict(),
-                "started": previous.get("started") or time.strftime("%Y-%m-%d %H:%M:%S"),
+                "started": previous.get("started") or started,
                 "methods": {m.name: m.to_dict() for m in methods}}
     if any(m.eps == "auto" for m in methods):
         run_info["eps_auto"] = round(calibrate_eps(target), 4)
         run_info["eps_chinchilla"] = chinchilla_eps(target)
     run_info["methods"] = {**previous.get("methods", {}), **run_info["methods"]}
-    for key in ("costs", "dataset_costs"):  # earlier starts' calibrations (costs: before the per-dataset ones)
+    # Earlier starts' calibrations (costs: before the per-dataset ones), and which start measured each dataset's.
+    for key in ("costs", "dataset_costs", "dataset_costs_started"):
         if previous.get(key):
             run_info[key] = previous[key]
     atomic_write_text(out / RUN_FILE, json.dumps(run_info, indent=2) + "\n")
@@ -344,6 +346,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
         # This start's pooled costs replace an earlier start's (a resumed run may be on another machine).
         run_info.setdefault("dataset_costs", {}).setdefault(sample.dataset, {}).update(
             {name: pool(c) for name, c in costs[sample.dataset].items()})
+        # (and which start measured them: calc --from-results sets them against that start's samples only)
+        run_info.setdefault("dataset_costs_started", {})[sample.dataset] = started
         atomic_write_text(out / RUN_FILE, json.dumps(run_info, indent=2) + "\n")
 
     bar = tqdm(total=len(samples) * len(methods), initial=len(samples) * len(methods) - len(todo),
@@ -363,6 +367,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
                 continue
             record = run_sample(runners[name], sample, cfg)
             record["machine"] = run_info["machine"]  # each record: a run may be resumed on another machine
+            record["started"] = started  # and by another start: only one start's seconds are divided
             append_record(path, record)
             bar.update(1)
             bar.set_postfix_str(f"{sample.dataset} {sample.id} {name}", refresh=False)

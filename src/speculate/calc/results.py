@@ -29,13 +29,15 @@ geometric MLE, :func:`~speculate.stats.alpha_mle`) and costs measured apart from
   - P_draft: the draft model's prefill of every prompt (inside its first proposal), at the profile's rate
     per token, over the prompt tokens the cache did not keep.
 
-The measured speedup is tokens/s over plain's tokens/s on the same samples, as the report's.
+The measured speedup is tokens/s over plain's tokens/s on the same samples (those one start of the bench timed for
+both: bench/records.timed_together), as the report's.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
+from ..bench.records import timed_together
 from ..stats import alpha_mle
 from .profile import Profile
 from .speedup import expected_tokens, speedup
@@ -161,8 +163,16 @@ def predictions(run: dict, records: list[dict], costs_from: str = "calibration")
             continue
         drafts_with_model = spec.get("drafter") in MODEL_DRAFTERS
         rows = {}  # dataset → (tokens, seconds, plain's tokens, plain's seconds, predicted seconds, α, k)
+        used = {}  # dataset → the method's records those rows count
         for d in datasets:
-            ids = sorted(set(by.get((method, d), {})) & set(by.get(("plain", d), {})))
+            # The samples whose seconds one start timed for both, and, where the run names the start that measured
+            # this dataset's calibration costs, that start's only: a resumed run's latest calibration prices its
+            # own samples, not an earlier start's on another machine or under another load.
+            costs_start = run.get("dataset_costs_started", {}).get(d)
+            ids = sorted(i for i in set(by.get((method, d), {})) & set(by.get(("plain", d), {}))
+                         if timed_together(by[method, d][i], by["plain", d][i])
+                         and (costs_from == "samples" or costs_start is None
+                              or by[method, d][i].get("started") == costs_start))
             recs, plain = [by[method, d][i] for i in ids], [by["plain", d][i] for i in ids]
             rounds, drafted = _total(recs, "target_calls"), _total(recs, "drafted_tokens")
             alpha = alpha_mle(_total(recs, "accepted_draft_tokens"), _total(recs, "rejected_rounds"))
@@ -178,10 +188,11 @@ def predictions(run: dict, records: list[dict], costs_from: str = "calibration")
             predicted = None if cost is None else predict_seconds(recs, plain, alpha, k, cost, prof, drafts_with_model)
             rows[d] = (_total(recs, "new_tokens"), _seconds(recs), _total(plain, "new_tokens"), _seconds(plain),
                        predicted, alpha, k)
+            used[d] = recs
         if len(rows) > 1:  # every dataset at its own contexts, α and k; the seconds summed
             sums = [sum(v[i] for v in rows.values()) for i in range(4)]
             predicted = None if any(v[4] is None for v in rows.values()) else sum(v[4] for v in rows.values())
-            recs = [r for d in rows for r in by[method, d].values()]
+            recs = [r for d in rows for r in used[d]]
             alpha = alpha_mle(_total(recs, "accepted_draft_tokens"), _total(recs, "rejected_rounds"))
             rows["all"] = (*sums, predicted, alpha, _k(spec, _total(recs, "drafted_tokens"),
                                                         _total(recs, "target_calls")))
