@@ -7,7 +7,8 @@ ms per target call and as a ratio over plain decoding's. ``--base``: each method
 the same samples (total tokens/s ÷ total tokens/s), with a 95 % bootstrap interval over samples (2,000
 resamples, seed 0) and on how many samples it was faster. ``--compare``: generations token-identical
 between the two runs, and each method's total seconds in both. ``--per-sample``: each sample's speedup
-over plain decoding.
+over plain decoding. Speeds divide only seconds one start of the bench timed for both methods (a resumed run's
+later start: bench/records.timed_together).
 """
 
 import argparse
@@ -16,13 +17,15 @@ import json
 import random
 from pathlib import Path
 
+from speculate.bench.records import timed_together
+
 
 def load(run: Path) -> dict:
-    """(method, dataset, id) → the first turn's record."""
+    """(method, dataset, id) → the first turn's record, with the record's start of the bench (``started``)."""
     out = {}
     for line in (run / "samples.jsonl").read_text().splitlines():
         r = json.loads(line)
-        out[r["method"], r["dataset"], r["id"]] = r["turns"][0]
+        out[r["method"], r["dataset"], r["id"]] = {**r["turns"][0], "started": r.get("started")}
     return out
 
 
@@ -36,10 +39,12 @@ def totals(rec: dict) -> None:
         a[3] += t["stats"]["target_calls"]
     plain = agg["plain"]
     plain_decode = plain[0] / (plain[1] - plain[2])
+    one_start = len({t["started"] for t in rec.values()}) == 1  # else totals over other samples: use --base
     for method, (tokens, seconds, prefill, calls) in agg.items():
         decode = tokens / (seconds - prefill)
+        over = f"{decode / plain_decode:.2f}x plain" if one_start else "several starts: see --base plain"
         print(f"{method:45s} {seconds:8.1f} s, prefill {prefill / seconds:5.1%}, decoding {decode:6.2f} tokens/s "
-              f"({decode / plain_decode:.2f}x plain), {1e3 * (seconds - prefill) / calls:.0f} ms per target call")
+              f"({over}), {1e3 * (seconds - prefill) / calls:.0f} ms per target call")
 
 
 def paired(rec: dict, base: str) -> None:
@@ -49,8 +54,12 @@ def paired(rec: dict, base: str) -> None:
     rng = random.Random(0)
     methods = sorted({m for v in samples.values() for m in v} - {base, "plain"})
     for dataset in sorted({d for d, _ in samples}) + ["all"]:
-        keys = [k for k in samples if dataset in ("all", k[0])]
         for m in methods:
+            keys = [k for k in samples if dataset in ("all", k[0]) and m in samples[k] and base in samples[k]
+                    and timed_together(rec[(m, *k)], rec[(base, *k)])]
+            if not keys:
+                continue
+
             def ratio(ks):
                 a = sum(samples[k][m][0] for k in ks) / sum(samples[k][m][1] for k in ks)
                 return a / (sum(samples[k][base][0] for k in ks) / sum(samples[k][base][1] for k in ks))
@@ -62,8 +71,8 @@ def paired(rec: dict, base: str) -> None:
 
 def per_sample(rec: dict) -> None:
     for (method, dataset, sid), t in sorted(rec.items(), key=lambda kv: kv[0][1:]):
-        if method != "plain":
-            p = rec["plain", dataset, sid]
+        p = rec.get(("plain", dataset, sid))
+        if method != "plain" and p and timed_together(t, p):
             print(f"{sid:14s} {method:45s} {(t['new_tokens'] / t['seconds']) / (p['new_tokens'] / p['seconds']):.2f}x")
 
 
