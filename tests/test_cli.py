@@ -171,3 +171,62 @@ def test_unwritable_outputs_are_one_line_before_any_model_loads(tmp_path, capsys
     (run / "samples.jsonl").write_text('{"method": 5}\n')
     assert main(["calc", "--from-results", str(run)]) == 2
     assert "not a result record" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ issue 35
+def _subparsers():
+    import argparse
+
+    from speculate.cli import _parser
+
+    p = _parser()
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices
+
+
+def test_every_flag_of_every_subcommand_has_help_and_shows_its_default():
+    import argparse
+
+    subcommands = _subparsers()
+    assert {"generate", "serve", "bench", "calc", "train-heads", "train-answers"} <= set(subcommands)
+    for name, parser in subcommands.items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            flag = f"{name} {'/'.join(action.option_strings) or action.dest}"
+            assert (action.help or "").strip(), f"{flag} has no help"
+            default = action.default
+            if default is None or default is argparse.SUPPRESS:
+                continue
+            shown = formatter._expand_help(action)  # the text --help prints for it
+            if isinstance(default, bool):
+                assert "default" in shown, f"{flag}: {shown!r} does not say its default"
+            else:
+                forms = {str(default)} | ({f"{default:g}"} if isinstance(default, float) else set())
+                assert any(form in shown for form in forms), f"{flag}: {shown!r} does not show {default!r}"
+    shown = subcommands["generate"].format_help()
+    assert "(default: 1.0)" in shown and "(default: 256)" in shown  # --top-p, --max-new-tokens
+
+
+def test_stats_line_names_the_draft_positions_it_shows():
+    from speculate.cli import stats_line
+    from speculate.stats import Stats
+
+    s = Stats(new_tokens=16, wall_seconds=1.0)
+    s.record(12, 12)  # a copy 12 long, accepted whole
+    s.record(3, 1)  # then one of 3, its first kept
+    line = stats_line("lookup/greedy k=6", s, 6)
+    assert line.endswith("2 target calls, 8.00 tokens per call, acceptance by draft position (1..12, past k = 6: "
+                         "this drafter's copies grow longer than k) [1.0, 0.5, 0.5" + ", 1.0" * 9 + "]"), line
+    s = Stats(new_tokens=3, wall_seconds=1.0)
+    s.record(2, 1)
+    assert stats_line("lookup/greedy k=6", s, 6).endswith("acceptance by draft position (1..2) [1.0, 0.0]")
+    assert stats_line("plain", Stats(new_tokens=3, target_calls=3, wall_seconds=1.0), 6).endswith("no drafts")
+
+
+def test_generate_prints_the_stats_line(tiny_folders, capsys):
+    assert main(["generate", "abc abc abc", "--model", str(tiny_folders[0]), "--no-chat", "--max-new-tokens", "12",
+                 "--drafter", "lookup", "--k", "2"]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("[lookup/greedy k=2] 12 tokens in ") and "acceptance by draft position (1.." in line, line

@@ -104,7 +104,23 @@ def _check_verifier_params(args) -> None:
         raise SpeculateError(str(e)) from None
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each flag's default in its help: ``(default: VALUE)`` where the help does not already say it (``off`` for a
+    switch)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.option_strings and action.default not in (None, argparse.SUPPRESS)
+                and "default" not in text and "%(default)" not in text):
+            text += " (default: off)" if action.default is False else " (default: %(default)s)"
+        return text
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)  # (every subcommand's parser too)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):  # one line, not usage + message
         raise SpeculateError(message)
 
@@ -142,9 +158,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--k", type=_k_arg, default=6, help=K_AUTO_HELP)
     _add_verifier_params(g)  # --eps, --beta, --delta, --D, ...: each verifier's declared parameters
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) means greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: draw from the fewest most likely tokens whose probabilities add up to "
+                        "TOP_P, in (0, 1]; 1 means off")
     g.add_argument("--top-k", type=int, default=0, help="0 (default) means off")
-    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--max-new-tokens", type=int, default=256,
+                   help="the most tokens to generate (the prompt and these must fit the model's context window)")
     g.add_argument("--seed", type=int, help="seed for every random draw (reproducible runs)")
     g.add_argument("--stop", action="append", help="stop string (repeatable); not included in the output")
     g.add_argument("--dtype", default="auto", choices=list(CHOICES), help=DTYPE_HELP)
@@ -189,7 +208,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="prompt tokens a joining request feeds per round, so that a long prompt does not stall the "
                         "others (default 128)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
-                   help="largest accepted request body; larger is 413 (default 1 MiB)")
+                   help="largest accepted request body in bytes; larger is 413 (default 1048576: 1 MiB)")
     s.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a client has to send a request's headers, from connecting or from its previous "
                         "response; then the connection is closed (default 10)")
@@ -205,7 +224,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt whole in a fresh decoder (default: decoders are kept between "
                         "requests and a prompt reuses the KV of the prefix it shares with an earlier one)")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the server's log messages shown, from this level up")
 
     from .calc.command import add_arguments as add_calc_arguments
 
@@ -239,6 +259,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def stats_line(method: str, s, k) -> str:
+    """``generate``'s speed statistics on one line. Acceptance is by draft position 1..N, N the longest draft seen:
+    past k where a drafter drafts longer copies than k (lookup, retrieval)."""
+    acc = [round(a, 2) for a in s.acceptance_by_position]
+    past = f", past k = {k}: this drafter's copies grow longer than k" if isinstance(k, int) and len(acc) > k else ""
+    where = f"acceptance by draft position (1..{len(acc)}{past}) {acc}" if acc else "no drafts"
+    return (f"[{method}] {s.new_tokens} tokens in {s.wall_seconds:.2f} s ({s.tokens_per_second:.1f} tokens/s), "
+            f"{s.target_calls} target calls, {s.mean_accepted_length:.2f} tokens per call, {where}")
+
+
 def _generate(args) -> int:
     from .models import load_model
     from .spec import SpeculativeSpec, build_decoder
@@ -267,12 +297,7 @@ def _generate(args) -> int:
                           "stats": gen.stats.to_dict()}))
         return 0
     print(("" if args.stream else gen.text), flush=True)
-    s = gen.stats
-    method = spec.with_verifier(args.temperature == 0).label()
-    print(f"\n[{method}] {s.new_tokens} tokens in {s.wall_seconds:.2f} s "
-          f"({s.tokens_per_second:.1f} tokens/s), {s.target_calls} target calls, "
-          f"{s.mean_accepted_length:.2f} tokens per call, acceptance by position "
-          f"{[round(a, 2) for a in s.acceptance_by_position]}", file=sys.stderr)
+    print("\n" + stats_line(spec.with_verifier(args.temperature == 0).label(), gen.stats, spec.k), file=sys.stderr)
     return 0
 
 

@@ -91,7 +91,8 @@ def add_arguments(parser) -> None:
                              "(default 1,0.1: EAGLE-1's)")
     parser.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints (default 200)")
     parser.add_argument("--fp32", action="store_true", help="store the heads in fp32 (default fp16: half the size)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the heads' initial weights and of the training batches' order")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
