@@ -209,6 +209,33 @@ def test_every_flag_of_every_subcommand_has_help_and_shows_its_default():
     assert "(default: 1.0)" in shown and "(default: 256)" in shown  # --top-p, --max-new-tokens
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "-0.5"], "temperature must be a finite number >= 0, got -0.5"),
+    (["--top-p", "2"], "top_p must be in (0, 1], got 2.0"),
+    (["--top-k", "-3"], "top_k must be >= 0, got -3"),
+    (["--seed", "-1", "--temperature", "0.7"], "seed must be an integer in [0, 2^63), got -1"),
+    (["--seed", str(2**63)], "seed must be an integer in [0, 2^63)"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens"),
+    (["--stream", "--json"], "choose one"),
+])
+def test_bad_sampling_flags_are_refused_before_the_model_loads(tmp_path, monkeypatch, capsys, args, message):
+    """The default model, an empty cache: a bad flag is one line and exit 2, and nothing was converted or
+    loaded into the cache (it stays empty)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("SPECULATE_CACHE", str(cache))
+    assert main(["generate", "hi", *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("speculate: error: ") and message in lines[0], lines
+    assert list(cache.iterdir()) == []
+
+
+def test_bad_sampling_flag_in_a_real_process_is_one_line(tmp_path):
+    r = run("generate", "hi", "--top-p", "2", env={"SPECULATE_CACHE": str(tmp_path)})
+    assert r.returncode == 2 and r.stderr.strip() == "speculate: error: top_p must be in (0, 1], got 2.0"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_stats_line_names_the_draft_positions_it_shows():
     from speculate.cli import stats_line
     from speculate.stats import Stats

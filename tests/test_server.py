@@ -324,6 +324,29 @@ def test_bad_inputs_get_4xx_with_an_openai_error_object(served):
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3  # greedy: no early EOS to draw
 
 
+def test_a_seed_follows_one_rule_on_the_command_line_and_in_a_request(served, capsys):
+    """sampling.check_seed for both: a negative seed (the same draws as its 2^64 complement) or one of 2^63 and more
+    is a 400 in a request and one line, exit 2, from `speculate generate` (before its model loads); 0 and 2^63 - 1
+    are taken by both."""
+    from speculate.sampling import check_seed
+
+    for seed in (-1, 2**63):
+        with pytest.raises(ValueError) as refused:
+            check_seed(seed)
+        r = post(served, "/v1/completions", {"model": served.model, "prompt": "hi", "max_tokens": 2, "seed": seed,
+                                             "temperature": 0.7})
+        assert r.status_code == 400 and r.json()["error"]["message"] == f"seed: {refused.value}", r.text
+        assert main(["generate", "hi", "--model", served.model, "--seed", str(seed), "--temperature", "0.7"]) == 2
+        assert capsys.readouterr().err.strip() == f"speculate: error: {refused.value}"
+    for seed in (0, 2**63 - 1):
+        r = post(served, "/v1/completions", {"model": served.model, "prompt": "hi", "max_tokens": 2, "seed": seed,
+                                             "temperature": 0.7})
+        assert r.status_code == 200, r.text
+        assert main(["generate", "hi", "--model", served.model, "--seed", str(seed), "--temperature", "0.7",
+                     "--max-new-tokens", "2"]) == 0
+    capsys.readouterr()
+
+
 def test_metrics_add_up(served):
     before = scrape(served.url)
     usages, stats = [], []

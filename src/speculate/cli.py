@@ -164,7 +164,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="0 (default) means off")
     g.add_argument("--max-new-tokens", type=int, default=256,
                    help="the most tokens to generate (the prompt and these must fit the model's context window)")
-    g.add_argument("--seed", type=int, help="seed for every random draw (reproducible runs)")
+    g.add_argument("--seed", type=int, help="seed for every random draw (reproducible runs), in [0, 2^63) as a "
+                                            "server request's (default: a random one)")
     g.add_argument("--stop", action="append", help="stop string (repeatable); not included in the output")
     g.add_argument("--dtype", default="auto", choices=list(CHOICES), help=DTYPE_HELP)
     g.add_argument("--draft-dtype", choices=list(CHOICES), help="the draft model's precision (default: --dtype)")
@@ -271,8 +272,11 @@ def stats_line(method: str, s, k) -> str:
 
 def _generate(args) -> int:
     from .models import load_model
+    from .sampling import Sampling, check_seed
     from .spec import SpeculativeSpec, build_decoder
 
+    Sampling(args.temperature, args.top_p, args.top_k)  # (their checks, before any model loads)
+    check_seed(args.seed)
     if args.max_new_tokens < 0:
         raise SpeculateError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not args.prompt.strip():

@@ -33,6 +33,17 @@ class Sampling:
         return self.temperature == 0
 
 
+SEED_END = 2**63  # seeds are 0 <= seed < 2^63: a negative seed would draw as its 2^64 complement does
+
+
+def check_seed(seed: int | None) -> int | None:
+    """The one rule for a seed given by a user, ``speculate generate --seed`` and a request's ``seed`` alike: None
+    (a random seed), or an integer in [0, 2^63)."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_END):
+        raise SpeculateError(f"seed must be an integer in [0, 2^63), got {seed!r}")
+    return seed
+
+
 TINY_TEMPERATURE = 1e-30  # far below any meaningful temperature, far above float32's smallest normal (1.2e-38)
 
 

@@ -12,6 +12,7 @@ from pydantic_core import PydanticCustomError
 
 from ..drafters import ALL_DRAFTERS, check_name
 from ..errors import SpeculateError
+from ..sampling import check_seed
 from ..draft_length import parse_k
 from ..text import ROLES, check_unicode
 from ..verifiers import PARAMS, VERIFIERS, check_params, param_help
@@ -84,7 +85,7 @@ class _Common(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = None  # not OpenAI's; vLLM's and llama.cpp's servers take it too (None, 0 or -1: off)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)  # (negative seeds meant the same as their 2^64 complement)
+    seed: int | None = None  # sampling.check_seed: the command line's rule
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -93,6 +94,14 @@ class _Common(BaseModel):
     logit_bias: dict | None = None
     user: str | None = None
     speculative: SpeculativeSettings | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, seed):
+        try:
+            return check_seed(seed)
+        except SpeculateError as e:
+            raise PydanticCustomError("invalid_value", "{message}", {"message": str(e)}) from None
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
