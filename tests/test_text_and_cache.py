@@ -167,3 +167,45 @@ def test_a_build_removes_what_dead_builds_left(tmp_path):
     with building(folder) as tmp:
         (tmp / "a.txt").write_text("a")
     assert verified(folder) and not any(d.exists() for d in left) and all(d.exists() for d in kept + [recent])
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_conversion_shows_one_progress_bar_and_restores_the_setting(tmp_path, monkeypatch, capsys, enabled):
+    """The GGUF conversion (loader._convert_gguf, here on a tiny model standing in for the GGUF reader's) turns
+    transformers' progress bars off while it runs ("Loading weights", "Writing model shards": the GGUF reader's own
+    bar is the only one), and gives them back as they were, also when it fails."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    from speculate.models import loader
+    from speculate.models.tiny import tiny_model
+
+    seen = []
+
+    def model_from_gguf(*args, **kwargs):
+        seen.append(hf_logging.is_progress_bar_enabled())
+        return tiny_model()
+
+    def tokenizer_from_gguf(*args, **kwargs):
+        seen.append(hf_logging.is_progress_bar_enabled())
+        return tiny_tokenizer()
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", model_from_gguf)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tokenizer_from_gguf)
+    before = hf_logging.is_progress_bar_enabled()
+    try:
+        (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+        loader._convert_gguf(tmp_path / "model.gguf", tmp_path / "out")
+        assert (tmp_path / "out" / "config.json").is_file()
+        assert seen == [False, False] and "Writing model shards" not in capsys.readouterr().err
+        assert hf_logging.is_progress_bar_enabled() is enabled
+
+        def fails(*args, **kwargs):
+            raise OSError("a damaged GGUF")
+
+        monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fails)
+        with pytest.raises(OSError):
+            loader._convert_gguf(tmp_path / "model.gguf", tmp_path / "out2")
+        assert hf_logging.is_progress_bar_enabled() is enabled
+    finally:
+        (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()

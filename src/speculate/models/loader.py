@@ -365,14 +365,22 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The GGUF loader marks the model as quantized, which save_pretrained refuses; the weights are
-    # already dequantized into plain fp32 tensors, so drop the marker.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    # One progress bar: the GGUF reader's own (de-quantizing the tensors, most of the time); not transformers'
+    # "Loading weights" and "Writing model shards" besides it. Its setting is restored afterwards.
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The GGUF loader marks the model as quantized, which save_pretrained refuses; the weights are
+        # already dequantized into plain fp32 tensors, so drop the marker.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
