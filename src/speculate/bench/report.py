@@ -40,6 +40,7 @@ CSV_FIELDS = ["method", "dataset", "samples", "new_tokens", "seconds", "tokens_p
               "acceptance_by_position", "quality_metric", "quality", "normalised_quality", "normalised_low",
               "normalised_high", "keeps_97", "discordant", "mcnemar_p", "target_nll", "identical_to_plain", "peak_rss_mb", "machine"]
 MARKDOWN_FIELDS = CSV_FIELDS[:-1]  # the machine is in the markdown's heading
+TARGET_SCORED_0 = "n/a (the target scored 0)"  # a normalised quality over a target quality of 0
 
 
 def _quality(record: dict, plain: dict | None) -> float:
@@ -177,7 +178,22 @@ def _speedup(row: dict) -> str:
         return "not timed with plain"
     fewer = f" ({row['timed_samples']} of {row['samples']} timed with plain)" \
         if row["timed_samples"] < row["samples"] else ""
-    return f"{row['speedup']:.2f}× [{row['speedup_low']:.2f}, {row['speedup_high']:.2f}]{fewer}"
+    interval = "[no interval: one sample]" if math.isnan(row["speedup_low"]) else \
+        f"[{row['speedup_low']:.2f}, {row['speedup_high']:.2f}]"
+    return f"{row['speedup']:.2f}× {interval}{fewer}"
+
+
+def _normalised(row: dict) -> str:
+    q = row["normalised_quality"]
+    return TARGET_SCORED_0 if math.isnan(q) else f"{q:.3f}"
+
+
+def _cell(row: dict, field: str) -> str:
+    """A cell of the table of every measure: empty for None, n/a for a measure that has no value (nan)."""
+    value = row[field]
+    if isinstance(value, float) and math.isnan(value):
+        return TARGET_SCORED_0 if field == "normalised_quality" else "n/a"
+    return "" if value is None else str(value)
 
 
 def to_markdown(rows: list[dict], run: dict) -> str:
@@ -201,13 +217,13 @@ def to_markdown(rows: list[dict], run: dict) -> str:
                   f"Chinchilla estimate: " + (f"{run['eps_chinchilla']:.3f}" if run.get("eps_chinchilla") else "n/a"),
                   ""]
     lines += ["## Speedup and normalised quality (the paper's Table 1)", "",
-              _table(rows, lambda r: f"{_speedup(r)}; {r['normalised_quality']:.3f}"), "",
+              _table(rows, lambda r: f"{_speedup(r)}; {_normalised(r)}"), "",
               "## Mean acceptance length τ and LLM-calls ratio (Table 13)", "",
               _table(rows, lambda r: "" if r["mean_accepted_length"] is None else
                      f"τ {r['mean_accepted_length']:.2f}; calls {r['llm_calls_ratio']:.3f}"), "",
               "## Every measure", "", "| " + " | ".join(MARKDOWN_FIELDS) + " |", "|---" * len(MARKDOWN_FIELDS) + "|"]
     for r in rows:
-        lines.append("| " + " | ".join("" if r[f] is None else str(r[f]) for f in MARKDOWN_FIELDS) + " |")
+        lines.append("| " + " | ".join(_cell(r, f) for f in MARKDOWN_FIELDS) + " |")
     return "\n".join(lines) + "\n"
 
 

