@@ -44,8 +44,8 @@ def noisy_copy(loaded, scale: float, seed: int = 123):
 
 @pytest.fixture(scope="session")
 def default_model():
-    """The embedded default (SmolLM2-135M-Instruct), converted once into the cache."""
-    return load_model()
+    """The embedded default (SmolLM2-135M-Instruct) at fp32, converted once into the cache."""
+    return load_model(dtype="fp32")
 
 
 def assert_chains_equal_one_token(kv, ids):

@@ -102,8 +102,8 @@ def test_a_run_resumes_only_with_the_weights_it_was_made_with(tmp_path, tiny_fol
     out = run_bench(cfg, progress=False)
     run_file = out / "run.json"
     weights = json.loads(run_file.read_text())["weights"]
-    # (" a7": a CPU whose int8 kernel needs 7-bit activations, quantize.activation_levels)
-    assert weights["draft"] is None and re.fullmatch(r"int8 [0-9a-f]{16}( a7)?", weights["target"])
+    # (" x2": two activation rows; " a7": a CPU whose int8 kernel needs 7-bit activations, quantize.activation_levels)
+    assert weights["draft"] is None and re.fullmatch(r"int8 [0-9a-f]{16} x2( a7)?", weights["target"])
     run_bench(cfg, progress=False)  # the same conversion: resumes
     info = json.loads(run_file.read_text())
     run_file.write_text(json.dumps({**info, "weights": {**weights, "target": "int8 0123456789abcdef"}}))

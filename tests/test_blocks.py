@@ -48,12 +48,23 @@ def random_blocks(kind: str, rows: int, k: int, seed: int) -> torch.Tensor:
     return raw.reshape(rows, -1)
 
 
-def reference(blocks_: torch.Tensor, kind: str, x: torch.Tensor, bias=None, residual=None) -> torch.Tensor:
-    """kernels/blocks.c's arithmetic in PyTorch float32 ops, each one rounding as the C code's."""
-    if kind in ("Q4_K", "Q6_K"):
-        return k_reference(blocks_, kind, x, bias, residual)
-    rows, k = x.shape
-    nb = k // 32
+def reference(blocks_: torch.Tensor, kind: str, x: torch.Tensor, bias=None, residual=None, passes: int = 2) -> torch.Tensor:
+    """kernels/blocks.c's arithmetic in PyTorch float32 ops, each one rounding as the C code's: the row's own
+    quantized product, plus (two passes) that of the rest the quantization missed, then the bias and the residual."""
+    fold = k_fold if kind in ("Q4_K", "Q6_K") else block_fold
+    qa, da = activations(x)
+    y = fold(blocks_, kind, qa, da)
+    if passes == 2:
+        rest = x.reshape(qa.shape) - da[..., None] * qa.float()  # (a product, then a difference: each rounded)
+        y = y + fold(blocks_, kind, *activations(rest.reshape(x.shape)))
+    if bias is not None:
+        y = y + bias
+    return y if residual is None else residual + y
+
+
+def block_fold(blocks_: torch.Tensor, kind: str, qa: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    """Q4_0 / Q4_1 / Q8_0: the exact integer dots of each block, folded in block order."""
+    rows, nb = da.shape
     size = blocks.TYPES[kind][2]
     b = blocks_.reshape(-1, nb, size)
     dw = b[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # [out, nb]
@@ -64,12 +75,6 @@ def reference(blocks_: torch.Tensor, kind: str, x: torch.Tensor, bias=None, resi
         qs = b[..., 4:] if kind == "Q4_1" else b[..., 2:]
         qw = torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()
         mw = b[..., 2:4].contiguous().view(torch.float16).float()[..., 0] if kind == "Q4_1" else None
-    # Activations: int8 per block of 32, d = max|x| / 127, round half to even.
-    xb = x.reshape(rows, nb, 32)
-    amax = xb.abs().amax(-1)
-    da = amax / 127
-    inv = torch.where(amax != 0, 127 / amax, torch.zeros_like(amax))
-    qa = torch.round(xb * inv[..., None]).long()
     sums = qa.sum(-1)
     dots = (qw[None] * qa[:, None]).sum(-1)  # [rows, out, nb], exact integers
     if kind == "Q4_0":
@@ -80,12 +85,7 @@ def reference(blocks_: torch.Tensor, kind: str, x: torch.Tensor, bias=None, resi
         acc = acc + dots[:, :, j].float() * (dw[None, :, j] * da[:, None, j])
         if kind == "Q4_1":
             mt = mt + mw[None, :, j] * (da[:, j] * sums[:, j].float())[:, None]
-    y = acc + mt if kind == "Q4_1" else acc
-    if bias is not None:
-        y = y + bias
-    if residual is not None:
-        y = residual + y
-    return y
+    return acc + mt if kind == "Q4_1" else acc
 
 
 def activations(x: torch.Tensor):
@@ -97,12 +97,11 @@ def activations(x: torch.Tensor):
     return torch.round(xb * inv[..., None]).long(), amax / 127
 
 
-def k_reference(raw: torch.Tensor, kind: str, x: torch.Tensor, bias=None, residual=None) -> torch.Tensor:
+def k_fold(raw: torch.Tensor, kind: str, qa: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     """The K types' arithmetic (kernels/blocks.c, "K types"), from the fields the kernel reads."""
     v = blocks.k_integers(blocks.fields(raw, kind), kind)
     qw = v["q"].long()  # [out, nb, 32]
-    qa, da = activations(x)  # [rows, nb, 32], [rows, nb]
-    acc = torch.zeros(x.shape[0], qw.shape[0])
+    acc = torch.zeros(qa.shape[0], qw.shape[0])
     mt = torch.zeros_like(acc)
     for j in range(qw.shape[1]):
         if kind == "Q4_K":
@@ -113,10 +112,7 @@ def k_reference(raw: torch.Tensor, kind: str, x: torch.Tensor, bias=None, residu
             for half, scale in ((slice(0, 16), "dlo"), (slice(16, 32), "dhi")):
                 dots = (qw[None, :, j, half] * qa[:, None, j, half]).sum(-1) - 32 * qa[:, None, j, half].sum(-1)
                 acc = acc + dots.float() * (v[scale][None, :, j] * da[:, None, j])
-    y = acc + mt if kind == "Q4_K" else acc
-    if bias is not None:
-        y = y + bias
-    return y if residual is None else residual + y
+    return acc + mt if kind == "Q4_K" else acc
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -130,11 +126,14 @@ def test_kernel_reproduces_its_arithmetic_exactly_on_random_blocks(kind):
         x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4
         x[0, :32] = 0  # an all-zero block: its scale is 0
         bias, residual = torch.randn(out, generator=g), torch.randn(rows, out, generator=g)
-        layer = blocks.BlockLinear(w, kind, k, bias)
-        assert torch.equal(layer.matmul_2d(x), reference(w, kind, x, bias)), (kind, rows, out, k)
-        assert torch.equal(layer.add_matmul_2d(residual, x), reference(w, kind, x, bias, residual))
-        plain = blocks.BlockLinear(w, kind, k)
-        assert torch.equal(plain(x), reference(w, kind, x))
+        for passes in (2, 1):
+            layer = blocks.BlockLinear(w, kind, k, bias)
+            layer.passes = passes
+            assert torch.equal(layer.matmul_2d(x), reference(w, kind, x, bias, passes=passes)), (kind, rows, out, k)
+            assert torch.equal(layer.add_matmul_2d(residual, x), reference(w, kind, x, bias, residual, passes))
+            plain = blocks.BlockLinear(w, kind, k)
+            plain.passes = passes
+            assert torch.equal(plain(x), reference(w, kind, x, passes=passes))
 
 
 @pytest.mark.parametrize("kind", KINDS)

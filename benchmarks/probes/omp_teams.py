@@ -22,7 +22,7 @@ torch.set_num_threads(2)
 ctx = torch.randint(0, 40000, (200,), generator=torch.Generator().manual_seed(0))
 jobs, results = queue.Queue(), queue.Queue()
 def worker():
-    kv = FastKVModel(load_model("smollm2-135m-instruct", progress=False))
+    kv = FastKVModel(load_model("smollm2-135m-instruct", dtype="fp32", progress=False))
     kv.reset(512); kv.forward(ctx)
     while jobs.get() is not None:
         ts = []

@@ -1,7 +1,7 @@
 """speculate: speculative decoding for LLMs, offline.
 
     from speculate import load_model, SpeculativeDecoder
-    target = load_model()                       # SmolLM2-135M-Instruct, converted once into the cache
+    target = load_model()                       # SmolLM2-135M-Instruct at q4 (dtype='auto'), converted once
     out = SpeculativeDecoder(target, drafter="lookup", k=6).generate("Rewrite: ...", max_new_tokens=128)
     print(out.text, out.stats.to_dict())
 """

@@ -26,7 +26,7 @@ def run(args) -> int:
 
     out, data_dir = data_folders(args)
     progress = not args.quiet
-    target = load_model(args.model, progress=progress)
+    target = load_model(args.model, dtype="fp32", progress=progress)  # the model's own fp32 answers
     answers = build_answers(target, data_dir, args.prompts, args.max_new_tokens, args.gen_batch, progress)
     meta = {"model": target.name, "vocab_size": int(target.model.get_output_embeddings().out_features),
             "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,

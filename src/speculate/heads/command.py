@@ -117,7 +117,7 @@ def run(args) -> int:
     progress = not args.quiet
     out, data_dir = data_folders(args)
     t0 = time.perf_counter()
-    target = load_model(args.model, progress=progress)
+    target = load_model(args.model, dtype="fp32", progress=progress)  # heads learn fp32's own features
     check_feature_layers(feature_layers, target, "--feature-layers")
     data = build_data(target, data_dir, args.prompts, args.max_new_tokens, args.gen_batch, progress=progress,
                       feature_layers=feature_layers)

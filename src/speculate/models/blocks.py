@@ -33,6 +33,10 @@ from .quantize import LinearPart, QuantizedLinear, plan
 
 FORMAT = 2  # bump when the meaning of the cached tensors changes
 QK = 32  # weights a block
+# Activation rows per row of x (kernels/blocks.c): 2, the row quantized to int8 per block and then what that missed,
+# ~16 bits in all. 1 is llama.cpp's Q8 activations, which changed the default model's answers ("L'Étoile" for the
+# capital of France): docs/benchmarks.md, "No precision may break the model".
+PASSES = 2
 # ggml type number, weights a block, bytes a block (the K types: super-blocks of 256)
 TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}
 CONVERTED = {"Q5_0": "Q8_0"}  # read exactly into another type: 5-bit values fit int8, with the same fp16 scale
@@ -227,6 +231,7 @@ class BlockLinear(QuantizedLinear):
 
     def _setup(self, parts: list[tuple[str, torch.Tensor]], in_features: int, bias: torch.Tensor | None) -> None:
         self._fn = require_kernel()
+        self.passes = PASSES
         self.width = group()
         self.in_features = in_features
         self.kinds, hot, start = [], [], 0
@@ -278,7 +283,7 @@ class BlockLinear(QuantizedLinear):
             rc = self._fn(number, packed.data_ptr(), n, self.in_features, x_ptr, rows, norm_ptr, eps, int(act),
                           None if bias is None else bias.data_ptr() + 4 * start,
                           None if residual is None else residual.data_ptr() + 4 * start, y_ptr + 4 * start, out,
-                          threads)
+                          threads, self.passes)
             if rc:
                 raise RuntimeError(f"block matmul failed ({rc})")
         return y
@@ -289,7 +294,7 @@ class BlockLinear(QuantizedLinear):
         if len(hot) > 4:
             raise SpeculateError("a q4 layer of more than 4 parts")
         s = kernel.Linear(parts=len(hot), bias=None if bias is None else bias.data_ptr(), out=self.out_features,
-                          k=self.in_features)
+                          k=self.in_features, passes=self.passes)
         for i, (number, packed, _, rows) in enumerate(hot):
             s.types[i], s.packed[i], s.rows[i] = number, packed.data_ptr(), rows
         return s

@@ -59,7 +59,7 @@ _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "speculate_attend": (_I, [_P, _P, _P, _I64, _P, _I, _I, _I, _I, _I, _F, _P, _I]),
     "speculate_rope_write": (None, [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I64, _I64, _P]),
-    "speculate_block_matmul": (_I, [_I, _P, _I64, _I64, _P, _I64, _P, _F, _I, _P, _P, _P, _I64, _I]),
+    "speculate_block_matmul": (_I, [_I, _P, _I64, _I64, _P, _I64, _P, _F, _I, _P, _P, _P, _I64, _I, _I]),
     "speculate_block_group": (_I, []),
     "speculate_decoder": (_I, [_P, _I, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _F, _F, _I]),
     "speculate_attention_many": (_I, [_P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P, _P, _I]),
@@ -94,7 +94,7 @@ class Linear(ctypes.Structure):
     """kernels/decoder.c's linear_t: a BlockLinear's parts (blocks.BlockLinear.struct)."""
     _fields_ = [("parts", ctypes.c_int), ("types", ctypes.c_int * 4), ("packed", ctypes.c_void_p * 4),
                 ("rows", ctypes.c_int64 * 4), ("bias", ctypes.c_void_p), ("out", ctypes.c_int64),
-                ("k", ctypes.c_int64)]
+                ("k", ctypes.c_int64), ("passes", ctypes.c_int)]
 
 
 class Layer(ctypes.Structure):

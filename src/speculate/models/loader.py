@@ -55,6 +55,10 @@ class SlowPrecisionWarning(SpeculateWarning):
     """A precision that this CPU runs far slower than fp32 (see :func:`bf16_slow_reason`)."""
 
 
+class QualityWarning(SpeculateWarning):
+    """A quantized conversion whose answers failed the quality gate against fp32 (models/quality.py)."""
+
+
 class ReducedPrecisionWarning(SpeculateWarning):
     """int8 on a CPU whose int8 kernel needs 7-bit activations to stay exact (quantize.activation_levels)."""
 
@@ -142,9 +146,9 @@ def warn_if_slow(dtype: str) -> None:
         from . import quantize
 
         if quantize.activation_levels() != 127:
-            warnings.warn("int8 on this CPU: its int8 kernel has no VNNI, so activations get 7 bits to keep the "
-                          "products exact, and int8 is less accurate here (docs/benchmarks.md, Exactness); "
-                          "--dtype q4 or fp32 keep their accuracy", ReducedPrecisionWarning, stacklevel=3)
+            warnings.warn("int8 on this CPU: its int8 kernel has no VNNI, so each activation row is two rows of 7 bits "
+                          "(~13 bits) rather than of 8 (~15) to keep the products exact, and int8 is a little less "
+                          "accurate here (docs/benchmarks.md, Exactness)", ReducedPrecisionWarning, stacklevel=3)
 
 
 @dataclass
@@ -173,9 +177,10 @@ class LoadedModel:
         return int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = "fp32", progress: bool = True) -> LoadedModel:
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = AUTO, progress: bool = True) -> LoadedModel:
     """Load an alias (converted once into the cache) or a local Hugging Face model folder; ``dtype``: one of
-    DTYPES, or ``auto`` (:func:`resolve_dtype`)."""
+    DTYPES, or ``auto`` (:func:`resolve_dtype`: q4 for the aliases whose GGUF runs as it ships, fp32 for a folder),
+    the command line's default too."""
     if dtype not in CHOICES:
         raise SpeculateError(f"unknown dtype '{dtype}'; choose one of: {', '.join(CHOICES)}")
     dtype = resolve_dtype(name_or_path, dtype)
@@ -206,7 +211,7 @@ def _to_quantized(loaded: LoadedModel, name: str, kind: str) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from . import blocks, quantize
+    from . import blocks, quality, quantize
 
     if kind == "q4":
         blocks.require_kernel()  # before any work: the layers need the compiled kernel (a one-line error if not)
@@ -226,7 +231,10 @@ def _to_quantized(loaded: LoadedModel, name: str, kind: str) -> None:
         if current:
             tensors = load_file(file)
             digest = stored.get(DIGEST)  # None in a cache written before the digest was kept: rewritten below
-    if tensors is None:
+    built = tensors is None
+    if built:
+        # fp32's own answers to the gate's prompts, before the model is converted in place
+        references = quality.reference_answers(loaded.model, loaded.tokenizer)
         if kind == "int8":
             tensors = quantize.quantize(loaded.model, loaded.tokenizer)
         elif name in ALIASES:  # the shipped file's own blocks
@@ -234,13 +242,20 @@ def _to_quantized(loaded: LoadedModel, name: str, kind: str) -> None:
                 tensors = blocks.build(loaded.model, gguf)
         else:
             tensors = blocks.build(loaded.model, None)
+    (quantize if kind == "int8" else blocks).apply(loaded.model, tensors)
     if digest is None:
         digest = tensors_digest(tensors)
-        with building(folder) as tmp:
-            save_file(tensors, tmp / f"{kind}.safetensors", metadata={**meta, DIGEST: digest})
-    (quantize if kind == "int8" else blocks).apply(loaded.model, tensors)
-    # The conversion's name in bench records: its tensors' digest, not the file's (see cache.tensors_digest).
-    loaded.weights = f"{kind} {digest[:16]}"
+        verdict = quality.gate(loaded.model, loaded.tokenizer, references) if built else None
+        if verdict is None or verdict.passed:
+            with building(folder) as tmp:
+                save_file(tensors, tmp / f"{kind}.safetensors", metadata={**meta, DIGEST: digest})
+        else:  # used as asked, never cached: the next load converts (and checks) again
+            warnings.warn(f"the {kind} conversion of {name} failed its quality gate against fp32 "
+                          f"({'; '.join(verdict.reasons)}); it is not cached. Use --dtype fp32 for this model's own "
+                          f"answers", QualityWarning, stacklevel=3)
+    # The conversion's name in bench records: its tensors' digest, not the file's (see cache.tensors_digest), and the
+    # activations' numerics: "x2", each row quantized as two integer rows (quantize.split_rows, kernels/blocks.c).
+    loaded.weights = f"{kind} {digest[:16]} x2"
     if kind == "int8" and quantize.activation_levels() != 127:  # the same weights, other numerics: name them
         loaded.weights += " a7"
 

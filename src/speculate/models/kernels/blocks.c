@@ -16,6 +16,10 @@
  *   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles: w = d q + m
  *   Q8_0: fp16 d, 32 int8: w = d q
  * Activations: per row and block, a = da qa with da = max|x| / 127 and qa = round-half-even(x · 127 / max|x|).
+ * With two passes (what dtype q4 runs), the rest x − da qa is quantized the same way into a second row, and a row's
+ * result is y = y_first + y_rest: ~16-bit activations, for the cost of one more row of integer dot products (the
+ * weights are unpacked once for both). Why: 8-bit activations per block of 32 changed the default model's answers
+ * (docs/benchmarks.md, "No precision may break the model").
  *
  * Layout as run: GROUP consecutive outputs interleaved (models/blocks.py, interleave), so that the vector lanes are
  * outputs: per group and block, the GROUP d's (fp16), the GROUP m's (Q4_1), then the quants in units of 4 bytes,
@@ -438,40 +442,53 @@ static void group_tile(int type, const uint8_t *restrict wg, int64_t nb, const i
 /* x [rows, k] fp32 (k a multiple of 32; [rows, 2k] with ``act``), prepared as prepare_row says (``norm`` [k] or
  * NULL, ``eps``, ``act`` 0/1); w: the interleaved layout of [out] rows of ``type``; bias [out] or NULL; residual
  * [rows, ld] or NULL (y = residual + (x Wᵀ + bias)); y [rows, ld], columns 0..out-1 written (``ld``: the row
- * stride of y and residual, >= out: a layer of parts of several types writes each part's columns). Returns 0, or non-zero for an unknown type,
- * a bad k, or no memory. */
+ * stride of y and residual, >= out: a layer of parts of several types writes each part's columns). ``passes``: 1, each
+ * row quantized once (llama.cpp's Q8 activations), or 2, the row and then what its quantization missed (``rest`` =
+ * x − da · qa per element), each through the same integer dots, y = y_row + y_rest (see the top of this file).
+ * Returns 0, or non-zero for an unknown type, a bad k, a bad ``passes``, or no memory. */
 int speculate_block_matmul(int type, const uint8_t *restrict w, int64_t out, int64_t k, const float *restrict x,
                            int64_t rows, const float *norm, float eps, int act, const float *bias,
-                           const float *residual, float *y, int64_t ld, int threads) {
+                           const float *residual, float *y, int64_t ld, int threads, int passes) {
     const int bytes = block_bytes(type);
     if (!bytes) return 1;
     if (k <= 0 || k % (is_k(type) ? 8 * QK : QK)) return 2;
-    const int64_t nb = k / QK, groups = (out + GROUP - 1) / GROUP;
-    int8_t *q = malloc((size_t)(rows * k));
-    float *da = malloc(sizeof(float) * (size_t)(rows * nb));
-    int32_t *sums = malloc(sizeof(int32_t) * (size_t)(rows * nb)), *lows = malloc(sizeof(int32_t) * (size_t)(rows * nb));
-    float *row = malloc(sizeof(float) * (size_t)k);
-    if (!q || !da || !sums || !lows || !row) { free(q); free(da); free(sums); free(lows); free(row); return 3; }
-    for (int64_t r = 0; r < rows; r++) {
-        prepare_row(x + r * k * (act ? 2 : 1), k, norm, eps, act, row);
-        quantize_row(row, k, q + r * k, da + r * nb, sums + r * nb, lows + r * nb);
+    if (passes != 1 && passes != 2) return 4;
+    /* Quantized rows: passes per row of x, side by side (row r's at r · passes, its rest's next to it). */
+    const int64_t nb = k / QK, groups = (out + GROUP - 1) / GROUP, qrows = rows * passes;
+    int8_t *q = malloc((size_t)(qrows * k));
+    float *da = malloc(sizeof(float) * (size_t)(qrows * nb));
+    int32_t *sums = malloc(sizeof(int32_t) * (size_t)(qrows * nb)), *lows = malloc(sizeof(int32_t) * (size_t)(qrows * nb));
+    float *row = malloc(sizeof(float) * (size_t)k), *rest = malloc(sizeof(float) * (size_t)k);
+    if (!q || !da || !sums || !lows || !row || !rest) {
+        free(q); free(da); free(sums); free(lows); free(row); free(rest); return 3;
     }
-    free(row);
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t h = r * passes; /* the row's first quantized row */
+        prepare_row(x + r * k * (act ? 2 : 1), k, norm, eps, act, row);
+        quantize_row(row, k, q + h * k, da + h * nb, sums + h * nb, lows + h * nb);
+        if (passes == 2) { /* what the first missed, quantized the same way: ~16 bits a block in all */
+            for (int64_t j = 0; j < k; j++) rest[j] = row[j] - da[h * nb + j / QK] * (float)q[h * k + j];
+            quantize_row(rest, k, q + (h + 1) * k, da + (h + 1) * nb, sums + (h + 1) * nb, lows + (h + 1) * nb);
+        }
+    }
+    free(row); free(rest);
     const int64_t group_bytes = (is_k(type) ? nb / 8 : nb) * GROUP * bytes;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && groups * rows >= 32)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && groups * qrows >= 32)
     for (int64_t g = 0; g < groups; g++) {
         float got[TILE * GROUP];
-        for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
-            const int nr = rows - r0 < TILE ? (int)(rows - r0) : TILE;
+        for (int64_t r0 = 0; r0 < qrows; r0 += TILE) { /* TILE is even: a row's passes share a tile */
+            const int nr = qrows - r0 < TILE ? (int)(qrows - r0) : TILE;
             group_tile(type, w + g * group_bytes, nb, q + r0 * k, da + r0 * nb, sums + r0 * nb, lows + r0 * nb, k, nr,
                        got);
-            for (int r = 0; r < nr; r++) {
+            for (int r = 0; r < nr; r += passes) {
+                const int64_t yr = (r0 + r) / passes;
                 for (int lane = 0; lane < GROUP && g * GROUP + lane < out; lane++) {
                     const int64_t o = g * GROUP + lane;
                     float v = got[r * GROUP + lane];
+                    if (passes == 2) v = v + got[(r + 1) * GROUP + lane];
                     if (bias) v = v + bias[o];
-                    if (residual) v = residual[(r0 + r) * ld + o] + v;
-                    y[(r0 + r) * ld + o] = v;
+                    if (residual) v = residual[yr * ld + o] + v;
+                    y[yr * ld + o] = v;
                 }
             }
         }

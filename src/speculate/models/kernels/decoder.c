@@ -9,7 +9,7 @@
 
 int speculate_block_matmul(int type, const uint8_t *w, int64_t out, int64_t k, const float *x, int64_t rows,
                            const float *norm, float eps, int act, const float *bias, const float *residual, float *y,
-                           int64_t ld, int threads);
+                           int64_t ld, int threads, int passes);
 typedef struct segment segment_t; /* attention.c's */
 int speculate_attention_many(const float *qkv, const float *cos, const float *sin, const segment_t *segs, int n_segs,
                              int layer, int heads, int kv_heads, int d, float scaling, float *q, float *out,
@@ -23,6 +23,7 @@ typedef struct { /* a BlockLinear: parts of one type each, side by side in the o
     int64_t rows[PARTS];
     const float *bias;
     int64_t out, k;
+    int passes; /* activation rows per row of x (blocks.c) */
 } linear_t;
 
 typedef struct {
@@ -36,7 +37,7 @@ static int linear(const linear_t *l, const float *x, int64_t rows, const float *
     for (int p = 0; p < l->parts; p++) {
         const int rc = speculate_block_matmul(l->types[p], l->packed[p], l->rows[p], l->k, x, rows, norm, eps, act,
                                               l->bias ? l->bias + start : NULL, residual ? residual + start : NULL,
-                                              y + start, l->out, threads);
+                                              y + start, l->out, threads, l->passes);
         if (rc) return rc;
         start += l->rows[p];
     }
