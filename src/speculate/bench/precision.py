@@ -35,16 +35,11 @@ def prompts(mt_bench: int, gsm8k: int, copy: int) -> list[tuple[str, str, str]]:
     return out
 
 
-def answers(loaded, items, tokens: int) -> tuple[list[list[int]], list[quality.Answer] | None]:
+def answers(loaded, items, tokens: int) -> tuple[list[list[int]], list[list[int]]]:
     """Each prompt's prompt ids and the model's greedy answer (the engine's plain decoding, ``tokens`` at most)."""
     decoder = SpeculativeDecoder(loaded, "none")
     ids = [quality.prompt_ids(loaded.tokenizer, prompt) for _, _, prompt in items]
     return ids, [decoder.generate(p, max_new_tokens=tokens).token_ids for p in ids]
-
-
-def mean_nll(loaded, prompt_ids: list[int], answer: list[int]) -> float:
-    """The model's mean NLL of ``answer`` after the prompt (0 for an empty answer)."""
-    return float(quality.answer_nll(loaded.model, prompt_ids, answer).mean()) if answer else 0.0
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -71,7 +66,7 @@ def run(model: str, dtypes: list[str], items, tokens: int) -> dict:
         weights[dtype] = loaded.weights
         ids, got = answers(loaded, items, tokens)
         targets = [r.ids for r in reference] if reference else got  # every precision scores the reference's answers
-        scored = [quality.Answer(a, mean_nll(loaded, p, t)) for p, a, t in zip(ids, got, targets)]
+        scored = [quality.Answer(a, quality.mean_answer_nll(loaded.model, p, t)) for p, a, t in zip(ids, got, targets)]
         if i == 0:
             reference = scored
         else:

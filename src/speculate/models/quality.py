@@ -78,6 +78,11 @@ def answer_nll(model, prompt_ids: list[int], answer_ids: list[int]) -> torch.Ten
     return torch.nn.functional.cross_entropy(logits, torch.tensor(answer_ids), reduction="none")
 
 
+def mean_answer_nll(model, prompt_ids: list[int], answer_ids: list[int]) -> float:
+    """The mean of :func:`answer_nll` (0 for an empty answer: an end token first is nothing to score)."""
+    return float(answer_nll(model, prompt_ids, answer_ids).mean()) if answer_ids else 0.0
+
+
 @torch.inference_mode()
 def greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
     """Plain greedy decoding with the model's own forward and cache (Hugging Face's), up to an end token."""
@@ -166,7 +171,7 @@ def reference_answers(model, tokenizer, prompts=GATE_PROMPTS, max_new_tokens: in
     for prompt in prompts:
         ids = prompt_ids(tokenizer, prompt)
         answer = greedy(model, ids, max_new_tokens, eos)
-        out.append(Answer(answer, float(answer_nll(model, ids, answer).mean()) if answer else 0.0))
+        out.append(Answer(answer, mean_answer_nll(model, ids, answer)))
     return out
 
 
@@ -177,6 +182,6 @@ def gate(model, tokenizer, references: list[Answer], prompts=GATE_PROMPTS,
     rows = []
     for prompt, ref in zip(prompts, references):
         ids = prompt_ids(tokenizer, prompt)
-        nll = float(answer_nll(model, ids, ref.ids).mean()) if ref.ids else 0.0
-        rows.append(compare(prompt, ref, Answer(greedy(model, ids, max_new_tokens, eos), nll)))
+        candidate = Answer(greedy(model, ids, max_new_tokens, eos), mean_answer_nll(model, ids, ref.ids))
+        rows.append(compare(prompt, ref, candidate))
     return verdict(rows)
