@@ -6,8 +6,8 @@ two (what they run now), beside fp32, interleaved round by round in one process.
 Each round runs every variant on the same prompts: plain decoding of two chat prompts (a decode step: one row) and
 prompt lookup with k = 6 on two copy prompts (verification: up to 7 rows). Reported: tokens/s per variant (the median
 over rounds) and its ratio to fp32's, and whether each variant's tokens equal its own plain decoding (they must).
-"One row" is the old arithmetic, restored here only: int8 quantizes x / max|x| on the grid 1/L, q4 runs the kernel
-with passes = 1.
+"One row" is the old arithmetic (quantize.set_activation_passes(model, 1)): int8 quantizes x / max|x| on the grid
+1/L, q4 runs the kernel with one pass.
 """
 
 from __future__ import annotations
@@ -22,30 +22,10 @@ import torch
 from speculate import SpeculativeDecoder, load_model
 from speculate.bench import emit, machine_header
 from speculate.bench.speed import PROMPT_SETS
-from speculate.models import blocks, quantize
+from speculate.models import quantize
 
 CHAT = ["Tell me about the history of Rome in a few paragraphs.",
         "Explain how a refrigerator works to a ten-year-old."]
-
-
-def one_row_int8(self, x):
-    """Int8Linear.matmul_2d before issue 34: one int8 row per token."""
-    r = x.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30)
-    y = self._matmul(x / r, 1 / self._levels, self._zero, self._packed).mul_(r)
-    return y if self.bias is None else y.add_(self.bias)
-
-
-def set_rows(loaded, rows: int) -> None:
-    if loaded.dtype == "q4":
-        for m in loaded.model.modules():
-            if isinstance(m, blocks.BlockLinear):
-                m.passes = rows
-    elif loaded.dtype == "int8":
-        quantize.Int8Linear.matmul_2d = one_row_int8 if rows == 1 else TWO_ROWS
-        quantize.Int8Linear.add_matmul_2d = (lambda self, res, x: self.matmul_2d(x).add_(res))
-
-
-TWO_ROWS = quantize.Int8Linear.matmul_2d
 
 
 def main(argv=None) -> int:
@@ -62,14 +42,14 @@ def main(argv=None) -> int:
     equal = {name: 0 for name, _, _ in variants}
     decoders = {}  # one per variant and drafter, made and warmed up with the variant's numerics (q4's decoder
     for name, dtype, rows in variants:  # structs keep the passes they were built with)
-        set_rows(models[dtype], rows)
+        quantize.set_activation_passes(models[dtype].model, rows)
         for drafter in ("none", "lookup"):
             decoders[name, drafter] = SpeculativeDecoder(models[dtype], drafter, k=6)
             decoders[name, drafter].generate(CHAT[0], max_new_tokens=8)
-        set_rows(models[dtype], 2)
+        quantize.set_activation_passes(models[dtype].model, 2)
     for _ in range(a.rounds):
         for name, dtype, rows in variants:
-            set_rows(models[dtype], rows)
+            quantize.set_activation_passes(models[dtype].model, rows)
             for kind, drafter, prompts in (("plain", "none", CHAT), ("lookup", "lookup", copy)):
                 tokens = seconds = 0.0
                 for prompt in prompts:
@@ -80,7 +60,7 @@ def main(argv=None) -> int:
                         plain = decoders[name, "none"].generate(prompt, max_new_tokens=a.tokens)
                         equal[name] += plain.token_ids == out.token_ids
                 speed[name][kind].append(tokens / seconds)
-            set_rows(models[dtype], 2)
+            quantize.set_activation_passes(models[dtype].model, 2)
     result = {"machine": machine, "threads": torch.get_num_threads(), "rounds": a.rounds, "tokens": a.tokens,
               "tokens_per_second": {n: {k: round(statistics.median(v), 2) for k, v in s.items()} for n, s in speed.items()},
               "lookup_equals_plain": {n: f"{c}/{2 * a.rounds}" for n, c in equal.items()}}

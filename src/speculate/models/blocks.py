@@ -33,10 +33,6 @@ from .quantize import LinearPart, QuantizedLinear, plan
 
 FORMAT = 2  # bump when the meaning of the cached tensors changes
 QK = 32  # weights a block
-# Activation rows per row of x (kernels/blocks.c): 2, the row quantized to int8 per block and then what that missed,
-# ~16 bits in all. 1 is llama.cpp's Q8 activations, which changed the default model's answers ("L'Étoile" for the
-# capital of France): docs/benchmarks.md, "No precision may break the model".
-PASSES = 2
 # ggml type number, weights a block, bytes a block (the K types: super-blocks of 256)
 TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}
 CONVERTED = {"Q5_0": "Q8_0"}  # read exactly into another type: 5-bit values fit int8, with the same fp16 scale
@@ -231,7 +227,9 @@ class BlockLinear(QuantizedLinear):
 
     def _setup(self, parts: list[tuple[str, torch.Tensor]], in_features: int, bias: torch.Tensor | None) -> None:
         self._fn = require_kernel()
-        self.passes = PASSES
+        # self.passes (QuantizedLinear's, 2): activation rows per row of x in kernels/blocks.c, the row quantized to
+        # int8 per block and then what that missed, ~16 bits in all. 1 is llama.cpp's Q8 activations, which changed
+        # the default model's answers ("L'Étoile" for the capital of France; docs/benchmarks.md).
         self.width = group()
         self.in_features = in_features
         self.kinds, hot, start = [], [], 0

@@ -167,10 +167,15 @@ def activation_levels() -> int:
 class QuantizedLinear(nn.Module):
     """What the lean path (fast.py) calls on a quantized layer: ``matmul_2d(x)`` = x Wᵀ + b and
     ``add_matmul_2d(residual, x)`` = residual + x Wᵀ + b for 2-D x; ``dequantized_weight()``. Int8Linear here,
-    BlockLinear (GGUF blocks) in blocks.py."""
+    BlockLinear (GGUF blocks) in blocks.py.
+
+    ``passes``: integer activation rows per row of x, 2 (the row and what its rounding missed, ~15 bits) or 1
+    (8 bits: the numerics before issue 34, which broke the default model's answers; kept only so that the probe
+    and the quality test can show what the second row buys, through :func:`set_activation_passes`)."""
 
     in_features: int
     out_features: int
+    passes: int = 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
@@ -229,6 +234,9 @@ class Int8Linear(QuantizedLinear):
         Each row x is written as r/L · (hi + lo/2L), hi and lo integers in [−L, L] (:func:`split_rows`), and both
         go through the integer kernel as two rows of one call, so a row costs one more row of integer products
         (a decode step reads the weights once either way), not a second pass over them."""
+        if self.passes == 1:  # one row: x / r on the grid 1/L (see the class's docstring)
+            y, r = self._one_row(x)
+            return y.mul_(r) if self.bias is None else torch.addcmul(self.bias, y, r)
         n = x.shape[0]
         r, rows = split_rows(x, self._levels)
         y = self._matmul(rows, 1.0, self._zero, self._packed)  # [hi; lo] · Wᵀ: exact integer sums, rescaled
@@ -238,7 +246,16 @@ class Int8Linear(QuantizedLinear):
 
     def add_matmul_2d(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``residual + forward(x)`` for 2-D x."""
+        if self.passes == 1:  # (the one-row numerics as they were, rounding included)
+            y, r = self._one_row(x)
+            y = torch.addcmul(residual, y, r)
+            return y if self.bias is None else y.add_(self.bias)
         return self.matmul_2d(x).add_(residual)
+
+    def _one_row(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One 8-bit row per row of x: (the integer products of x / r on the grid 1/L, r = max |x|)."""
+        r = x.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30)
+        return self._matmul(x / r, 1 / self._levels, self._zero, self._packed), r
 
     def weight_bytes(self) -> int:
         return self.in_features * self.out_features + 4 * self.out_features
@@ -289,8 +306,19 @@ def split_rows(x: torch.Tensor, levels: float) -> tuple[torch.Tensor, torch.Tens
     elementwise ops each rounded once, so rows stay independent of each other bit for bit."""
     r = x.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30)
     u = x * (levels / r)
-    hi = u.round()
-    return r, torch.cat([hi, u.sub_(hi).mul_(2 * levels).round_()])
+    rows = x.new_empty(2 * x.shape[0], x.shape[1])  # [hi; lo] written in place: no concatenation copy
+    hi = torch.round(u, out=rows[: x.shape[0]])
+    torch.sub(u, hi, out=rows[x.shape[0]:]).mul_(2 * levels).round_()
+    return r, rows
+
+
+def set_activation_passes(model: nn.Module, passes: int) -> None:
+    """Every quantized layer of ``model`` with ``passes`` activation rows per row (1 or 2; QuantizedLinear)."""
+    if passes not in (1, 2):
+        raise ValueError(f"passes is 1 or 2, not {passes}")
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            m.passes = passes
 
 
 # ---------------------------------------------------------------------------------------------------
