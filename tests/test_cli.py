@@ -257,3 +257,61 @@ def test_generate_prints_the_stats_line(tiny_folders, capsys):
                  "--drafter", "lookup", "--k", "2"]) == 0
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("[lookup/greedy k=2] 12 tokens in ") and "acceptance by draft position (1.." in line, line
+
+
+def test_compare_prints_plain_decodings_speed_and_the_same_tokens(tiny_folders, tiny, capsys):
+    """--compare decodes the prompt a second time without a drafter: at temperature 0 the tokens must be equal, and
+    the line says so (and the JSON carries plain decoding's own tokens and stats)."""
+    args = ["generate", "abc abc abc abc", "--model", str(tiny_folders[0]), "--no-chat", "--max-new-tokens", "12",
+            "--drafter", "lookup", "--k", "3", "--compare"]
+    assert main(args) == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-2].startswith("[lookup/greedy k=3] 12 tokens in "), lines
+    assert lines[-1].startswith("[plain] 12 tokens in ") and lines[-1].endswith("as fast, the same tokens"), lines
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    plain = SpeculativeDecoder(tiny[0], "none").generate(
+        "abc abc abc abc", max_new_tokens=12, chat=False)
+    assert out["plain"]["token_ids"] == out["token_ids"] == plain.token_ids
+    assert out["plain"]["stats"]["target_calls"] == 12 and out["plain"]["stats"]["drafted_tokens"] == 0
+    assert out["plain"]["speedup"] == pytest.approx(
+        out["stats"]["tokens_per_second"] / out["plain"]["stats"]["tokens_per_second"], rel=1e-2)
+
+
+def test_compare_says_when_the_tokens_differ():
+    from types import SimpleNamespace
+
+    from speculate.cli import compare_line
+    from speculate.stats import Stats
+
+    def gen(ids, seconds):
+        return SimpleNamespace(token_ids=ids, stats=Stats(new_tokens=len(ids), target_calls=len(ids),
+                                                          wall_seconds=seconds))
+
+    assert compare_line(gen([1, 2, 3, 4], 1.0), gen([1, 2, 3, 4], 2.0), True).endswith(
+        "2.00x as fast, the same tokens")
+    assert compare_line(gen([1, 2, 5, 4], 1.0), gen([1, 2, 3, 4], 2.0), True).endswith(
+        "different tokens from token 3 (a lossy verifier)")
+    assert "not the same draws" in compare_line(gen([1, 5], 1.0), gen([1, 2], 1.0), False)
+
+
+@pytest.mark.slow
+def test_the_readmes_demo_is_an_edit_where_speculation_pays():
+    """The README's first command, on the default model: a sensible answer (the typos fixed), plain decoding's
+    tokens exactly, and more than 2.5 tokens per target call (a count, not a timing)."""
+    import re
+    import shlex
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    command = re.search(r"^pip install --no-deps .*? && speculate (generate .*)$", readme, re.M).group(1)
+    args = shlex.split(command)
+    assert "--compare" in args
+    r = run(*args, "--json", "--max-new-tokens", "96")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for word in ("beautiful", "Saturday", "library", "restaurant"):
+        assert word in out["text"], out["text"]
+    for typo in ("beautifull", "libary"):
+        assert typo not in out["text"], out["text"]
+    assert out["token_ids"] == out["plain"]["token_ids"]
+    assert out["stats"]["mean_accepted_length"] > 2.5, out["stats"]

@@ -172,6 +172,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--no-chat", action="store_true", help="send the raw prompt, without the chat template")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    g.add_argument("--compare", action="store_true",
+                   help="then decode the same prompt plainly (no drafter, the same model and sampling) and print how "
+                        "much faster speculation was and whether its text is the same")
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
@@ -271,6 +274,7 @@ def stats_line(method: str, s, k) -> str:
 
 
 def _generate(args) -> int:
+    from .engine import SpeculativeDecoder
     from .models import load_model
     from .sampling import Sampling, check_seed
     from .spec import SpeculativeSpec, build_decoder
@@ -289,20 +293,53 @@ def _generate(args) -> int:
     target = load_model(args.model, dtype=args.dtype)
     draft = load_model(args.draft_model, dtype=args.draft_dtype or args.dtype) if args.draft_model else None
     decoder = build_decoder(spec, target, draft)
-    stream = decoder.stream(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
-                            chat=False if args.no_chat else None)
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, seed=args.seed, stop=args.stop, chat=False if args.no_chat else None)
+    plain = SpeculativeDecoder(target, "none") if args.compare else None
+    if plain is not None:  # both warmed up alike on another prompt: neither pays a first call's costs in the timing
+        for d in (decoder, plain):
+            d.generate("Hi.", max_new_tokens=2, chat=sampling["chat"])
+    stream = decoder.stream(args.prompt, **sampling)
     for piece in stream:
         if args.stream:
             print(piece, end="", flush=True)
     gen = stream.generation
+    base = plain.generate(args.prompt, **sampling) if plain is not None else None
     if args.json:
-        print(json.dumps({"text": gen.text, "token_ids": gen.token_ids, "finish_reason": gen.finish_reason,
-                          "stats": gen.stats.to_dict()}))
+        out = {"text": gen.text, "token_ids": gen.token_ids, "finish_reason": gen.finish_reason,
+               "stats": gen.stats.to_dict()}
+        if base is not None:
+            out["plain"] = {"text": base.text, "token_ids": base.token_ids, "stats": base.stats.to_dict(),
+                            "speedup": round(speedup(gen.stats, base.stats), 3)}
+        print(json.dumps(out))
         return 0
     print(("" if args.stream else gen.text), flush=True)
     print("\n" + stats_line(spec.with_verifier(args.temperature == 0).label(), gen.stats, spec.k), file=sys.stderr)
+    if base is not None:
+        print(compare_line(gen, base, args.temperature == 0), file=sys.stderr)
     return 0
+
+
+def speedup(spec_stats, plain_stats) -> float:
+    """Walltime speedup over plain decoding: tokens per second, speculative over plain (the paper's measure)."""
+    return spec_stats.tokens_per_second / max(plain_stats.tokens_per_second, 1e-9)
+
+
+def compare_line(gen, base, greedy: bool) -> str:
+    """``--compare``'s line: plain decoding's speed, the speedup, and whether the tokens are the same (at
+    temperature 0 lossless verifiers must give plain decoding's tokens; sampling gives the same distribution, not
+    the same draws)."""
+    from .models.quality import first_difference
+
+    s = base.stats
+    if gen.token_ids == base.token_ids:
+        same = "the same tokens"
+    elif greedy:
+        same = f"different tokens from token {first_difference(gen.token_ids, base.token_ids) + 1} (a lossy verifier)"
+    else:
+        same = "different tokens (sampling: the same distribution, not the same draws)"
+    return (f"[plain] {s.new_tokens} tokens in {s.wall_seconds:.2f} s ({s.tokens_per_second:.1f} tokens/s): "
+            f"speculative decoding was {speedup(gen.stats, s):.2f}x as fast, {same}")
 
 
 def _serve(args) -> int:
