@@ -20,11 +20,11 @@ import torch
 from scipy import stats
 
 from speculate.verifiers import tree as tree_module
+from speculate.verifiers.base import Verdict
 from speculate.verifiers.consultant import ConsultantVerifier
 from speculate.verifiers.greedy import GreedyVerifier
 from speculate.verifiers.sample import SampleVerifier
 from speculate.verifiers.tree import (
-    TreeVerdict,
     chain_as_tree,
     children_of,
     depths,
@@ -209,7 +209,7 @@ def test_tree_greedy_second_sibling_matches():
     # rows: root, n0..n6
     target = one_hot_rows([3, 0, 4, 0, 0, 0, 5, 1])
     v = tree_greedy(tokens, parents, target)
-    assert v == TreeVerdict(path=[1, 5, 6], next_token=1, state=None)
+    assert v == Verdict(path=[1, 5, 6], next_token=1, state=None)
     assert v.n_accepted == 3
     # The leaf n6 no longer matches: stop after n5, next token = argmax after n5.
     v = tree_greedy(torch.tensor([1, 3, 2, 0, 2, 4, 0]), parents, target)

@@ -129,7 +129,6 @@ def test_a_verifier_without_a_tree_rule_says_so(tiny):
 def test_one_verdict_type_with_a_path():
     assert Verdict(2, 5) == Verdict(path=[0, 1], next_token=5) and Verdict(2, 5).n_accepted == 2
     assert Verdict(0, 1).path == [] and Verdict(path=[3, 7], next_token=0).n_accepted == 2
-    assert tree_rules.TreeVerdict is Verdict
     with pytest.raises(ValueError, match="n_accepted"):
         Verdict(1, 0, path=[0, 1])
     target = torch.tensor([[0.1, 0.9], [0.8, 0.2], [0.5, 0.5]])

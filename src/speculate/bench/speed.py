@@ -69,10 +69,6 @@ PROMPT_SETS = {
 }
 
 
-def copy_heavy_prompts() -> list[str]:
-    return PROMPT_SETS["copy"]
-
-
 def _hf(loaded, ids, max_new, **kw):
     out = loaded.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                 max_new_tokens=max_new, do_sample=False, **kw)

@@ -295,7 +295,7 @@ def _from_results(args) -> int:
     print("simple: E(α, k) / (T(k+1)/T(1) + k·c); costed: the run's seconds predicted term by term from its "
           "calibration costs (calc/results.py); error: measured ÷ predicted − 1")
     if not (run.get("costs") or run.get("dataset_costs")) and args.costs != "samples":
-        print("this run has no calibration costs (recorded since issue 23): the costed model needs a rerun")
+        print("this run has no calibration costs (older runs did not record them): the costed model needs a rerun")
     left_out = sorted({name for name, spec in run.get("methods", {}).items() if spec.get("drafter") in UNMODELLED})
     if left_out:
         print(f"not predicted (rounds of two drafters, which one alpha and c do not describe): {', '.join(left_out)}")

@@ -358,11 +358,6 @@ def save_checkpoint(path: Path, heads, optim, step: int, gen, settings, seconds:
                     "settings": settings, "seconds": seconds, "best": best, "curve": list(curve)}, tmp)
 
 
-def read_checkpoint_step(out_dir: Path) -> int | None:
-    path = Path(out_dir) / CHECKPOINT
-    return int(torch.load(path, weights_only=False)["step"]) if path.is_file() else None
-
-
 def _diff(old, new) -> str:
     if not isinstance(old, dict):
         return "unreadable"

@@ -12,7 +12,7 @@ Tree layout (flattened, exactly as the target forward sees it, ``models/kv.py``
 - ``draft_probs``: FloatTensor [N, V] or None; row i is the p_draft row node i's token was drawn
   from, so siblings carry the same row (their parent's draft distribution).
 
-Every rule returns a :class:`~speculate.verifiers.base.Verdict` (``TreeVerdict`` is the same type):
+Every rule returns a :class:`~speculate.verifiers.base.Verdict`, the type chain verifiers return too:
 ``path``, the accepted node indices from the root down (hand them to ``keep_path(start, path)``), the
 ``next_token`` the target adds after them, and the ``state`` for the next round. On a chain-shaped tree
 (:func:`chain_as_tree`) each rule gives exactly the verdict of its chain verifier, consuming the shared
@@ -45,7 +45,6 @@ from ..tree_shape import chain_as_tree, check_parents, children_of, depths, path
 from .base import Verdict, sample_from, target_token, uniform
 from .rows import argmax_rows, ema, nll, residual_distribution
 
-TreeVerdict = Verdict  # (one verdict type for chains and trees; the old name kept)
 
 
 def _is_integer(dtype: torch.dtype) -> bool:
@@ -354,7 +353,6 @@ def tree_typical(
 
 
 __all__ = [
-    "TreeVerdict",
     "chain_as_tree",
     "children_of",
     "depths",
