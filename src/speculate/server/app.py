@@ -1,7 +1,7 @@
 """The FastAPI application: routes of the OpenAI API, /health and /metrics.
 
-``create_app(config, target, draft)`` takes models that are already loaded; the worker pool starts with
-the app (lifespan), and /health answers 200 only from then on.
+``create_app(config, target, draft)`` takes models that are already loaded; the generation thread
+(server/scheduler.py) starts with the app (lifespan), and /health answers 200 only from then on.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from .. import __version__
 from ..batch import BatchPlanner
+from ..errors import SpeculateError
 from ..models.loader import LoadedModel
 from .auth import check_api_key
 from .body import read_json
@@ -49,11 +50,6 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
     pool.on_round = metrics.record_round
     pool.on_admit = metrics.queue_time.observe
     pool.plan = BatchPlanner(target)  # --k auto: each round's draft lengths for the batch (speculate/batch.py)
-    # Idle decoders between requests (prefix reuse): one per place in the batch, each holding its KV buffers.
-    decoders = Decoders(lambda s: build_decoder(target, draft, s, config.prefix_cache), keep=config.max_batch)
-    model_id = config.model
-    public_name = Path(target.name).name  # an alias, or a local folder's last component: never its path
-    created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -69,100 +65,123 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
                   openapi_url=None)
     app.state.ready = False
     app.state.config, app.state.metrics, app.state.pool = config, metrics, pool
-
-    def begin_shutdown() -> None:
-        """From the event loop, when a stop begins (SIGTERM, Ctrl-C: server/main.py): admit nothing more, answer
-        queued requests 503, and give running generations ``shutdown_grace`` seconds before they are ended
-        with a 503 (a stream: an error event, then [DONE])."""
-        app.state.ready = False
-        error = APIError(503, "the server is shutting down", code="shutting_down")
-        pool.close(error)
-        asyncio.get_running_loop().call_later(config.shutdown_grace, pool.end_running, error)
-
-    app.state.begin_shutdown = begin_shutdown
+    routes = Routes(app, config, target, draft, pool, metrics)
+    app.state.begin_shutdown = routes.begin_shutdown
     install_error_handlers(app, partial(check_api_key, api_key=config.api_key))
     app.router.redirect_slashes = False  # its 307 built the Location from the (client's) Host header
     app.add_middleware(HostGuard, bound_host=config.host, allowed_hosts=config.allowed_hosts,
                        keyless=config.api_key is None)
     app.add_middleware(StatusCounter, metrics=metrics)
+    app.api_route("/health", methods=["GET", "HEAD"])(routes.health)
+    app.api_route("/metrics", methods=["GET", "HEAD"])(routes.prometheus_metrics)
+    app.api_route("/v1/models", methods=["GET", "HEAD"])(routes.list_models)
+    app.post("/v1/completions")(routes.completions)
+    app.post("/v1/chat/completions")(routes.chat_completions)
+    return app
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health():
+
+class Routes:
+    """The handlers, each a small method; what they share (the models, the generation thread, the idle decoders,
+    the metrics) is set once here. Engine and scheduler errors become HTTP answers here only (:func:`as_api_error`);
+    a client that left gets :meth:`client_gone`'s 499, wherever it left."""
+
+    def __init__(self, app: FastAPI, config: ServerConfig, target: LoadedModel, draft: LoadedModel | None,
+                 pool: Scheduler, metrics: Metrics):
+        self.app, self.config, self.target, self.pool, self.metrics = app, config, target, pool, metrics
+        # Idle decoders between requests (prefix reuse): one per place in the batch, each holding its KV buffers.
+        self.decoders = Decoders(lambda s: build_decoder(target, draft, s, config.prefix_cache), keep=config.max_batch)
+        self.model_id = config.model
+        self.public_name = Path(target.name).name  # an alias, or a local folder's last component: never its path
+        self.created = int(time.time())
+
+    def begin_shutdown(self) -> None:
+        """From the event loop, when a stop begins (SIGTERM, Ctrl-C: server/main.py): admit nothing more, answer
+        queued requests 503, and give running generations ``shutdown_grace`` seconds before they are ended
+        with a 503 (a stream: an error event, then [DONE])."""
+        self.app.state.ready = False
+        error = APIError(503, "the server is shutting down", code="shutting_down")
+        self.pool.close(error)
+        asyncio.get_running_loop().call_later(self.config.shutdown_grace, self.pool.end_running, error)
+
+    async def health(self):
         # The model's name, not its id: the id of a local folder is its path, which is not for everyone to see.
-        if app.state.ready and pool.started:
-            return {"status": "ok", "model": public_name}
+        if self.app.state.ready and self.pool.started:
+            return {"status": "ok", "model": self.public_name}
         return JSONResponse(error_body(503, "the server is not ready", code="not_ready"), status_code=503)
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"])
-    async def prometheus_metrics():
-        return Response(metrics.render(), media_type=metrics.content_type)
+    async def prometheus_metrics(self):
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
-    @app.api_route("/v1/models", methods=["GET", "HEAD"])
-    async def list_models(request: Request):
-        check_api_key(request, config.api_key)
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
+    async def list_models(self, request: Request):
+        check_api_key(request, self.config.api_key)
+        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": self.created,
                                             "owned_by": "speculate"}]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await generate(request, "text")
+    async def completions(self, request: Request):
+        return await self.generate(request, "text")
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await generate(request, "chat")
+    async def chat_completions(self, request: Request):
+        return await self.generate(request, "chat")
 
-    async def generate(request: Request, kind: str):
-        check_api_key(request, config.api_key)
-        data = await read_json(request, config.max_body_bytes, config.body_timeout)
-        schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    async def generate(self, request: Request, kind: str):
+        """Validate, queue, then answer whole or as a stream."""
+        req = await self.validated(request, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        prepared = await anyio.to_thread.run_sync(prepare, self.config, self.target, req)
+        job = self.submit(prepared)
+        shaper = Shaper(kind, self.model_id, prepared.settings)
+        outcome = request.scope.get(OUTCOME_KEY, {})
+        if req.stream:
+            return await self.stream(request, job, shaper, kind, req.include_usage, outcome)
+        event, value = await wait_or_disconnect(job, request)
+        job.finished = True
+        if event == "done":
+            self.record(job, value)
+            return shaper.whole(value.generation)
+        if event == "error":
+            raise as_api_error(value)
+        return client_gone(job, outcome)
+
+    async def validated(self, request: Request, schema):
+        check_api_key(request, self.config.api_key)
+        data = await read_json(request, self.config.max_body_bytes, self.config.body_timeout)
         try:
             req = schema.model_validate(data)
         except ValidationError as e:
             raise validation_error(e.errors(), data) from None
-        if req.model != model_id:
+        if req.model != self.model_id:
             raise APIError(404, "the model named in the request does not exist; GET /v1/models lists the one this "
                                 "server serves", "model", "model_not_found")
-        prepared = await anyio.to_thread.run_sync(prepare, config, target, req)
-        job = Job(partial(open_run, prepared, decoders, pool.prefill_chunk), asyncio.get_running_loop())
+        return req
+
+    def submit(self, prepared) -> Job:
+        job = Job(partial(open_run, prepared, self.decoders, self.pool.prefill_chunk), asyncio.get_running_loop())
         try:
-            pool.submit(job)
+            self.pool.submit(job)
         except Closed:
             raise APIError(503, "the server is shutting down", code="shutting_down") from None
         except QueueFull:
-            raise APIError(429, f"the server is busy: a batch of {pool.max_batch} generation(s) and a queue of "
-                                f"{pool.max_queue} are all taken; retry later", code="queue_full",
+            raise APIError(429, f"the server is busy: a batch of {self.pool.max_batch} generation(s) and a queue of "
+                                f"{self.pool.max_queue} are all taken; retry later", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-        shaper = Shaper(kind, model_id, prepared.settings)
-        outcome = request.scope.get(OUTCOME_KEY, {})
-        if req.stream:
-            # Wait for the worker to open the stream: settings the engine refuses are still a 400, not an
-            # error event inside a 200 stream.
-            kind_, value = await wait_or_disconnect(job, request, until_ready=True)  # (cancels it if torn down)
-            if kind_ == "error":
-                job.finished = True
-                raise as_api_error(value)
-            if kind_ != "ready":  # the client left while the request was queued
-                job.cancel()
-                outcome["status"] = "499"
-                return Response(status_code=499)
+        return job
 
-            def on_close():
-                if not job.finished:
-                    job.cancel()
-                    outcome["status"] = "499"  # client closed the request
-            return EventStream(stream_events(job, shaper, kind, req.include_usage, outcome), on_close)
-        kind_, value = await wait_or_disconnect(job, request)
-        job.finished = True
-        if kind_ == "done":
-            record(job, value)
-            return shaper.whole(value.generation)
-        if kind_ == "error":
+    async def stream(self, request: Request, job: Job, shaper: Shaper, kind: str, include_usage: bool,
+                     outcome: dict):
+        # Wait for the generation thread to open the stream: settings the engine refuses are still a 400, not an
+        # error event inside a 200 stream.
+        event, value = await wait_or_disconnect(job, request, until_ready=True)  # (cancels it if torn down)
+        if event == "error":
+            job.finished = True
             raise as_api_error(value)
-        job.cancel()
-        outcome["status"] = "499"
-        return Response(status_code=499)
+        if event != "ready":  # the client left while the request was queued
+            return client_gone(job, outcome)
 
-    async def stream_events(job: Job, shaper: Shaper, kind: str, include_usage: bool, outcome: dict):
+        def on_close():
+            if not job.finished:
+                client_gone(job, outcome)
+        return EventStream(self.events(job, shaper, kind, include_usage, outcome), on_close)
+
+    async def events(self, job: Job, shaper: Shaper, kind: str, include_usage: bool, outcome: dict):
         if kind == "chat":
             yield sse(shaper.chunk(text="", first=True))
         while True:
@@ -171,7 +190,7 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
                 yield sse(shaper.chunk(text=value))
             elif event == "done":
                 job.finished = True
-                record(job, value)
+                self.record(job, value)
                 for chunk in shaper.final_chunks(value.generation, include_usage):
                     yield sse(chunk)
                 yield DONE
@@ -186,12 +205,18 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
             else:  # cancelled
                 return
 
-    def record(job: Job, result: Outcome) -> None:
+    def record(self, job: Job, result: Outcome) -> None:
         now = time.perf_counter()
         ttft = result.first_piece_at - job.submitted_at if result.first_piece_at is not None else None
-        metrics.record_generation(result.generation, ttft, now - job.submitted_at)
+        self.metrics.record_generation(result.generation, ttft, now - job.submitted_at)
 
-    return app
+
+def client_gone(job: Job, outcome: dict) -> Response:
+    """The client left (or closed the stream): stop its generation, count it as 499 (nginx's "client closed
+    request"); the response itself reaches nobody."""
+    job.cancel()
+    outcome["status"] = "499"
+    return Response(status_code=499)
 
 
 def scheduler(config: ServerConfig) -> Scheduler:
@@ -200,8 +225,12 @@ def scheduler(config: ServerConfig) -> Scheduler:
 
 
 def as_api_error(value) -> APIError:
+    """What the client is told of a job's error: an APIError as it is, settings the engine refused (SpeculateError)
+    as a 400, anything else as a 500 (logged)."""
     if isinstance(value, APIError):
         return value
+    if isinstance(value, SpeculateError):
+        return APIError(400, str(value), None, "invalid_value")
     log.error("generation failed", exc_info=value)
     return APIError(500, f"generation failed: {type(value).__name__}: {value}", code="generation_failed")
 

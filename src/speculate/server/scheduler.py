@@ -31,8 +31,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..engine import Run, step
-from ..errors import SpeculateError
-from .errors import APIError
 
 log = logging.getLogger("speculate.server")
 
@@ -54,7 +52,8 @@ class Outcome:
 class Job:
     """One generation request. ``open()`` runs on the generation thread when the job is admitted to the batch and
     returns ``(run, release)``: the engine's :class:`~speculate.engine.Run` and the function that gives its decoder
-    back once the run has ended well; it raises :class:`APIError` for settings the engine refuses."""
+    back once the run has ended well; what it raises (settings the engine refuses) goes to the handler as the job's
+    error."""
 
     def __init__(self, open: Callable[[], tuple[Run, Callable[[], None]]], loop: asyncio.AbstractEventLoop):
         self.open = open
@@ -245,7 +244,7 @@ class Scheduler:
             self.on_admit(job.started_at - job.submitted_at)
             try:
                 run, release = job.open()
-            except Exception as e:  # noqa: BLE001 — an APIError is the client's 4xx; anything else a 500
+            except Exception as e:  # noqa: BLE001 — the handler's to report (server/app.py, as_api_error)
                 job.emit("error", e)
                 self._forget(job)
                 continue
@@ -285,9 +284,7 @@ class Scheduler:
         self._running.remove(r)
         if release:
             r.release()
-        if error is not None:
-            if isinstance(error, SpeculateError):
-                error = APIError(400, str(error), None, "invalid_value")
+        if error is not None:  # (the handler tells the client: server/app.py, as_api_error)
             r.job.emit("error", error)
         with self._lock:
             self.running -= 1
