@@ -1,5 +1,5 @@
 """bf16 on a CPU without a fast bf16 matmul: one warning line at load, decided by the CPU's flags and torch's
-own oneDNN check (models/loader.py, bf16_slow_reason)."""
+own oneDNN check (models/cpu.py, bf16_slow_reason)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import warnings
 import pytest
 
 from speculate.cli import main
-from speculate.models import loader
-from speculate.models.loader import SlowPrecisionWarning, bf16_slow_reason, load_model
+from speculate.models import cpu
+from speculate.models.cpu import bf16_slow_reason
+from speculate.models.loader import SlowPrecisionWarning, load_model
 
 X86 = {"fpu", "sse2", "avx", "avx2", "fma"}
 AVX512 = X86 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
@@ -41,14 +42,14 @@ def test_capped_onednn_names_the_variable(monkeypatch):
 
 
 def test_load_warns_once_per_load_only_for_bf16(tiny_folders, monkeypatch):
-    monkeypatch.setattr(loader, "cpu_flags", lambda info=None: set(X86))
+    monkeypatch.setattr(cpu, "cpu_flags", lambda info=None: set(X86))
     with pytest.warns(SlowPrecisionWarning, match="no fast matmul on this CPU"):
         load_model(str(tiny_folders[0]), dtype="bf16")
     with warnings.catch_warnings():
         warnings.simplefilter("error", SlowPrecisionWarning)
         load_model(str(tiny_folders[0]), dtype="fp32")
-    monkeypatch.setattr(loader, "cpu_flags", lambda info=None: set(AVX512))
-    monkeypatch.setattr(loader, "onednn_bf16", lambda: True)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda info=None: set(AVX512))
+    monkeypatch.setattr(cpu, "onednn_bf16", lambda: True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", SlowPrecisionWarning)
         load_model(str(tiny_folders[0]), dtype="bf16")
@@ -56,14 +57,14 @@ def test_load_warns_once_per_load_only_for_bf16(tiny_folders, monkeypatch):
 
 def test_this_machine_agrees_with_torch():
     """Here: a warning exactly when torch's own check says its oneDNN has no bf16 matmul."""
-    onednn = loader.onednn_bf16()
+    onednn = cpu.onednn_bf16()
     if onednn is None:
         pytest.skip("this torch cannot say")
     assert (bf16_slow_reason() is None) == onednn
 
 
 def test_cli_prints_the_warning_as_one_line(tiny_folders, monkeypatch, capsys):
-    monkeypatch.setattr(loader, "cpu_flags", lambda info=None: set(X86))
+    monkeypatch.setattr(cpu, "cpu_flags", lambda info=None: set(X86))
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         assert main(["generate", "--model", str(tiny_folders[0]), "--dtype", "bf16", "--max-new-tokens", "2",

@@ -22,7 +22,7 @@ from speculate import SpeculativeDecoder, load_model
 from speculate.errors import SpeculateError
 from speculate.models import blocks
 from speculate.models.fast import FastKVModel
-from speculate.models.loader import cpu_flags
+from speculate.models.cpu import cpu_flags
 from conftest import assert_chains_equal_one_token, assert_pytest_passed
 
 KINDS = list(blocks.TYPES)

@@ -8,7 +8,7 @@ import pytest
 
 from speculate import SpeculativeDecoder
 from speculate.models.cache import verified
-from speculate.models.loader import ensure_converted
+from speculate.models.gguf import ensure_converted
 from speculate.models.registry import ALIASES
 
 PARAGRAPH = ("Speculative decoding lets a small draft propose several tokens that the large target model "

@@ -171,13 +171,13 @@ def test_a_build_removes_what_dead_builds_left(tmp_path):
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_a_conversion_shows_one_progress_bar_and_restores_the_setting(tmp_path, monkeypatch, capsys, enabled):
-    """The GGUF conversion (loader._convert_gguf, here on a tiny model standing in for the GGUF reader's) turns
+    """The GGUF conversion (gguf._convert_gguf, here on a tiny model standing in for the GGUF reader's) turns
     transformers' progress bars off while it runs ("Loading weights", "Writing model shards": the GGUF reader's own
     bar is the only one), and gives them back as they were, also when it fails."""
     import transformers
     from transformers.utils import logging as hf_logging
 
-    from speculate.models import loader
+    from speculate.models import gguf
     from speculate.models.tiny import tiny_model
 
     seen = []
@@ -195,7 +195,7 @@ def test_a_conversion_shows_one_progress_bar_and_restores_the_setting(tmp_path, 
     before = hf_logging.is_progress_bar_enabled()
     try:
         (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
-        loader._convert_gguf(tmp_path / "model.gguf", tmp_path / "out")
+        gguf._convert_gguf(tmp_path / "model.gguf", tmp_path / "out")
         assert (tmp_path / "out" / "config.json").is_file()
         assert seen == [False, False] and "Writing model shards" not in capsys.readouterr().err
         assert hf_logging.is_progress_bar_enabled() is enabled
@@ -205,7 +205,7 @@ def test_a_conversion_shows_one_progress_bar_and_restores_the_setting(tmp_path, 
 
         monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fails)
         with pytest.raises(OSError):
-            loader._convert_gguf(tmp_path / "model.gguf", tmp_path / "out2")
+            gguf._convert_gguf(tmp_path / "model.gguf", tmp_path / "out2")
         assert hf_logging.is_progress_bar_enabled() is enabled
     finally:
         (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()

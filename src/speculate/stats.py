@@ -108,3 +108,14 @@ class Stats:
             "wall_seconds": round(self.wall_seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
         }
+
+
+# The counts and times that add up over generations (the rest of Stats.to_dict() are ratios of these).
+SUMMED = ("new_tokens", "target_calls", "drafted_tokens", "target_seconds", "draft_seconds", "first_draft_seconds",
+          "prefill_seconds", "wall_seconds")
+
+
+def summed_stats(stats: list[dict]) -> dict:
+    """Several generations' stats (``Stats.to_dict()``) summed into one, with their count as ``generations``: the
+    bench's calibration costs, and what calc/results.py's ``method_costs`` reads."""
+    return {**{key: sum(s.get(key, 0) for s in stats) for key in SUMMED}, "generations": len(stats)}

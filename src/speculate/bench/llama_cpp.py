@@ -21,7 +21,8 @@ import torch
 
 from ..errors import SpeculateError
 from ..models.cache import atomic_path, cache_root
-from ..models.loader import assemble_gguf, cpu_flags
+from ..models.cpu import cpu_flags
+from ..models.gguf import assemble_gguf
 from ..models.registry import ALIASES
 from ..text import Detokenizer
 

@@ -50,7 +50,7 @@ def describe() -> dict:
     """The machine and torch setup (``"unknown"`` / None where this platform cannot say)."""
     import torch
 
-    from ..models.loader import onednn_bf16, cpu_flags, cpu_info
+    from ..models.cpu import cpu_flags, cpu_info, onednn_bf16
 
     info = cpu_info()
     flags = cpu_flags(info)

@@ -27,12 +27,12 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..auto import calibrate_eps, chinchilla_eps, profile_for, teacher_forced
-from ..calc.results import pool
 from ..engine import SpeculativeDecoder
 from ..spec import build_decoder
 from ..errors import SpeculateError
 from ..models import load_model
 from ..models.cache import atomic_write_text, make_folder
+from ..stats import summed_stats
 from ..text import Detokenizer, encode_prompt, eos_ids
 from . import machine_header
 from .datasets import Sample, load_dataset
@@ -361,7 +361,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
                     costs[sample.dataset][name].append(stats)
         # This start's pooled costs replace an earlier start's (a resumed run may be on another machine).
         run_info.setdefault("dataset_costs", {}).setdefault(sample.dataset, {}).update(
-            {name: pool(c) for name, c in costs[sample.dataset].items()})
+            {name: summed_stats(c) for name, c in costs[sample.dataset].items()})
         # (and which start measured them: calc --from-results sets them against that start's samples only)
         run_info.setdefault("dataset_costs_started", {})[sample.dataset] = started
         atomic_write_text(out / RUN_FILE, json.dumps(run_info, indent=2) + "\n")

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..bench.records import timed_together
-from ..stats import alpha_mle
+from ..stats import alpha_mle, summed_stats
 from .profile import Profile
 from .speedup import expected_tokens, speedup
 
@@ -127,18 +127,8 @@ def predict_seconds(method_records: list[dict], plain_records: list[dict], alpha
     return prefill + draft_prefill + rounds * round_seconds
 
 
-POOLED = ("new_tokens", "target_calls", "drafted_tokens", "target_seconds", "draft_seconds", "first_draft_seconds",
-          "prefill_seconds", "wall_seconds")
-
-
-def pool(stats: list[dict]) -> dict:
-    """Several generations' stats (Stats.to_dict()) summed into one, with their count as ``generations``: what
-    :func:`method_costs` reads."""
-    return {**{key: sum(s.get(key, 0) for s in stats) for key in POOLED}, "generations": len(stats)}
-
-
 def _pooled_stats(records: list[dict]) -> dict:
-    return pool([s for r in records for s in _turn_stats(r)])
+    return summed_stats([s for r in records for s in _turn_stats(r)])
 
 
 def predictions(run: dict, records: list[dict], costs_from: str = "calibration") -> list[dict]:

@@ -31,7 +31,7 @@ from torch import nn
 from ..tree_shape import depths_and_ancestors
 from . import exact_attention, exactness, kernel
 from .blocks import BlockLinear
-from .kv import Rows
+from .forward import Rows
 from .loader import LoadedModel
 from .quantize import LinearPart, QuantizedLinear, is_quantized
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .cache import atomic_path, cache_root
-from .loader import cpu_flags, cpu_info
+from .cpu import cpu_flags, cpu_info
 
 log = logging.getLogger(__name__)
 

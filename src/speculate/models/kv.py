@@ -9,11 +9,10 @@ Llama-family models) are the only places that know how a model takes caches, mas
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..tree_shape import depths_and_ancestors
+from .forward import Rows
 from .loader import LoadedModel
 
 
@@ -25,18 +24,6 @@ def KVModel(loaded: LoadedModel, fast: bool = True):
     if fast and fast_path.supports(loaded.model):
         return fast_path.FastKVModel(loaded)
     return HFKVModel(loaded)
-
-
-@dataclass
-class Rows:
-    """One generation's part of a forward: new ``tokens`` [n] for the cache of ``kv`` (at its next positions; a tree
-    by ``tree_parents``, as :meth:`HFKVModel.forward` takes them), and the logits wanted: the last ``want`` rows
-    (None: all of them; 0: none, a prefill chunk)."""
-
-    kv: object
-    tokens: torch.Tensor
-    tree_parents: list[int] | None = None
-    want: int | None = None
 
 
 def forward_many(items: list[Rows]) -> list[torch.Tensor | None]:

