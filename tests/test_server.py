@@ -704,7 +704,7 @@ def test_serve_loads_its_models_on_the_generation_thread(tiny_folders, tiny, mon
 
     before = set(threading.enumerate())
     app = server_main.build_app(ServerConfig(model=str(tiny_folders[0]), drafter="lookup"))
-    assert threads == ["speculate-generation"] and app.state.pool.started
+    assert threads == ["speculate-generation"] and app.state.scheduler.started
     server = BackgroundServer(app)
     try:
         body = {"model": str(tiny_folders[0]), "prompt": "abc abc abc", "max_tokens": 12, "temperature": 0}

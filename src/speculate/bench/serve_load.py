@@ -62,21 +62,21 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
     config = ServerConfig(model=model, draft_model=draft_model, drafter="model" if draft_model else "auto",
                           max_batch=max(clients), max_queue=max(clients) * 2, dtype=dtype, prefix_cache=prefix_cache)
     app = build_app(config)  # as `speculate serve` builds it: models loaded on the generation thread
-    pool = app.state.pool
+    scheduler = app.state.scheduler
     rounds = []
-    record_round = pool.on_round
-    pool.on_round = lambda n, rows, seconds: (rounds.append((n, rows)), record_round(n, rows, seconds))
+    record_round = scheduler.on_round
+    scheduler.on_round = lambda n, rows, seconds: (rounds.append((n, rows)), record_round(n, rows, seconds))
     server = BackgroundServer(app)
     texts = PROMPT_SETS[prompts]
     rows = []
     try:
         with httpx.Client() as http:
-            pool.max_batch = 1
+            scheduler.max_batch = 1
             reference = {p: _chat(http, server.url, model, p, {"drafter": "none"}, max_tokens)[0]
                          ["choices"][0]["message"]["content"] for p in texts}
             # Warm-up, not timed: each drafter's first decoder (an answer store to load, --k auto's cost profiles to
             # measure once per machine), and a batched round.
-            pool.max_batch = 2
+            scheduler.max_batch = 2
             for drafter in drafters:
                 speculative = _speculative(drafter, k)
                 with ThreadPoolExecutor(2) as threads:
@@ -87,7 +87,7 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
                     speculative = _speculative(drafter, k)
                     jobs = [texts[i % len(texts)] for i in range(max(requests, n_clients))]
                     for mode in (MODES if cell % 2 == 0 else MODES[::-1]):
-                        pool.max_batch = 1 if mode == "one" else n_clients
+                        scheduler.max_batch = 1 if mode == "one" else n_clients
                         del rounds[:]
                         t0 = time.perf_counter()
                         with ThreadPoolExecutor(n_clients) as threads:

@@ -40,32 +40,32 @@ RETRY_AFTER_SECONDS = 1
 
 
 def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | None = None,
-               pool: Scheduler | None = None) -> FastAPI:
-    """``pool``: the generation thread's scheduler, when the models were loaded on it (server/main.py,
+               scheduler: Scheduler | None = None) -> FastAPI:
+    """``scheduler``: the generation thread's scheduler, when the models were loaded on it (server/main.py,
     build_app); by default a new one."""
     metrics = Metrics()
-    if pool is None:
-        pool = scheduler(config)
-    pool.on_change = metrics.set_load
-    pool.on_round = metrics.record_round
-    pool.on_admit = metrics.queue_time.observe
-    pool.plan = BatchPlanner(target)  # --k auto: each round's draft lengths for the batch (speculate/batch.py)
+    if scheduler is None:
+        scheduler = new_scheduler(config)
+    scheduler.on_change = metrics.set_load
+    scheduler.on_round = metrics.record_round
+    scheduler.on_admit = metrics.queue_time.observe
+    scheduler.plan = BatchPlanner(target)  # --k auto: each round's draft lengths (speculate/batch.py)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        pool.start()
+        scheduler.start()
         app.state.ready = True
         try:
             yield
         finally:
             app.state.ready = False
-            await anyio.to_thread.run_sync(pool.stop)
+            await anyio.to_thread.run_sync(scheduler.stop)
 
     app = FastAPI(title="speculate", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.ready = False
-    app.state.config, app.state.metrics, app.state.pool = config, metrics, pool
-    routes = Routes(app, config, target, draft, pool, metrics)
+    app.state.config, app.state.metrics, app.state.scheduler = config, metrics, scheduler
+    routes = Routes(app, config, target, draft, scheduler, metrics)
     app.state.begin_shutdown = routes.begin_shutdown
     install_error_handlers(app, partial(check_api_key, api_key=config.api_key))
     app.router.redirect_slashes = False  # its 307 built the Location from the (client's) Host header
@@ -86,8 +86,8 @@ class Routes:
     a client that left gets :meth:`client_gone`'s 499, wherever it left."""
 
     def __init__(self, app: FastAPI, config: ServerConfig, target: LoadedModel, draft: LoadedModel | None,
-                 pool: Scheduler, metrics: Metrics):
-        self.app, self.config, self.target, self.pool, self.metrics = app, config, target, pool, metrics
+                 scheduler: Scheduler, metrics: Metrics):
+        self.app, self.config, self.target, self.scheduler, self.metrics = app, config, target, scheduler, metrics
         # Idle decoders between requests (prefix reuse): one per place in the batch, each holding its KV buffers.
         self.decoders = Decoders(lambda s: build_decoder(target, draft, s, config.prefix_cache), keep=config.max_batch)
         self.model_id = config.model
@@ -100,12 +100,12 @@ class Routes:
         with a 503 (a stream: an error event, then [DONE])."""
         self.app.state.ready = False
         error = APIError(503, "the server is shutting down", code="shutting_down")
-        self.pool.close(error)
-        asyncio.get_running_loop().call_later(self.config.shutdown_grace, self.pool.end_running, error)
+        self.scheduler.close(error)
+        asyncio.get_running_loop().call_later(self.config.shutdown_grace, self.scheduler.end_running, error)
 
     async def health(self):
         # The model's name, not its id: the id of a local folder is its path, which is not for everyone to see.
-        if self.app.state.ready and self.pool.started:
+        if self.app.state.ready and self.scheduler.started:
             return {"status": "ok", "model": self.public_name}
         return JSONResponse(error_body(503, "the server is not ready", code="not_ready"), status_code=503)
 
@@ -154,14 +154,14 @@ class Routes:
         return req
 
     def submit(self, prepared) -> Job:
-        job = Job(partial(open_run, prepared, self.decoders, self.pool.prefill_chunk), asyncio.get_running_loop())
+        job = Job(partial(open_run, prepared, self.decoders, self.scheduler.prefill_chunk), asyncio.get_running_loop())
         try:
-            self.pool.submit(job)
+            self.scheduler.submit(job)
         except Closed:
             raise APIError(503, "the server is shutting down", code="shutting_down") from None
         except QueueFull:
-            raise APIError(429, f"the server is busy: a batch of {self.pool.max_batch} generation(s) and a queue of "
-                                f"{self.pool.max_queue} are all taken; retry later", code="queue_full",
+            busy = f"a batch of {self.scheduler.max_batch} generation(s) and a queue of {self.scheduler.max_queue}"
+            raise APIError(429, f"the server is busy: {busy} are all taken; retry later", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         return job
 
@@ -219,7 +219,7 @@ def client_gone(job: Job, outcome: dict) -> Response:
     return Response(status_code=499)
 
 
-def scheduler(config: ServerConfig) -> Scheduler:
+def new_scheduler(config: ServerConfig) -> Scheduler:
     """The generation thread for ``config``: batches of ``--max-batch``, prompts fed ``--prefill-chunk`` at a time."""
     return Scheduler(config.max_batch, config.max_queue, prefill_chunk=config.prefill_chunk)
 

@@ -35,15 +35,15 @@ def load_models(config: ServerConfig):
 def build_app(config: ServerConfig):
     """The app of ``speculate serve``: its models loaded (and the default settings checked) on the generation
     thread, not on this one (scheduler.py, Scheduler.call)."""
-    from .app import create_app, scheduler
+    from .app import create_app, new_scheduler
 
-    pool = scheduler(config)
+    scheduler = new_scheduler(config)
     try:
-        target, draft = pool.call(lambda: load_models(config))
+        target, draft = scheduler.call(lambda: load_models(config))
     except BaseException:  # a load that failed leaves an idle worker; Ctrl-C mid-load, a busy daemon one
-        pool.stop(timeout=1)
+        scheduler.stop(timeout=1)
         raise
-    return create_app(config, target, draft, pool)
+    return create_app(config, target, draft, scheduler)
 
 
 def _check_address(host: str, port: int) -> None:
