@@ -124,16 +124,21 @@ def test_health_models_and_auth(served):
 def test_openai_client_streamed_text_equals_whole_text(served, client):
     whole = client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=24, temperature=0)
     chunks = list(client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=24,
-                                                 temperature=0, stream=True))
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    bare = list(client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=24,
+                                               temperature=0, stream=True))
+    # usage as OpenAI sends it: once, in a last chunk without choices, and only when asked for
+    assert [c.usage is not None for c in chunks] == [False] * (len(chunks) - 1) + [True] and chunks[-1].choices == []
+    assert all(c.usage is None for c in bare) and bare[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].usage.to_dict() == whole.usage.to_dict()
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].message.content and streamed == whole.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
-    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
     stats = whole.to_dict()["speculative_stats"]
-    again = chunks[-1].to_dict()["speculative_stats"]
+    again = bare[-1].to_dict()["speculative_stats"]
     timings = ("wall_seconds", "prefill_seconds", "tokens_per_second", "target_seconds", "draft_seconds",
                "first_draft_seconds")
     assert stats == {**again, **{key: stats[key] for key in timings}, "reused_prompt_tokens": stats["reused_prompt_tokens"]}
@@ -153,7 +158,7 @@ def test_openai_client_streamed_text_equals_whole_text(served, client):
     assert t_whole.usage.prompt_tokens == len(prompt.encode())  # the tiny tokenizer: one token per byte
     assert t_chunks[-1].choices == [] and t_chunks[-1].usage.completion_tokens == 20  # include_usage
     assert t_chunks[-2].choices[0].finish_reason == "length"
-    assert t_chunks[-1].to_dict()["speculative_stats"]["new_tokens"] == 20
+    assert t_chunks[-2].to_dict()["speculative_stats"]["new_tokens"] == 20
 
 
 def test_greedy_output_equals_the_engine(served, client, tiny):
@@ -358,10 +363,10 @@ def test_metrics_add_up(served):
     for i in range(2):
         with httpx.stream("POST", served.url + "/v1/chat/completions", headers=AUTH, timeout=60,
                           json={"model": served.model, "messages": MESSAGES, "max_tokens": 9 + i, "stream": True,
-                                "temperature": 0}) as r:
+                                "temperature": 0, "stream_options": {"include_usage": True}}) as r:
             _, events = read_sse(r)
         usages.append(events[-1]["usage"])
-        stats.append(events[-1]["speculative_stats"])
+        stats.append(events[-2]["speculative_stats"])
     after = wait_idle(served.url)
 
     def delta(name, **labels):

@@ -59,14 +59,13 @@ class Shaper:
         return {**self._head("text_completion"), "choices": [choice]}
 
     def final_chunks(self, gen: Generation, include_usage: bool) -> list[dict]:
-        """The last chunk carries finish_reason, usage and speculative_stats; with ``stream_options.
-        include_usage`` an extra chunk with no choices follows, as OpenAI sends it."""
-        last = {**self.chunk(finish_reason=gen.finish_reason), "usage": usage(gen),
-                "speculative_stats": speculative_stats(gen, self.settings)}
+        """The chunk with finish_reason (and our speculative_stats); with ``stream_options.include_usage``, then
+        one chunk with no choices and the usage, as OpenAI sends it: usage once, in the last chunk, and only when
+        asked (a client that adds up every chunk's usage, as LangChain's does, counted it twice)."""
+        last = {**self.chunk(finish_reason=gen.finish_reason), "speculative_stats": speculative_stats(gen, self.settings)}
         if not include_usage:
             return [last]
-        return [last, {**self._head(last["object"]), "choices": [], "usage": usage(gen),
-                       "speculative_stats": speculative_stats(gen, self.settings)}]
+        return [last, {**self._head(last["object"]), "choices": [], "usage": usage(gen)}]
 
 
 def sse(obj) -> bytes:
