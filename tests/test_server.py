@@ -805,3 +805,29 @@ def test_batched_requests_answer_exactly_what_each_gets_alone(tiny_folders, monk
     assert count > 0 and total / count > 1.5
     assert metric(m, "speculate_batch_rows_sum") >= total and metric(m, "speculate_queue_seconds_count") == 7
     assert metric(m, "speculate_time_per_output_token_seconds_count") == 5
+
+
+def test_tokenizer_endpoints_in_vllms_shapes(served, client):
+    """GET /tokenizer_info, POST /tokenize, POST /detokenize as vLLM serves them and lm-evaluation-harness's
+    local-completions calls them (a prompt without a model name; add_special_tokens false)."""
+    tok = served.target.tokenizer
+    info = httpx.get(served.url + "/tokenizer_info", headers=AUTH, timeout=30).json()
+    assert info["eos_token"] == tok.eos_token and info["model_max_length"] == served.target.context_window
+    assert info["chat_template"] == tok.chat_template and info["vocab_size"] == len(tok)
+    text = "the cat sat on the mat"
+    r = post(served, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()
+    assert r["tokens"] == tok(text, add_special_tokens=False)["input_ids"] and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == served.target.context_window and "token_strs" not in r
+    strs = post(served, "/tokenize", {"model": served.model, "prompt": text, "return_token_strs": True}).json()
+    assert strs["token_strs"] == tok.convert_ids_to_tokens(strs["tokens"])
+    assert post(served, "/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": text}
+    # a chat's messages count as the chat request's prompt tokens
+    counted = post(served, "/tokenize", {"model": served.model, "messages": MESSAGES}).json()["count"]
+    chat = client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=1, temperature=0)
+    assert counted == chat.usage.prompt_tokens
+    # bad input: one clear 4xx each
+    assert post(served, "/tokenize", {"prompt": text, "messages": MESSAGES}).status_code == 400
+    assert post(served, "/tokenize", {"model": "other", "prompt": text}).status_code == 404
+    bad = post(served, "/detokenize", {"tokens": [1, len(tok) + 5]})
+    assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+    assert post(served, "/tokenize", {"prompt": text}, headers={}).status_code == 401

@@ -34,6 +34,7 @@ from .scheduler import Closed, Job, Outcome, QueueFull, Scheduler
 from .responses import DONE, Shaper, sse
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .sse import EventStream
+from . import tokenizer_api
 
 log = logging.getLogger("speculate.server")
 RETRY_AFTER_SECONDS = 1
@@ -77,6 +78,9 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
     app.api_route("/v1/models", methods=["GET", "HEAD"])(routes.list_models)
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat_completions)
+    app.api_route("/tokenizer_info", methods=["GET", "HEAD"])(routes.tokenizer_info)
+    app.post("/tokenize")(routes.tokenize)
+    app.post("/detokenize")(routes.detokenize)
     return app
 
 
@@ -123,6 +127,19 @@ class Routes:
     async def chat_completions(self, request: Request):
         return await self.generate(request, "chat")
 
+    async def tokenizer_info(self, request: Request):
+        check_api_key(request, self.config.api_key)
+        return tokenizer_api.tokenizer_info(self.target.tokenizer, self.target.context_window)
+
+    async def tokenize(self, request: Request):
+        req = await self.validated(request, tokenizer_api.TokenizeRequest)
+        tokenize = partial(tokenizer_api.tokenize, self.target.tokenizer, req, self.target.context_window)
+        return await anyio.to_thread.run_sync(tokenize)  # (a long prompt is not tokenized on the event loop)
+
+    async def detokenize(self, request: Request):
+        req = await self.validated(request, tokenizer_api.DetokenizeRequest)
+        return await anyio.to_thread.run_sync(tokenizer_api.detokenize, self.target.tokenizer, req)
+
     async def generate(self, request: Request, kind: str):
         """Validate, queue, then answer whole or as a stream."""
         req = await self.validated(request, ChatCompletionRequest if kind == "chat" else CompletionRequest)
@@ -148,7 +165,7 @@ class Routes:
             req = schema.model_validate(data)
         except ValidationError as e:
             raise validation_error(e.errors(), data) from None
-        if req.model != self.model_id:
+        if req.model is not None and req.model != self.model_id:  # (the tokenizer's requests may name none)
             raise APIError(404, "the model named in the request does not exist; GET /v1/models lists the one this "
                                 "server serves", "model", "model_not_found")
         return req
