@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .cache import atomic_path, cache_root
+from .cache import atomic_path, atomic_write_text, cache_root, sha256_file
 from .cpu import cpu_flags, cpu_info
 
 log = logging.getLogger(__name__)
@@ -162,25 +162,42 @@ def library(sources: tuple[str, ...], extra: tuple[str, ...] = ()) -> ctypes.CDL
     for flags in ([*base, *extra], base) if extra else (base,):
         key = hashlib.sha256(text + " ".join([cc, *flags, _cpu()]).encode()).hexdigest()[:16]
         built = cache_root() / "kernels" / f"kernels-{key}.so"
-        if not built.is_file():
+        digest = built.with_suffix(".sha256")  # the library's own sha256, written once it is in place
+        if not _intact(built, digest):
             try:
                 with atomic_path(built) as tmp:
                     subprocess.run([cc, *flags, "-o", str(tmp), *map(str, paths), "-lm"], check=True,
                                    capture_output=True, timeout=120)
+                atomic_write_text(digest, sha256_file(built))
             except (OSError, subprocess.SubprocessError) as error:
                 detail = (getattr(error, "stderr", b"") or b"").decode(errors="replace")[:300]
                 log.warning("could not compile the kernels with %s (%s %s)", " ".join(flags), error, detail)
                 continue
             # Builds of older sources (or another CPU on a shared home: rebuilt there in a second) are dropped, so
             # they do not pile up; a process that has one loaded keeps its mapping.
-            for old in built.parent.glob("*.so"):
-                if old != built:
+            for old in [*built.parent.glob("*.so"), *built.parent.glob("*.sha256")]:
+                if old not in (built, digest):
                     old.unlink(missing_ok=True)
         try:
             return ctypes.CDLL(str(built))
         except OSError as error:
             log.warning("could not load %s (%s)", built, error)
     return None
+
+
+def _intact(built: Path, digest: Path) -> bool:
+    """Whether the cached library is the one that was built: its sha256 as recorded after the build. A truncated
+    or zeroed file (a full disk, a copy cut short) would otherwise be mapped and crash the process with a bus
+    error or a segmentation fault, with no message, at every start; a missing record (a build killed between
+    the two writes) is a rebuild too."""
+    try:
+        recorded = digest.read_text().strip()
+        if recorded == sha256_file(built):
+            return True
+    except OSError:  # no library or no record: built (again), quietly
+        return False
+    log.warning("the compiled kernels in %s do not match their recorded checksum: rebuilding them", built)
+    return False
 
 
 def mask(allowed: torch.Tensor | None) -> torch.Tensor | None:
