@@ -39,3 +39,77 @@ def test_a_damaged_kernel_library_is_rebuilt_not_loaded(tmp_path):
         assert built.stat().st_size == size, damage
         assert built.with_suffix(".sha256").read_text() == kernel.sha256_file(built), damage
         assert ("do not match their recorded checksum" in again.stderr) == (damage != "no record"), damage
+
+
+KILLED_BUILD = """
+import os, sys, time
+from pathlib import Path
+from speculate.models.cache import building
+with building(Path(sys.argv[1])) as tmp:
+    (tmp / "model.safetensors").write_bytes(b"x" * 1000)
+    print("writing", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_killed_builds_scratch_folder_is_swept_at_the_next_start(tmp_path):
+    """A first conversion killed mid-way left its scratch folder (~0.5 GB for the default model) for good: the next
+    build waited an hour for it, and once a build succeeded nothing looked again. Now the folder is locked while it
+    is written, and any start (load_model) removes the folders whose lock is free, at once; a live build's stays."""
+    from speculate import load_model
+    from speculate.models.tiny import save_tiny_model
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    model = save_tiny_model(tmp_path / "tiny", seed=0)
+
+    def start_build(name):
+        proc = subprocess.Popen([sys.executable, "-c", KILLED_BUILD, str(cache / name)], stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, "SPECULATE_CACHE": str(cache)})
+        assert proc.stdout.readline().strip() == "writing"
+        return proc
+
+    killed, live = start_build("m.q4"), start_build("other.int8")
+    killed.kill()
+    killed.wait()
+    scratch = sorted(p.name for p in cache.iterdir())
+    assert len(scratch) == 2 and all(name.startswith((".m.q4.", ".other.int8.")) for name in scratch)
+    try:
+        os.environ["SPECULATE_CACHE"] = str(cache)
+        load_model(str(model))  # any start sweeps: fp32, a local folder, nothing to build
+    finally:
+        del os.environ["SPECULATE_CACHE"]
+        live.kill()
+        live.wait()
+    assert [p.name for p in cache.iterdir()] == [n for n in scratch if n.startswith(".other.int8.")]
+
+
+def test_tampered_quantized_weights_are_converted_again(tmp_path, monkeypatch):
+    """q4 tensors changed in the cache, with the manifest rewritten to match, loaded silently: the digest recorded
+    at conversion was never compared with the tensors. Now they are, and a mismatch is converted again."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from speculate import load_model
+    from speculate.models.cache import write_manifest
+    from speculate.models.loader import CacheWarning
+    from speculate.models.tiny import save_tiny_model
+
+    monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path / "cache"))
+    model = save_tiny_model(tmp_path / "tiny", seed=1)
+    first = load_model(str(model), dtype="int8")
+    (folder,) = (tmp_path / "cache").glob("*.int8")
+    file = folder / "int8.safetensors"
+    with safe_open(file, "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(file)
+    name = next(n for n, t in tensors.items() if t.dtype == torch.int8)
+    tensors[name] = tensors[name].flip(0).contiguous()  # other weights, the same shape and type
+    save_file(tensors, file, metadata=meta)
+    write_manifest(folder)  # the manifest rewritten to match: the files alone look intact
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with pytest.warns(CacheWarning, match="converting again"):
+        again = load_model(str(model), dtype="int8")
+    assert torch.equal(first.model(ids).logits, again.model(ids).logits)
+    assert not load_file(file)[name].equal(tensors[name])  # the cache was written again, from the conversion

@@ -17,10 +17,15 @@ import shutil
 import socket
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from ..errors import SpeculateError
+
+try:
+    import fcntl
+except ImportError:  # (Windows: no flock; scratch folders are then swept by their process and age)
+    fcntl = None
 
 MANIFEST = "manifest.json"
 
@@ -87,50 +92,101 @@ def scratch_prefix(folder: Path, kind: str = "") -> str:
     return f".{folder.name}.{socket.gethostname()}.{os.getpid()}.{kind}"
 
 
-STALE_AFTER = 3600.0  # seconds without a write before a dead process's scratch folder is removed
+STALE_AFTER = 3600.0  # seconds without a write before a dead process's unlocked scratch folder is removed
+LOCK = ".lock"  # in a scratch folder: locked (flock) by the process writing it, for as long as it writes
 
 
-def _sweep(folder: Path) -> None:
-    """Remove the temporary folders that dead processes of this host left beside ``folder``: a build that was
-    killed, or abandoned in a daemon thread at exit (Ctrl-C while `serve` loads), cannot clean up after itself.
-    Only folders named by :func:`scratch_prefix` for this host, whose process does not exist here and in
-    which nothing was written for an hour (a process of another PID namespace with the same host name, e.g. a
-    container sharing the cache, looks dead from here); another host's, a live process's, are left alone."""
-    name = re.compile(rf"{re.escape(f'.{folder.name}.{socket.gethostname()}.')}(\d{{1,9}})\.(?:old\.|gguf\.)?[^.]+", re.ASCII)
+def sweep(root: Path, name: str | None = None) -> None:
+    """Remove the scratch folders that dead processes of this host left in ``root`` (``name``: only those beside
+    ``root / name``): a build that was killed, or abandoned in a daemon thread at exit (Ctrl-C while `serve`
+    loads), cannot clean up after itself, and a killed first conversion leaves ~0.5 GB. Only folders named by
+    :func:`scratch_prefix` for this host. One with a :data:`LOCK` goes as soon as the lock is free (its writer is
+    gone, whichever PID namespace it ran in); one without (a filesystem without flock, or the instant before the
+    lock is taken) once its process does not exist here and nothing was written in it for an hour. Another host's
+    (a shared cache), a live writer's, and names that are not scratch names are left alone."""
+    who = re.escape(name) if name is not None else ".+"
+    pattern = re.compile(rf"\.{who}\.{re.escape(socket.gethostname())}\.(\d{{1,9}})\.(?:old\.|gguf\.)?[^.]+", re.ASCII)
+    try:
+        entries = list(Path(root).iterdir())
+    except OSError:
+        return
     now = time.time()
-    for entry in folder.parent.iterdir():
-        match = name.fullmatch(entry.name)
-        if match is None or int(match[1]) == os.getpid():
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is None or int(match[1]) == os.getpid() or not entry.is_dir():
             continue
-        try:
-            os.kill(int(match[1]), 0)
-            continue  # alive
-        except ProcessLookupError:
-            pass
-        except (OSError, OverflowError):  # alive, another user's; or not a pid
-            continue
-        try:
-            newest = max([entry.stat().st_mtime] + [p.stat().st_mtime for p in entry.rglob("*")])
-        except OSError:
-            continue
-        if now - newest > STALE_AFTER:
+        free = _lock_is_free(entry / LOCK)
+        if free is None:  # no lock to ask: the process, then the age
+            try:
+                os.kill(int(match[1]), 0)
+                continue  # alive
+            except ProcessLookupError:
+                pass
+            except (OSError, OverflowError):  # alive, another user's; or not a pid
+                continue
+            try:
+                newest = max([entry.stat().st_mtime] + [p.stat().st_mtime for p in entry.rglob("*")])
+            except OSError:
+                continue
+            free = now - newest > STALE_AFTER
+        if free:
             shutil.rmtree(entry, ignore_errors=True)
+
+
+def _lock_is_free(path: Path) -> bool | None:
+    """True when nobody holds the lock file ``path``, False when a process does, None when there is none to ask."""
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # (closing releases a lock taken here)
+
+
+@contextmanager
+def scratch(folder: Path, kind: str = ""):
+    """A temporary folder beside ``folder`` (named by :func:`scratch_prefix`), locked (:data:`LOCK`) while this
+    process writes it, so that :func:`sweep` can tell a dead writer's folder at once; removed on any error. On
+    success it is the caller's, its lock file removed. Raises OSError where the folder cannot be made."""
+    tmp = Path(tempfile.mkdtemp(prefix=scratch_prefix(folder, kind), dir=folder.parent))
+    fd = None
+    try:
+        if fcntl is not None:
+            fd = os.open(tmp / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if fd is not None:
+            (tmp / LOCK).unlink(missing_ok=True)
+            os.close(fd)
 
 
 @contextmanager
 def building(folder: Path):
     """Yield a temporary folder beside ``folder``; on success it becomes ``folder`` atomically
     (with its manifest), on any error it is removed. A stale or corrupted ``folder`` is replaced, and the
-    temporary folders of dead earlier builds are removed (:func:`_sweep`)."""
+    temporary folders of dead earlier builds are removed (:func:`sweep`)."""
+    stack = ExitStack()  # (the scratch folder's own exit: removed on an error, unlocked either way)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        _sweep(folder)
-        tmp = Path(tempfile.mkdtemp(prefix=scratch_prefix(folder), dir=folder.parent))
+        sweep(folder.parent, folder.name)
+        tmp = stack.enter_context(scratch(folder))
     except OSError as e:  # e.g. $SPECULATE_CACHE names a file or an unwritable place
         raise SpeculateError(f"cannot write the cache in {folder.parent} ({e.strerror or e}); set SPECULATE_CACHE "
                              f"to a writable folder") from None
-    try:
+    with stack:
         yield tmp
+        (tmp / LOCK).unlink(missing_ok=True)  # (not part of the folder: the manifest lists what is)
         write_manifest(tmp)
         os.chmod(tmp, 0o777 & ~_UMASK)
         if folder.exists():
@@ -139,9 +195,6 @@ def building(folder: Path):
             os.replace(folder, old / "x")
             shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 # The process's umask, read once at import (reading it means setting it): atomic writes give their files the

@@ -8,14 +8,13 @@ import contextlib
 import json
 import shutil
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
 from ..errors import SpeculateError
-from .cache import building, cache_root, scratch_prefix, sha256_file, verified
+from .cache import building, cache_root, scratch, sha256_file, verified
 from .registry import GGUFSource
 
 
@@ -44,8 +43,11 @@ def gguf_file(src: GGUFSource, progress: bool = True):
         return
     folder = cache_root() / src.alias
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=scratch_prefix(folder, "gguf."), dir=folder.parent) as scratch:
-        yield assemble_gguf(src, parts, Path(scratch) / "model.gguf", progress)
+    with scratch(folder, "gguf.") as tmp:  # (locked while in use: a killed run's is swept at the next start)
+        try:
+            yield assemble_gguf(src, parts, tmp / "model.gguf", progress)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def check_gguf(src: GGUFSource, path: Path) -> None:
