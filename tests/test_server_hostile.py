@@ -367,3 +367,16 @@ def test_a_damaged_local_model_folder_is_one_clear_error(tiny_folders, tmp_path,
     (listed / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(SpeculateError, match="do not match its manifest.json"):
         load_model(str(listed))
+
+
+def test_a_request_framed_twice_is_refused_and_the_connection_closed(keyless):
+    """Content-Length and Transfer-Encoding together (RFC 9112 §6.3): a 400 and a closed connection, so that a
+    request smuggled after the body (as a proxy reading Content-Length would pass it on) is never answered."""
+    body = b'{"model": "x"}'
+    smuggled = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n" % len(chunked + smuggled)) + chunked + smuggled
+    answer = raw(keyless, request)
+    assert answer.startswith(b"HTTP/1.1 400") and answer.count(b"HTTP/1.1 ") == 1, answer[:300]
+    assert b"connection: close" in answer.lower()

@@ -1,5 +1,5 @@
-"""uvicorn's HTTP/1.1 protocol (h11) with the limits it lacks: a deadline for a request's headers and a cap on
-open connections.
+"""uvicorn's HTTP/1.1 protocol (h11) with the limits it lacks: a deadline for a request's headers, a cap on
+open connections, and no request whose body is framed twice.
 
 Why: uvicorn closes an idle keep-alive connection after a response (``timeout_keep_alive``), but a connection
 that never sends a request, sends half a request line, or trickles headers at a byte every few seconds is held
@@ -11,6 +11,8 @@ A body that stops arriving is the request handler's to time out (server/body.py)
 
 from __future__ import annotations
 
+from functools import partial
+
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -19,6 +21,10 @@ def guarded_protocol(header_timeout: float, max_connections: int) -> type[H11Pro
     """The protocol class to hand uvicorn (``Config(http=...)``), with these limits."""
 
     class GuardedH11Protocol(H11Protocol):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.conn.next_event = partial(_framed_once, self.conn.next_event)
+
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._headers_timer = None
@@ -57,3 +63,18 @@ def guarded_protocol(header_timeout: float, max_connections: int) -> type[H11Pro
             super().connection_lost(exc)
 
     return GuardedH11Protocol
+
+
+def _framed_once(next_event):
+    """h11's next event, refusing a request that frames its body twice (Content-Length and Transfer-Encoding).
+
+    h11 lets Transfer-Encoding win and keeps the connection open, so bytes that a proxy in front took for the
+    body by Content-Length were read here as a second, smuggled request. RFC 9112 §6.3: such a message must be
+    treated as an error and the connection closed; raised as h11's protocol error, it gets uvicorn's 400 with
+    ``Connection: close``, as any malformed request does."""
+    event = next_event()
+    if isinstance(event, h11.Request):
+        names = {name.lower() for name, _ in event.headers}
+        if b"content-length" in names and b"transfer-encoding" in names:
+            raise h11.RemoteProtocolError("both Content-Length and Transfer-Encoding: the body's length is ambiguous")
+    return event
