@@ -113,3 +113,52 @@ def test_tampered_quantized_weights_are_converted_again(tmp_path, monkeypatch):
         again = load_model(str(model), dtype="int8")
     assert torch.equal(first.model(ids).logits, again.model(ids).logits)
     assert not load_file(file)[name].equal(tensors[name])  # the cache was written again, from the conversion
+
+
+def no_space(*args, **kwargs):
+    import errno
+
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_during_a_first_conversion_is_one_line(tmp_path, monkeypatch, capsys):
+    """It printed a 48-line traceback; now one line, exit 2, and nothing half-written left in the cache."""
+    import safetensors.torch
+
+    from speculate.cli import main
+    from speculate.models.tiny import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "tiny", seed=2)
+    monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(safetensors.torch, "save_file", no_space)  # the int8 tensors' write
+    capsys.readouterr()  # (the tiny model's own saving)
+    assert main(["generate", "hi", "--model", str(model), "--dtype", "int8", "--max-new-tokens", "2"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("speculate: error: cannot write the cache in "), err
+    assert "No space left on device" in err[0]
+    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name == "kernels"] == []
+
+
+def test_a_full_disk_while_serving_is_a_server_fault_not_the_requests(tiny_folders, tmp_path, monkeypatch):
+    """k: "auto" measures and writes the machine's cost profile on first use; a full disk there was a 400
+    invalid_request_error. It is the server's fault: 507 (a 5xx), and the next request that needs no write works."""
+    import httpx
+
+    from speculate import auto
+    from speculate.models import cache
+    from speculate.server import ServerConfig, create_app, load_models
+    from speculate.server.background import BackgroundServer
+
+    config = ServerConfig(model=str(tiny_folders[0]), k=3)
+    target, draft = load_models(config)
+    server = BackgroundServer(create_app(config, target, draft))
+    monkeypatch.setattr(auto, "profile_path", lambda target, draft=None: tmp_path / "profile.json")
+    monkeypatch.setattr(cache, "atomic_write_text", no_space)
+    try:
+        body = {"model": config.model, "prompt": "abc abc", "max_tokens": 4, "temperature": 0}
+        r = httpx.post(server.url + "/v1/completions", json={**body, "speculative": {"k": "auto"}}, timeout=120)
+        assert r.status_code == 507 and r.json()["error"]["type"] == "server_error", r.text
+        assert "No space left on device" in r.json()["error"]["message"]
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        server.stop()

@@ -6,6 +6,15 @@ class SpeculateError(ValueError):
     """A bad input or setting the user can fix (unknown model, k < 1, prompt too long, ...)."""
 
 
+class StorageError(SpeculateError):
+    """The machine's storage failed us (a full disk, a read-only cache): one line on the command line, as any
+    SpeculateError; a server fault for a request that met it (507), not the request's (4xx)."""
+
+
+# What a write's OSError says when the fault is the storage itself, not the path the user gave.
+STORAGE_ERRNOS = {28, 30, 122}  # ENOSPC, EROFS, EDQUOT
+
+
 class SpeculateWarning(RuntimeWarning):
     """Something the user should know that does not stop the run (a slow precision, an exactness fallback): the
     CLI prints it on one line."""

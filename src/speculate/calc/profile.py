@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..errors import SpeculateError
+from ..errors import SpeculateError, StorageError
 
 FORMAT = "speculate-profile"
 VERSION = 1
@@ -110,13 +110,14 @@ class Profile:
 
 def save_profile(profile: Profile, path: str | Path) -> Path:
     """Write ``profile`` as JSON, atomically (readers see the old file or the new one)."""
-    from ..models.cache import atomic_write_text
+    from ..models.cache import atomic_write_text, storage_fault
 
     path = Path(path).expanduser()
     try:
         atomic_write_text(path, json.dumps(profile.to_dict(), indent=2) + "\n")
-    except OSError as e:
-        raise SpeculateError(f"cannot write the profile to '{path}': {e.strerror or e}") from None
+    except OSError as e:  # (a full disk is the machine's fault: a server answers 507, not 400)
+        kind = StorageError if storage_fault(e) else SpeculateError
+        raise kind(f"cannot write the profile to '{path}': {e.strerror or e}") from None
     return path
 
 

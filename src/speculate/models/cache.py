@@ -20,7 +20,7 @@ import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from ..errors import SpeculateError
+from ..errors import STORAGE_ERRNOS, SpeculateError, StorageError
 
 try:
     import fcntl
@@ -153,8 +153,9 @@ def _lock_is_free(path: Path) -> bool | None:
 @contextmanager
 def scratch(folder: Path, kind: str = ""):
     """A temporary folder beside ``folder`` (named by :func:`scratch_prefix`), locked (:data:`LOCK`) while this
-    process writes it, so that :func:`sweep` can tell a dead writer's folder at once; removed on any error. On
-    success it is the caller's, its lock file removed. Raises OSError where the folder cannot be made."""
+    process writes it, so that :func:`sweep` can tell a dead writer's folder at once; removed on any error (a full
+    disk: StorageError). On success it is the caller's, its lock file removed. Raises OSError where the folder
+    cannot be made."""
     tmp = Path(tempfile.mkdtemp(prefix=scratch_prefix(folder, kind), dir=folder.parent))
     fd = None
     try:
@@ -162,9 +163,14 @@ def scratch(folder: Path, kind: str = ""):
             fd = os.open(tmp / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield tmp
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        why = storage_fault(e)
+        if why is None:
+            raise
+        # a full disk mid-build (a conversion, an assembled GGUF): one line, the scratch folder already gone
+        raise StorageError(f"cannot write the cache in {folder.parent}: {why} (what was written is removed; free "
+                           f"some space or set SPECULATE_CACHE)") from None
     finally:
         if fd is not None:
             (tmp / LOCK).unlink(missing_ok=True)
@@ -182,8 +188,8 @@ def building(folder: Path):
         sweep(folder.parent, folder.name)
         tmp = stack.enter_context(scratch(folder))
     except OSError as e:  # e.g. $SPECULATE_CACHE names a file or an unwritable place
-        raise SpeculateError(f"cannot write the cache in {folder.parent} ({e.strerror or e}); set SPECULATE_CACHE "
-                             f"to a writable folder") from None
+        raise StorageError(f"cannot write the cache in {folder.parent} ({e.strerror or e}); set SPECULATE_CACHE "
+                           f"to a writable folder") from None
     with stack:
         yield tmp
         (tmp / LOCK).unlink(missing_ok=True)  # (not part of the folder: the manifest lists what is)
@@ -195,6 +201,14 @@ def building(folder: Path):
             os.replace(folder, old / "x")
             shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, folder)
+
+
+def storage_fault(error: BaseException) -> str | None:
+    """The storage's own fault behind ``error`` (a full disk, a read-only or over-quota filesystem), or None. Also
+    where a library reports it in another type (safetensors' writer: its error's text carries the OS's message)."""
+    if isinstance(error, OSError) and error.errno in STORAGE_ERRNOS:
+        return error.strerror or os.strerror(error.errno)
+    return next((os.strerror(n) for n in STORAGE_ERRNOS if os.strerror(n) in str(error)), None)
 
 
 # The process's umask, read once at import (reading it means setting it): atomic writes give their files the

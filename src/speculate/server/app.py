@@ -25,7 +25,7 @@ from ..models.loader import LoadedModel
 from .auth import check_api_key
 from .body import read_json
 from .config import ServerConfig
-from .errors import APIError, error_body, install_error_handlers, validation_error
+from .errors import APIError, error_body, install_error_handlers, refused, validation_error
 from .guard import HostGuard
 from .decoders import Decoders
 from .generation import build_decoder, open_run, prepare
@@ -247,7 +247,7 @@ def as_api_error(value) -> APIError:
     if isinstance(value, APIError):
         return value
     if isinstance(value, SpeculateError):
-        return APIError(400, str(value), None, "invalid_value")
+        return refused(value)
     log.error("generation failed", exc_info=value)
     return APIError(500, f"generation failed: {type(value).__name__}: {value}", code="generation_failed")
 

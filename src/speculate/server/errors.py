@@ -2,7 +2,7 @@
 
 A user's mistake gets a 4xx, never a 500: FastAPI's own validation errors (422 by default) become 400,
 Starlette's 404/405 get the same shape, and :class:`~speculate.errors.SpeculateError` from the engine
-is a 400. Only a failure of the server itself is a 500.
+is a 400 (:func:`refused`). Only a failure of the server itself is a 5xx: a 500, or a 507 when its storage fails.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import SpeculateError
+from ..errors import SpeculateError, StorageError
 
 log = logging.getLogger("speculate.server")
 
@@ -37,6 +37,16 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def refused(error: SpeculateError, message: str | None = None, param: str | None = None) -> APIError:
+    """What the client is told of a SpeculateError: a 400 (``message``, default the error's; a setting it can fix),
+    or for the server's own storage failing (StorageError: a full disk while it wrote a profile or a conversion)
+    a 507, a server fault, logged."""
+    if isinstance(error, StorageError):
+        log.error("storage: %s", error)
+        return APIError(507, str(error), None, "insufficient_storage")
+    return APIError(400, message if message is not None else str(error), param, "invalid_value")
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

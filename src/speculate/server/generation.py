@@ -27,7 +27,7 @@ from ..spec import build_decoder as build_from_spec
 from ..text import encode_prompt
 from .config import ServerConfig
 from .decoders import Decoders
-from .errors import APIError
+from .errors import APIError, refused
 from .schemas import ChatCompletionRequest, CompletionRequest, SpeculativeSettings
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context window
@@ -100,7 +100,7 @@ def open_run(prepared: Prepared, decoders: Decoders, prefill_chunk: int | None =
                             **prepared.sampling)
     except SpeculateError as e:
         decoders.give_back(prepared.settings, decoder)  # nothing ran: it is as it was
-        raise APIError(400, str(e), None, "invalid_value") from None
+        raise refused(e) from None
     return run, lambda: decoders.give_back(prepared.settings, decoder)
 
 
@@ -124,4 +124,4 @@ def build_decoder(target: LoadedModel, draft: LoadedModel | None, settings: Spec
     try:
         return build_from_spec(settings, target, draft, prefix_cache, check_tokenizer=False)
     except SpeculateError as e:
-        raise APIError(400, f"speculative: {e}", "speculative", "invalid_value") from None
+        raise refused(e, f"speculative: {e}", "speculative") from None
