@@ -5,7 +5,8 @@ Why: uvicorn closes an idle keep-alive connection after a response (``timeout_ke
 that never sends a request, sends half a request line, or trickles headers at a byte every few seconds is held
 forever (seen: 300 such sockets under ``ulimit -n 256`` made /health time out and the accept loop fail with
 "Too many open files"). Here every connection must complete its request headers within ``header_timeout``
-seconds of opening (and of its previous response), and past ``max_connections`` a new one is closed at once.
+seconds of opening (and of its previous response); past ``max_connections`` (kept below the open-file limit) the
+connection idle the longest is closed, or the new one where none is idle.
 A body that stops arriving is the request handler's to time out (server/body.py).
 """
 
@@ -17,8 +18,27 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
+FD_RESERVE = 64  # open files the process needs besides connections: the model's files, the kernels, logs, pipes
+
+
+def connection_cap(max_connections: int) -> int:
+    """``max_connections``, lowered to stay below the process's open-file limit (less :data:`FD_RESERVE`): past
+    that limit the accept loop itself fails ("Too many open files") instead of the cap closing connections."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return max_connections
+    if soft == resource.RLIM_INFINITY:
+        return max_connections
+    return max(1, min(max_connections, soft - FD_RESERVE))
+
+
 def guarded_protocol(header_timeout: float, max_connections: int) -> type[H11Protocol]:
-    """The protocol class to hand uvicorn (``Config(http=...)``), with these limits."""
+    """The protocol class to hand uvicorn (``Config(http=...)``), with these limits (``max_connections`` as
+    :func:`connection_cap` lowers it)."""
+    cap = connection_cap(max_connections)
 
     class GuardedH11Protocol(H11Protocol):
         def __init__(self, *args, **kwargs):
@@ -28,9 +48,15 @@ def guarded_protocol(header_timeout: float, max_connections: int) -> type[H11Pro
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._headers_timer = None
-            if len(self.connections) > max_connections:  # (this one is counted already)
-                transport.close()
-                return
+            self.idle_since = self.loop.time()
+            if len(self.connections) > cap:  # (this one is counted already)
+                # Past the cap, the connection that has waited longest without a request goes, not the new
+                # one: a client holding idle sockets (reopening any that drop) locked everyone out, /health too.
+                idle = [c for c in self.connections if c is not self and _idle(c)]
+                if not idle:
+                    transport.close()
+                    return
+                min(idle, key=lambda c: c.idle_since).transport.close()
             self._arm()
 
         def _arm(self) -> None:
@@ -55,6 +81,7 @@ def guarded_protocol(header_timeout: float, max_connections: int) -> type[H11Pro
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self.idle_since = self.loop.time()
             if not self.transport.is_closing():
                 self._arm()  # the next request's headers get the same deadline
 
@@ -63,6 +90,14 @@ def guarded_protocol(header_timeout: float, max_connections: int) -> type[H11Pro
             super().connection_lost(exc)
 
     return GuardedH11Protocol
+
+
+def _idle(protocol) -> bool:
+    """Whether a connection is between requests (or before its first): nothing of a request read, no response
+    under way."""
+    conn = protocol.conn
+    return (conn.their_state is h11.IDLE and conn.our_state is h11.IDLE and hasattr(protocol, "idle_since")
+            and not protocol.transport.is_closing())
 
 
 def _framed_once(next_event):
