@@ -831,3 +831,21 @@ def test_tokenizer_endpoints_in_vllms_shapes(served, client):
     bad = post(served, "/detokenize", {"tokens": [1, len(tok) + 5]})
     assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
     assert post(served, "/tokenize", {"prompt": text}, headers={}).status_code == 401
+
+
+def test_null_is_not_given_as_at_openai(served):
+    """"temperature": null, "top_p": null, "n": null (and every other optional field) were a 400; OpenAI reads null
+    as "not given". The answer equals the one without them; a required field sent as null is still missing."""
+    optional = ["max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "stream", "stream_options",
+                "presence_penalty", "frequency_penalty", "logit_bias", "user", "speculative"]
+    plain = {"model": served.model, "prompt": "abc abc abc", "max_tokens": 6, "temperature": 0}
+    nulls = {**{key: None for key in optional}, **plain}  # (max_tokens and temperature given: a greedy answer)
+    a, b = post(served, "/v1/completions", plain), post(served, "/v1/completions", nulls)
+    assert a.status_code == b.status_code == 200, b.text
+    assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
+    chat = post(served, "/v1/chat/completions", {"model": served.model, "messages": MESSAGES, "max_tokens": 3,
+                                                  "temperature": None, "top_p": None, "n": None, "seed": 1,
+                                                  "max_completion_tokens": None, "response_format": None})
+    assert chat.status_code == 200, chat.text
+    missing = post(served, "/v1/completions", {**plain, "model": None})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "model"

@@ -1,5 +1,5 @@
 """Request bodies of the OpenAI API (the subset we honour), validated strictly: a wrongly typed field is a
-400, not silently coerced. Unknown top-level fields are ignored, as OpenAI clients send many; fields we
+400, not silently coerced; ``null`` is "not given", as at OpenAI. Unknown top-level fields are ignored, as OpenAI clients send many; fields we
 know but cannot honour (n > 1, logprobs, penalties, tools, ...) are refused rather than ignored. The
 extra ``speculative`` object is strict: an unknown key there is a 400."""
 
@@ -94,6 +94,15 @@ class _Common(BaseModel):
     logit_bias: dict | None = None
     user: str | None = None
     speculative: SpeculativeSettings | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data):
+        """OpenAI reads ``null`` in an optional field as "not given" (clients send ``"temperature": null``): such
+        a field takes its default. A required field sent as null is still missing (a 400)."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
     @field_validator("seed")
     @classmethod
