@@ -220,7 +220,8 @@ BAD = [  # (body for /v1/completions unless "path" is given, status, param, code
     ({"model": "M", "prompt": "hi", "temperature": 2.5}, 400, "temperature", "invalid_value"),
     ({"model": "M", "prompt": "hi", "top_p": 0}, 400, "top_p", "invalid_value"),
     ({"model": "M", "prompt": "hi", "top_p": 1.5}, 400, "top_p", "invalid_value"),
-    ({"model": "M", "prompt": "hi", "n": 2}, 400, "n", "invalid_value"),
+    ({"model": "M", "prompt": "hi", "n": 0}, 400, "n", "invalid_value"),
+    ({"model": "M", "prompt": ["a", "b"], "n": 33}, 400, "n", "invalid_value"),  # 66 choices > MAX_CHOICES
     ({"model": "M", "prompt": "x" * 1100}, 400, "prompt", "context_length_exceeded"),
     ({"model": "M", "prompt": "x" * 1000, "max_tokens": 100}, 400, "prompt", "context_length_exceeded"),
     ({"model": "M", "prompt": ""}, 400, "prompt", "invalid_value"),
@@ -849,3 +850,38 @@ def test_null_is_not_given_as_at_openai(served):
     assert chat.status_code == 200, chat.text
     missing = post(served, "/v1/completions", {**plain, "model": None})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "model"
+
+
+def test_a_list_of_prompts_and_n_give_a_choice_each_equal_to_the_request_alone(served, client):
+    """lm-eval's local-completions sends a batch of prompts in one request: one choice per prompt (index set, all in
+    the batch together), each equal to that prompt sent alone; n samples per prompt, prompt-major, the j-th drawn
+    with seed + j, so a seeded request is reproducible and each sample equals a request with its seed."""
+    prompts = ["abc abc abc", "the cat sat on the", "1 2 3 4", "hello hello"]
+    alone = [client.completions.create(model=served.model, prompt=p, max_tokens=8, temperature=0) for p in prompts]
+    many = client.completions.create(model=served.model, prompt=prompts, max_tokens=8, temperature=0)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert [c.text for c in many.choices] == [a.choices[0].text for a in alone]
+    assert many.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert many.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    ids = [served.target.tokenizer(p)["input_ids"] for p in prompts[:2]]
+    by_ids = client.completions.create(model=served.model, prompt=ids, max_tokens=8, temperature=0)
+    assert [c.text for c in by_ids.choices] == [a.choices[0].text for a in alone[:2]]
+
+    sampled = dict(model=served.model, prompt=prompts[:2], max_tokens=8, temperature=1.0, seed=11, n=3)
+    first, again = client.completions.create(**sampled), client.completions.create(**sampled)
+    assert [c.text for c in first.choices] == [c.text for c in again.choices] and len(first.choices) == 6
+    for i, choice in enumerate(first.choices):
+        prompt, j = divmod(i, 3)
+        single = client.completions.create(model=served.model, prompt=prompts[prompt], max_tokens=8, temperature=1.0,
+                                           seed=11 + j)
+        assert choice.text == single.choices[0].text, (i, choice.text)
+    assert len({c.text for c in first.choices[:3]}) > 1  # the samples of one prompt differ
+    assert first.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone[:2])  # a prompt counts once
+
+    chunks = list(client.completions.create(model=served.model, prompt=prompts, max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(4)]
+    assert texts == [a.choices[0].text for a in alone]
+    assert sum(c.usage is not None for c in chunks) == 1 and chunks[-1].usage.to_dict() == many.usage.to_dict()
+    chat = client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=6, temperature=0, n=2)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content

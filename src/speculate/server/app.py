@@ -141,22 +141,30 @@ class Routes:
         return await anyio.to_thread.run_sync(tokenizer_api.detokenize, self.target.tokenizer, req)
 
     async def generate(self, request: Request, kind: str):
-        """Validate, queue, then answer whole or as a stream."""
+        """Validate, queue every choice (a generation each, in the batch together), then answer whole or as a
+        stream."""
         req = await self.validated(request, ChatCompletionRequest if kind == "chat" else CompletionRequest)
         prepared = await anyio.to_thread.run_sync(prepare, self.config, self.target, req)
-        job = self.submit(prepared)
-        shaper = Shaper(kind, self.model_id, prepared.settings)
+        jobs = self.submit(prepared)
+        prompts = len(prepared) // req.n
+        shaper = Shaper(kind, self.model_id, prepared[0].settings, len(prepared), prompts)
         outcome = request.scope.get(OUTCOME_KEY, {})
         if req.stream:
-            return await self.stream(request, job, shaper, kind, req.include_usage, outcome)
-        event, value = await wait_or_disconnect(job, request)
-        job.finished = True
-        if event == "done":
-            self.record(job, value)
-            return shaper.whole(value.generation)
-        if event == "error":
-            raise as_api_error(value)
-        return client_gone(job, outcome)
+            return await self.stream(request, jobs, shaper, kind, req.include_usage, outcome)
+        gens = []
+        for job in jobs:
+            event, value = await wait_or_disconnect(job, request)
+            job.finished = True
+            if event == "done":
+                self.record(job, value)
+                gens.append(value.generation)
+                continue
+            for other in jobs:  # one choice failed or the client left: the others stop too
+                other.cancel()
+            if event == "error":
+                raise as_api_error(value)
+            return client_gone(jobs, outcome)
+        return shaper.whole(gens)
 
     async def validated(self, request: Request, schema):
         check_api_key(request, self.config.api_key)
@@ -170,57 +178,79 @@ class Routes:
                                 "server serves", "model", "model_not_found")
         return req
 
-    def submit(self, prepared) -> Job:
-        job = Job(partial(open_run, prepared, self.decoders, self.scheduler.prefill_chunk), asyncio.get_running_loop())
+    def submit(self, prepared: list) -> list[Job]:
+        """A job per choice, admitted together or not at all (a 429 takes none of them)."""
+        loop = asyncio.get_running_loop()
+        jobs = [Job(partial(open_run, p, self.decoders, self.scheduler.prefill_chunk), loop) for p in prepared]
         try:
-            self.scheduler.submit(job)
+            self.scheduler.submit(*jobs)
         except Closed:
             raise APIError(503, "the server is shutting down", code="shutting_down") from None
         except QueueFull:
             busy = f"a batch of {self.scheduler.max_batch} generation(s) and a queue of {self.scheduler.max_queue}"
             raise APIError(429, f"the server is busy: {busy} are all taken; retry later", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-        return job
+        return jobs
 
-    async def stream(self, request: Request, job: Job, shaper: Shaper, kind: str, include_usage: bool,
+    async def stream(self, request: Request, jobs: list[Job], shaper: Shaper, kind: str, include_usage: bool,
                      outcome: dict):
-        # Wait for the generation thread to open the stream: settings the engine refuses are still a 400, not an
-        # error event inside a 200 stream.
-        event, value = await wait_or_disconnect(job, request, until_ready=True)  # (cancels it if torn down)
-        if event == "error":
-            job.finished = True
-            raise as_api_error(value)
-        if event != "ready":  # the client left while the request was queued
-            return client_gone(job, outcome)
+        # Wait for the generation thread to open every choice's stream: settings the engine refuses are still a
+        # 400, not an error event inside a 200 stream.
+        for job in jobs:
+            event, value = await wait_or_disconnect(job, request, until_ready=True)  # (cancels it if torn down)
+            if event == "ready":
+                continue
+            for other in jobs:
+                other.cancel()
+            if event == "error":
+                job.finished = True
+                raise as_api_error(value)
+            return client_gone(jobs, outcome)  # the client left while the request was queued
 
         def on_close():
-            if not job.finished:
-                client_gone(job, outcome)
-        return EventStream(self.events(job, shaper, kind, include_usage, outcome), on_close)
+            if not all(job.finished for job in jobs):
+                client_gone(jobs, outcome)
+        return EventStream(self.events(jobs, shaper, kind, include_usage, outcome), on_close)
 
-    async def events(self, job: Job, shaper: Shaper, kind: str, include_usage: bool, outcome: dict):
+    async def events(self, jobs: list[Job], shaper: Shaper, kind: str, include_usage: bool, outcome: dict):
+        """The choices' chunks as their pieces arrive (each with its index), each choice's finish chunk as it ends,
+        then (include_usage) the usage chunk and [DONE]. A choice's error ends the stream (the others stop)."""
         if kind == "chat":
-            yield sse(shaper.chunk(text="", first=True))
-        while True:
-            event, value = await job.events.get()
-            if event == "piece":
-                yield sse(shaper.chunk(text=value))
-            elif event == "done":
-                job.finished = True
-                self.record(job, value)
-                for chunk in shaper.final_chunks(value.generation, include_usage):
-                    yield sse(chunk)
-                yield DONE
-                return
-            elif event == "error":
-                job.finished = True
-                err = as_api_error(value)
-                outcome["status"] = str(err.status)
-                yield sse(err.body())
-                yield DONE
-                return
-            else:  # cancelled
-                return
+            for i in range(len(jobs)):
+                yield sse(shaper.chunk(text="", first=True, index=i))
+        waiting = {asyncio.ensure_future(job.events.get()): i for i, job in enumerate(jobs)}
+        gens: dict[int, object] = {}
+        try:
+            while waiting:
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for future in sorted(done, key=waiting.get):  # (the lower index first where both are ready)
+                    i = waiting.pop(future)
+                    event, value = future.result()
+                    if event == "piece":
+                        yield sse(shaper.chunk(text=value, index=i))
+                        waiting[asyncio.ensure_future(jobs[i].events.get())] = i
+                    elif event == "done":
+                        jobs[i].finished = True
+                        self.record(jobs[i], value)
+                        gens[i] = value.generation
+                        yield sse(shaper.finish_chunk(value.generation, i))
+                    elif event == "error":
+                        jobs[i].finished = True
+                        for job in jobs:
+                            job.cancel()
+                        err = as_api_error(value)
+                        outcome["status"] = str(err.status)
+                        yield sse(err.body())
+                        yield DONE
+                        return
+                    else:  # cancelled: the client is gone
+                        return
+            if include_usage:
+                yield sse(shaper.usage_chunk([gens[i] for i in range(len(jobs))]))
+            yield DONE
+        finally:
+            for future in waiting:
+                future.cancel()
 
     def record(self, job: Job, result: Outcome) -> None:
         now = time.perf_counter()
@@ -228,10 +258,11 @@ class Routes:
         self.metrics.record_generation(result.generation, ttft, now - job.submitted_at)
 
 
-def client_gone(job: Job, outcome: dict) -> Response:
-    """The client left (or closed the stream): stop its generation, count it as 499 (nginx's "client closed
+def client_gone(jobs: list[Job], outcome: dict) -> Response:
+    """The client left (or closed the stream): stop its generations, count it as 499 (nginx's "client closed
     request"); the response itself reaches nobody."""
-    job.cancel()
+    for job in jobs:
+        job.cancel()
     outcome["status"] = "499"
     return Response(status_code=499)
 

@@ -45,31 +45,56 @@ class Prepared:
         return len(self.ids)
 
 
-def prepare(config: ServerConfig, target: LoadedModel, req: CompletionRequest | ChatCompletionRequest) -> Prepared:
-    """Check one request (called off the event loop: it tokenizes; it never runs the models). Raises APIError."""
+def prepare(config: ServerConfig, target: LoadedModel, req: CompletionRequest | ChatCompletionRequest) -> list[Prepared]:
+    """Check one request (called off the event loop: it tokenizes; it never runs the models) and make its choices:
+    each prompt (a completion may send several) ``n`` times, prompt-major as OpenAI indexes them; the j-th of a
+    prompt's n samples draws with ``seed + j`` (a seeded request is reproducible, its samples differ). Raises
+    APIError."""
     req.check_supported()
     stops = req.stops()
-    window = target.context_window
-    tokenizer = target.tokenizer
     if isinstance(req, ChatCompletionRequest):
-        prompt_param, budget = "messages", req.token_budget()
+        budget = req.token_budget()
         budget_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        ids = _encode(lambda: encode_prompt(tokenizer, req.message_dicts()), prompt_param)
+        prompts = [_prompt_ids(target, req.message_dicts(), "messages")]
+        checked = [_budget(target, ids, budget, "messages", budget_param) for ids in prompts]
     else:
-        prompt_param, budget_param = "prompt", "max_tokens"
         budget = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        prompt = req.prompt_value()
-        if isinstance(prompt, list):
-            vocab = len(tokenizer)
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
-                               "prompt", "invalid_value")
-            ids = list(prompt)
-        else:
-            ids = _encode(lambda: encode_prompt(tokenizer, prompt, chat=False), prompt_param)
+        many = len(req.prompts()) > 1
+        prompts = [_prompt_ids(target, p, f"prompt[{i}]" if many else "prompt") for i, p in enumerate(req.prompts())]
+        checked = [_budget(target, ids, budget, f"prompt[{i}]" if many else "prompt", "max_tokens")
+                   for i, ids in enumerate(prompts)]
+    try:  # (the engine's own default verifier named, so that the stats can report it)
+        settings = merge_settings(config, req.speculative).with_verifier(req.temperature == 0)
+    except SpeculateError as e:
+        raise APIError(400, f"speculative: {e}", "speculative", "invalid_value") from None
+    sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": max(req.top_k or 0, 0), "stop": stops}
+    return [Prepared(ids, max_tokens, settings, {**sampling, "seed": None if req.seed is None else (req.seed + j) % 2**63})
+            for ids, max_tokens in zip(prompts, checked) for j in range(req.n)]
+
+
+def _prompt_ids(target: LoadedModel, prompt, param: str) -> list[int]:
+    """A prompt's token ids: chat messages through the template, text raw, token ids checked against the
+    vocabulary."""
+    tokenizer = target.tokenizer
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        vocab = len(tokenizer)
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"{param}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param,
+                           "invalid_value")
+        ids = list(prompt)
+    elif isinstance(prompt, str):
+        ids = _encode(lambda: encode_prompt(tokenizer, prompt, chat=False), param)
+    else:
+        ids = _encode(lambda: encode_prompt(tokenizer, prompt), param)
     if not ids:
-        raise APIError(400, f"{prompt_param}: the prompt is empty", prompt_param, "invalid_value")
+        raise APIError(400, f"{param}: the prompt is empty", param, "invalid_value")
+    return ids
+
+
+def _budget(target: LoadedModel, ids: list[int], budget: int | None, prompt_param: str, budget_param: str) -> int:
+    """The new tokens a prompt may get: ``budget``, or (None) the rest of the context window; checked against it."""
+    window = target.context_window
     if budget is None:
         budget = window - len(ids)
         if budget < 1:
@@ -82,12 +107,7 @@ def prepare(config: ServerConfig, target: LoadedModel, req: CompletionRequest | 
         raise APIError(400, f"this model's context window is {window} tokens; the prompt has {len(ids)} tokens "
                             f"and {budget_param} is {budget}: shorten the prompt or lower {budget_param}",
                        prompt_param, "context_length_exceeded")
-    try:  # (the engine's own default verifier named, so that the stats can report it)
-        settings = merge_settings(config, req.speculative).with_verifier(req.temperature == 0)
-    except SpeculateError as e:
-        raise APIError(400, f"speculative: {e}", "speculative", "invalid_value") from None
-    return Prepared(ids, budget, settings, {"temperature": req.temperature, "top_p": req.top_p,
-                                            "top_k": max(req.top_k or 0, 0), "seed": req.seed, "stop": stops})
+    return budget
 
 
 def open_run(prepared: Prepared, decoders: Decoders, prefill_chunk: int | None = None) -> tuple[Run, Callable[[], None]]:

@@ -167,16 +167,18 @@ class Scheduler:
         self._inbox.put(call)
         return call.future.result()
 
-    def submit(self, job: Job) -> None:
+    def submit(self, *jobs: Job) -> None:
+        """Admit ``jobs`` (a request's choices) together, or none of them (QueueFull, Closed)."""
         with self._lock:
             if self.closed:
                 raise Closed()
-            if self.admitted >= self.capacity:
+            if self.admitted + len(jobs) > self.capacity:
                 raise QueueFull()
-            self.admitted += 1
-            self._jobs.add(job)
+            self.admitted += len(jobs)
+            self._jobs.update(jobs)
             self._changed()
-        self._inbox.put(job)
+        for job in jobs:
+            self._inbox.put(job)
 
     def close(self, error) -> None:
         """Admit nothing more, and end every job still waiting for a place with ``error``."""

@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI API (the subset we honour), validated strictly: a wrongly typed field is a
 400, not silently coerced; ``null`` is "not given", as at OpenAI. Unknown top-level fields are ignored, as OpenAI clients send many; fields we
-know but cannot honour (n > 1, logprobs, penalties, tools, ...) are refused rather than ignored. The
+know but cannot honour (logprobs, penalties, tools, ...) are refused rather than ignored. The
 extra ``speculative`` object is strict: an unknown key there is a 400."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .errors import APIError
 
 MAX_STOP = 4  # stop sequences a request may give (OpenAI's limit)
 MAX_STOP_CHARS = 1024  # characters of one stop sequence: each is searched in the text after every token
+MAX_CHOICES = 64  # prompts × n of one request: each choice is a generation of its own in the batch
 
 
 class _Speculative(BaseModel):
@@ -86,7 +87,7 @@ class _Common(BaseModel):
     top_k: int | None = None  # not OpenAI's; vLLM's and llama.cpp's servers take it too (None, 0 or -1: off)
     stop: str | list[str] | None = None
     seed: int | None = None  # sampling.check_seed: the command line's rule
-    n: int = 1
+    n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
@@ -127,8 +128,6 @@ class _Common(BaseModel):
         return [s for s in stops if s]
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, "n: only n = 1 is supported", "n", "invalid_value")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported (only 0)", name, "unsupported_parameter")
@@ -141,7 +140,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = None
@@ -159,16 +158,17 @@ class CompletionRequest(_Common):
         if self.suffix:
             raise APIError(400, "suffix is not supported", "suffix", "unsupported_parameter")
 
-    def prompt_value(self) -> str | list[int]:
-        """One prompt: a string or a list of token ids (a list of strings must hold exactly one)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: a string or token ids is one; a list of strings or of token-id lists is one each (a
+        choice per prompt, n per prompt, at most MAX_CHOICES in all)."""
         p = self.prompt
-        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-            if len(p) != 1:
-                raise APIError(400, "prompt: only one prompt per request is supported", "prompt", "invalid_value")
-            return p[0]
         if isinstance(p, list) and not p:
             raise APIError(400, "prompt: the prompt is empty", "prompt", "invalid_value")
-        return p
+        many = p if isinstance(p, list) and not isinstance(p[0], int) else [p]
+        if len(many) * self.n > MAX_CHOICES:
+            raise APIError(400, f"prompt, n: {len(many)} prompt(s) × n = {self.n} choices; at most {MAX_CHOICES}",
+                           "n", "invalid_value")
+        return many
 
 
 class TextPart(BaseModel):
@@ -200,6 +200,8 @@ class ChatCompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.n > MAX_CHOICES:
+            raise APIError(400, f"n: at most {MAX_CHOICES}", "n", "invalid_value")
         if self.logprobs or self.top_logprobs:
             raise APIError(400, "logprobs is not supported", "logprobs", "unsupported_parameter")
         if self.tools:
