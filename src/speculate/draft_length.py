@@ -4,7 +4,7 @@ table, the Python API): :func:`parse_k`, one check and one error text."""
 from __future__ import annotations
 
 from .errors import SpeculateError
-from .verifiers.params import is_auto
+from .params import is_auto
 
 MAX_K = 64  # the longest draft a round may ask for (the server's request limit, and so everyone's)
 AUTO = "auto"

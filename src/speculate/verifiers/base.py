@@ -14,7 +14,7 @@ one token the target adds after them (``next_token``), and the state for the nex
 
 A tree draft (``parents``, see ``tree_shape``) goes to :meth:`Verifier.verify_tree`, the rule's tree
 form, which each verifier defines (or inherits) on its class; the engine calls one method for both,
-:meth:`Verifier.judge`. Parameters are declared once, in ``params`` (``verifiers/params.py``).
+:meth:`Verifier.judge`. Parameters are declared once, in ``params`` (``speculate/params.py``).
 
 Naming: the lesson writes the target distribution q and the draft p, the Consultant Decoding paper the
 reverse. Here it is always ``target_probs`` / ``draft_probs`` (p_target / p_draft in docstrings).
@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import SpeculateError
-from .params import Param
+from ..params import Param
 
 
 @dataclass(frozen=True, init=False)
@@ -66,7 +66,7 @@ class Verifier:
 
     Class attributes the engine reads (never model access, only what to hand over):
 
-    - ``params``: the parameters (:class:`~speculate.verifiers.params.Param`), declared once; the
+    - ``params``: the parameters (:class:`~speculate.params.Param`), declared once; the
       constructor takes them by name (or in this order), checks them and sets them as attributes.
     - ``needs_draft_probs``: False when the rule ignores p_draft (greedy, consultant, typical), so a
       drafter with one-hot drafts need not materialise [k, V] rows.

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from . import tree
 from .base import Verdict, Verifier, target_token
-from .params import Param
+from ..params import Param
 from .rows import argmax_rows, ema, gather_drafted, nll
 
 

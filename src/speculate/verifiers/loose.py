@@ -28,7 +28,7 @@ import torch
 
 from . import tree
 from .base import Verdict, Verifier, target_token
-from .params import Param
+from ..params import Param
 from .rows import entropy, gather_drafted
 
 

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from .base import Verdict, Verifier, sample_from, uniform
-from .params import Param
+from ..params import Param
 from .rows import RESIDUAL_EPS, gather_drafted
 
 _BISECT_STEPS = 60
