@@ -129,7 +129,7 @@ class SpeculativeDecoder:
             except ValueError as e:
                 raise SpeculateError(str(e)) from None
         if self.drafter.tree and not verifier.has_tree_rule():
-            raise SpeculateError(tree_rule_missing(verifier))
+            raise SpeculateError(tree_rule_missing(verifier, self.drafter.name))
         return verifier
 
     # ---------------------------------------------------------------------------------------------

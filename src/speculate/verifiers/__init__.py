@@ -6,67 +6,68 @@ lossy ones — ``consultant`` (Consultant Decoding), ``loose`` (FLy's entropy ga
 (Mentored Decoding), ``typical`` (Medusa typical acceptance). Each module's docstring gives its rule.
 
 A verifier is one module here: a :class:`Verifier` subclass with a ``name`` and its ``params``
-(:class:`~speculate.verifiers.params.Param`), ``verify`` and, where the rule has one, ``verify_tree``.
-The registry is read from the package's modules, so a new module's verifier becomes a ``--verifier``
-choice, its parameters ``speculate generate`` flags and request fields (``PARAMS``), with no other edit.
+(:class:`~speculate.params.Param`), ``verify`` and, where the rule has one, ``verify_tree``.
+The registry is read from the package's modules and the plugins' (``SPECULATE_PLUGINS``, speculate/plugins.py), so
+a new module's verifier becomes a ``--verifier`` choice, its parameters ``speculate generate`` flags and request
+fields (``PARAMS``), with no other edit.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
+import functools
 
+from ..params import AUTO, Param, is_auto
+from ..plugins import declared
 from .base import Verdict, Verifier
 from .consultant import ConsultantVerifier
 from .greedy import GreedyVerifier
 from .mentored import MentoredVerifier, mentored_output_distribution
-from .params import AUTO, Param, is_auto
 from .sample import SampleVerifier
 from .typical import TypicalVerifier
 
 
-def _discover() -> dict[str, type[Verifier]]:
-    """Every verifier class defined in this package's modules (one with its own ``name``), lossless
-    first, then by name."""
+@functools.cache
+def registry() -> dict[str, type[Verifier]]:
+    """Every verifier class defined in this package's modules and the plugins' (speculate/plugins.py: one with its
+    own ``name``), lossless first, then by name. Read at its first use, not at import: a plugin module imports
+    speculate's classes while speculate may be importing it, and only a module imported whole declares its verifiers."""
     found: dict[str, type[Verifier]] = {}
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        for obj in vars(module).values():
-            if (isinstance(obj, type) and issubclass(obj, Verifier) and obj is not Verifier
-                    and obj.__module__ == module.__name__ and "name" in obj.__dict__):
-                if found.get(obj.name, obj) is not obj:
-                    raise TypeError(f"two verifiers are called {obj.name!r}: {found[obj.name]} and {obj}")
-                found[obj.name] = obj
+    for cls in declared(__name__, __path__, Verifier):
+        if found.get(cls.name, cls) is not cls:
+            raise TypeError(f"two verifiers are called {cls.name!r}: {found[cls.name]} and {cls}")
+        found[cls.name] = cls
     return {cls.name: cls for cls in sorted(found.values(), key=lambda c: (not c.lossless, c.name))}
 
 
-VERIFIERS: dict[str, type[Verifier]] = _discover()
-
-
-def _user_params() -> dict[str, list[tuple[str, Param]]]:
-    """Each user-settable parameter name with the verifiers that declare it, ``[(verifier, Param)]``.
-    One name is one CLI flag and one request field, so its type must agree across verifiers."""
+@functools.cache
+def user_params() -> dict[str, list[tuple[str, Param]]]:
+    """Each user-settable parameter name with the verifiers that declare it, ``[(verifier, Param)]``: the parameters
+    a user sets (``speculate generate --NAME``, a request's ``speculative.NAME``). One name is one CLI flag and one
+    request field, so its type must agree across verifiers."""
     out: dict[str, list[tuple[str, Param]]] = {}
-    for cls in VERIFIERS.values():
+    for cls in registry().values():
         for param in cls.params:
             if param.user:
                 out.setdefault(param.name, []).append((cls.name, param))
-    for name, declared in out.items():
-        kinds = {param.kind for _, param in declared}
+    for name, takers in out.items():
+        kinds = {param.kind for _, param in takers}
         if len(kinds) > 1:
             raise TypeError(f"verifier parameter {name!r} has different types: "
-                            + ", ".join(f"{v}: {p.kind.__name__}" for v, p in declared))
+                            + ", ".join(f"{v}: {p.kind.__name__}" for v, p in takers))
     return out
 
 
-PARAMS: dict[str, list[tuple[str, Param]]] = _user_params()
-"""The parameters a user sets (``speculate generate --NAME``, a request's ``speculative.NAME``)."""
+def __getattr__(name: str):
+    """``VERIFIERS`` (:func:`registry`) and ``PARAMS`` (:func:`user_params`), read when first asked for."""
+    if name in ("VERIFIERS", "PARAMS"):
+        return registry() if name == "VERIFIERS" else user_params()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def param_help(name: str) -> str:
     """What parameter ``name`` means for each verifier that takes it (a CLI flag's help, a field's
     description): ``consultant: an NLL threshold (> 0; default 2.0; ...); typical: ...``."""
-    return "; ".join(f"{v}: {p.describe()}" for v, p in PARAMS[name])
+    return "; ".join(f"{v}: {p.describe()}" for v, p in user_params()[name])
 
 
 def default_name(greedy: bool) -> str:
@@ -86,20 +87,20 @@ def verifier_for(name: str | None, greedy: bool) -> str:
 
 def verifier_class(name: str) -> type[Verifier]:
     """The class registered as ``name``, or ValueError naming the choices."""
-    cls = VERIFIERS.get(name)
+    cls = registry().get(name)
     if cls is None:
-        raise ValueError(f"unknown verifier {name!r}; choose one of: {', '.join(VERIFIERS)}")
+        raise ValueError(f"unknown verifier {name!r}; choose one of: {', '.join(registry())}")
     return cls
 
 
 def check_auto(name: str | None, params: dict) -> None:
     """ValueError when a parameter is 'auto' but verifier ``name`` (None: none named) does not declare
     'auto' for it. The message names the verifiers that do."""
-    declared = {p.name: p for p in VERIFIERS[name].params} if name in VERIFIERS else {}
+    declared = {p.name: p for p in registry()[name].params} if name in registry() else {}
     for key, value in params.items():
         if not is_auto(value) or (key in declared and declared[key].auto):
             continue
-        takers = [(v, p) for v, p in PARAMS.get(key, []) if p.auto]
+        takers = [(v, p) for v, p in user_params().get(key, []) if p.auto]
         if takers:  # (else the parameter's own check says it must be a number)
             meaning = "; ".join(f"{v}: {p.auto}" for v, p in takers)
             raise ValueError(f"{key} 'auto' ({meaning}) needs the verifier "
@@ -129,11 +130,11 @@ def get_verifier(name: str, **params) -> Verifier:
     return verifier_class(name)(**check_params(name, params))
 
 
-def tree_rule_missing(verifier: Verifier) -> str:
-    """Why ``verifier`` cannot verify a tree draft, and which verifiers can."""
-    able = [name for name, cls in VERIFIERS.items() if cls.has_tree_rule()]
-    return (f"verifier '{verifier.name}' has no tree rule: tree drafts (model-tree, medusa, eagle, the +lookup "
-            f"merges) can be verified by {', '.join(able)}")
+def tree_rule_missing(verifier: Verifier, drafter: str) -> str:
+    """Why ``verifier`` cannot verify the tree drafts of drafter ``drafter``, and which verifiers can."""
+    able = [name for name, cls in registry().items() if cls.has_tree_rule()]
+    return (f"verifier '{verifier.name}' has no tree rule: drafter '{drafter}' drafts trees, which can be verified "
+            f"by {', '.join(able)}")
 
 
 __all__ = [
@@ -155,7 +156,9 @@ __all__ = [
     "is_auto",
     "mentored_output_distribution",
     "param_help",
+    "registry",
     "tree_rule_missing",
+    "user_params",
     "verifier_class",
     "verifier_for",
 ]
