@@ -17,14 +17,40 @@ DTYPE_HELP = ("weight precision: fp32, bf16, int8 (ours: SmoothQuant, per-row in
               "other folders quantized to Q4_1) or auto (default: q4 for a model that ships as a GGUF q4 reads, "
               "the default model among them; else fp32)")
 
-def _drafter_opt_help() -> str:
-    """--drafter-opt's help, from drafters.OPTIONS (what parse_options checks against)."""
-    from .drafters import OPTIONS
+def _either(names) -> str:
+    """``a, b or c``."""
+    names = list(names)
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
-    takes = "; ".join(f"{name}: {', '.join(options)}" for name, options in OPTIONS.items() if options)
-    return (f"a drafter option (repeatable), e.g. base_k=3 for eagle+lookup (the heads' depth beside lookup). "
-            f"eagle and medusa also take tree=false (the -chain names) and lookup=true (the +lookup names). "
-            f"Options by drafter — {takes}")
+
+def _drafters_help() -> str:
+    """--drafter's help, from the drafters' declarations: what ``auto`` picks, each drafter's summary and the names
+    of its variants."""
+    from .drafters import AUTO_PICKS, drafter_classes
+
+    lines = []
+    for cls in drafter_classes():
+        named = [f"{v.name}={str(not v.default).lower()}: {cls.variant_name(**{v.name: not v.default})}"
+                 for v in cls.variants]
+        lines.append(f"{cls.name}: {cls.summary}" + (f" ({', '.join(named)})" if named else ""))
+    return f"default auto: {AUTO_PICKS}. " + "; ".join(lines)
+
+
+def _drafter_opt_help() -> str:
+    """--drafter-opt's help, from the drafters' declarations (what parse_options checks against): each name's
+    options with their defaults, and the variants' true/false options."""
+    from .drafters import DRAFTERS, drafter_classes
+
+    takes = "; ".join(f"{name}: " + ", ".join(p.name if p.default is None else f"{p.name}={p.default}"
+                                               for p in entry.params)
+                      for name, entry in DRAFTERS.items() if entry.params)
+    switches: dict[str, list[str]] = {}
+    for cls in drafter_classes():
+        if cls.variants:
+            text = " and ".join(f"{v.name}={str(not v.default).lower()} (the {v.suffix} names)" for v in cls.variants)
+            switches.setdefault(text, []).append(cls.name)
+    also = "".join(f" {' and '.join(names)} also take {text}." for text, names in switches.items())
+    return f"a drafter option (repeatable).{also} Options by drafter (=default) — {takes}"
 
 
 def _k_arg(value: str):
@@ -58,6 +84,7 @@ def _verifier_param_arg(name: str):
     """``--NAME``'s argparse type for a verifier parameter (``verifiers.PARAMS``): a number, or 'auto' where
     a verifier declares it. Its range depends on the verifier, so it is checked after parsing
     (:func:`_check_verifier_params`), by the declaration itself."""
+    from .params import as_bool
     from .verifiers import AUTO, PARAMS, is_auto
 
     declared = [param for _, param in PARAMS[name]]
@@ -68,8 +95,8 @@ def _verifier_param_arg(name: str):
         if auto and is_auto(value):
             return AUTO
         if declared[0].kind is bool:
-            if value.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
-                return value.strip().lower() in ("true", "1", "yes")
+            if as_bool(value) is not None:
+                return as_bool(value)
             raise argparse.ArgumentTypeError(f"{flag} must be true or false, got {value!r}")
         try:
             return float(value)
@@ -132,7 +159,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .drafters import ALL_DRAFTERS
+    from .drafters import ALL_DRAFTERS, MODEL_DRAFTERS, drafter_classes
     from .models import ALIASES, CHOICES, DEFAULT_MODEL
     from .verifiers import VERIFIERS
 
@@ -145,14 +172,12 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"target model: an alias ({', '.join(ALIASES)}) or a local Hugging Face folder "
                         f"(default {DEFAULT_MODEL})")
     g.add_argument("--drafter", default="auto", type=_drafter_arg, metavar="{" + ",".join(ALL_DRAFTERS) + "}",
-                   help="default auto: retrieval (prompt lookup, then the target's own past answers) where an "
-                        "answer store ships for the model, else lookup (prompt lookup); medusa / eagle draft trees "
-                        "with heads trained on the target (shipped for the default model; -chain variants draft "
-                        "chains)")
-    g.add_argument("--heads", metavar="DIR", help="heads folder for medusa / eagle (default: the shipped ones)")
+                   help=_drafters_help())
+    with_heads = " / ".join(cls.name for cls in drafter_classes() if any(p.name == "heads" for p in cls.params))
+    g.add_argument("--heads", metavar="DIR", help=f"heads folder for {with_heads} (default: the shipped ones)")
     g.add_argument("--drafter-opt", action="append", metavar="KEY=VALUE", help=_drafter_opt_help())
-    g.add_argument("--draft-model", help="draft model for --drafter model, model-tree or model+lookup: an alias or a "
-                                         "folder sharing the target's tokenizer")
+    g.add_argument("--draft-model", help=f"draft model for --drafter {_either(MODEL_DRAFTERS)}: an alias or a folder "
+                                         "sharing the target's tokenizer")
     g.add_argument("--verifier", choices=list(VERIFIERS),
                    help="default greedy at temperature 0, sample (lossless) otherwise")
     g.add_argument("--k", type=_k_arg, default=6, help=K_AUTO_HELP)
@@ -183,9 +208,8 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"target model: an alias ({', '.join(ALIASES)}) or a local Hugging Face folder "
                         f"(default {DEFAULT_MODEL}); also the model id clients must send")
     s.add_argument("--drafter", default="auto", type=_drafter_arg, metavar="{" + ",".join(ALL_DRAFTERS) + "}",
-                   help="default drafter for requests (default auto: retrieval where an answer store ships for the "
-                        "model, else lookup)")
-    s.add_argument("--draft-model", help="draft model for --drafter model, model-tree or model+lookup (loaded once, "
+                   help="default drafter for requests; " + _drafters_help())
+    s.add_argument("--draft-model", help=f"draft model for --drafter {_either(MODEL_DRAFTERS)} (loaded once, "
                                          "shared by requests)")
     s.add_argument("--drafter-opt", action="append", metavar="KEY=VALUE", help=_drafter_opt_help())
     s.add_argument("--verifier", choices=list(VERIFIERS),

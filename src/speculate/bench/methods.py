@@ -43,7 +43,7 @@ class Method:
     D: float | None = None
     argmax: bool | None = None  # consultant's argmax clause (our extension); None: its default, the paper's rule
     temperature: float = 0.0
-    options: tuple = ()  # the drafter's options (drafters.OPTIONS) as sorted (key, value) pairs, e.g. base_k=3
+    options: tuple = ()  # the drafter's options (its declared params) as sorted (key, value) pairs, e.g. base_k=3
 
     @property
     def name(self) -> str:

@@ -1,61 +1,97 @@
-"""Drafters, one per module, behind :func:`get_drafter`."""
+"""Drafters, one per module, found and built by name here (:func:`get_drafter`).
+
+A drafter is one module of this package, or of a plugin (``SPECULATE_PLUGINS``, speculate/plugins.py): a
+:class:`Drafter` subclass with a ``name`` of its own and its declaration (drafters/base.py) — ``params`` (its options,
+:class:`~speculate.params.Param`), ``needs`` (a draft model, the target), ``variants`` (true/false options with names
+of their own: ``eagle-chain``), ``summary`` and ``rank`` for the help — built through ``Drafter.build``. From those
+come every name a user may give (``--drafter``, a request's ``speculative.drafter``, a bench method), the options each
+takes (``--drafter-opt``) and the checks of both, with no list of drafters kept anywhere else.
+"""
 
 from __future__ import annotations
 
-from functools import partial
+import functools
+from dataclasses import dataclass, field
 
 from ..errors import SpeculateError
-from .base import Draft, Drafter
-from .lookup import LookupDrafter
-from .model import ModelDrafter
-from .model_lookup import ModelWithLookup
-from .model_tree import ModelTreeDrafter
-from .none import NoDrafter
-from .retrieval import RetrievalDrafter
-
-# The drafters with a draft model; ``model+lookup`` lets lookup draft the rounds it can copy (model_lookup.py).
-MODEL_DRAFTERS = {"model": ModelDrafter, "model-tree": ModelTreeDrafter, "model+lookup": ModelWithLookup}
-# ``retrieval`` also takes the target: it drafts from an n-gram table of the target's own answers (retrieval.py).
-DRAFTERS = {"none": NoDrafter, "lookup": LookupDrafter, "retrieval": RetrievalDrafter, **MODEL_DRAFTERS}
-NEEDS_MODEL_DRAFTER = "--draft-model needs --drafter " + ", ".join(MODEL_DRAFTERS)  # the CLI's and server's error
+from ..params import Param
+from ..plugins import declared
+from .base import DRAFT_MODEL, TARGET, Draft, Drafter
 
 
-def _self_drafters():
-    """Drafters that draft from the target's own hidden states with trained heads (imported lazily)."""
-    from .eagle import EagleDrafter
-    from .layerskip import LayerSkipDrafter
-    from .medusa import MedusaDrafter
+@dataclass(frozen=True)
+class Entry:
+    """One name :func:`get_drafter` takes: a drafter class, with the values of its variants that the name stands
+    for (``eagle-chain+lookup``: EagleDrafter with tree=False, lookup=True)."""
 
-    # EAGLE chains stop where the head's top probability is below 0.35 (EagleDrafter.min_confidence): chosen
-    # on the tuning prompts of `python -m speculate.bench.trees`, then faster on all six comparisons of the
-    # benchmark's samples too (docs/benchmarks.md, "Confidence-gated chains"); min_confidence=0
-    # turns it off.
-    heads = {"medusa": partial(MedusaDrafter, tree=True), "medusa-chain": partial(MedusaDrafter, tree=False),
-             "eagle": partial(EagleDrafter, tree=True), "eagle-chain": partial(EagleDrafter, tree=False,
-                                                                              min_confidence=0.35)}
-    # With lookup merged in (drafters/with_lookup.py), the heads draft no deeper than their fastest depth beside
-    # lookup (docs/benchmarks.md, "The heads with prompt lookup merged in", `python -m speculate.bench.trees`: 2
-    # for the EAGLE tree and chain; Medusa's tree is at most its 4 heads deep) and lookup's copies reach k.
-    base_k = {"eagle": 2, "eagle-chain": 2, "medusa": None, "medusa-chain": 2}
-    merged = {f"{name}+lookup": partial(_with_lookup, f"{name}+lookup", make, base_k[name])
-              for name, make in heads.items()}
-    return {**heads, **merged, "layerskip": LayerSkipDrafter}
+    name: str
+    cls: type[Drafter]
+    variant: dict = field(default_factory=dict)
+
+    @property
+    def params(self) -> tuple[Param, ...]:
+        return self.cls.options(**self.variant)
+
+    def build(self, target, draft_model, options: dict) -> Drafter:
+        """The drafter, every declared option at its default unless ``options`` gives it."""
+        return self.cls.build(target, draft_model, **self.variant,
+                              **{**{p.name: p.default for p in self.params}, **options})
 
 
-_DEFAULT = object()  # base_k not given: the registry's depth (None is a value: no cap)
+def _entries(classes: list[type[Drafter]]) -> dict[str, Entry]:
+    """Each name the drafter classes declare (a class's variants too), in listing order (``rank``, then name)."""
+    out: dict[str, Entry] = {}
+    for cls in sorted(classes, key=lambda c: (c.rank, c.name)):
+        for values in cls.variant_values():
+            name = cls.variant_name(**values)
+            if name in out:
+                raise TypeError(f"two drafters are called {name!r}: {out[name].cls} and {cls}")
+            out[name] = Entry(name, cls, values)
+    return out
 
 
-def _with_lookup(name, make_base, default_base_k, target, base_k=_DEFAULT, **params):
-    from .with_lookup import WithLookup
+@functools.cache
+def registry() -> dict[str, Entry]:
+    """Every name get_drafter takes but ``auto`` → its Entry, in listing order. Read at its first use, not at import:
+    a plugin module imports speculate's classes while speculate may be importing it, and only a module imported
+    whole declares its drafters."""
+    return _entries(declared(__name__, __path__, Drafter))
 
-    return WithLookup(make_base(target, **params), default_base_k if base_k is _DEFAULT else base_k, name=name)
+
+def drafter_classes() -> list[type[Drafter]]:
+    """Each drafter class once (its variants share it), in listing order."""
+    return list(dict.fromkeys(entry.cls for entry in registry().values()))
 
 
-SELF_DRAFTERS = ("medusa", "medusa-chain", "eagle", "eagle-chain", "layerskip",
-                 "eagle+lookup", "eagle-chain+lookup", "medusa+lookup", "medusa-chain+lookup")
-HEAD_DRAFTERS = tuple(name for name in SELF_DRAFTERS if name != "layerskip")  # the ones that take ``heads``
-# ``auto``: the fastest drafter that needs nothing more from the user (:func:`resolve`).
-ALL_DRAFTERS = ("auto", *DRAFTERS, *SELF_DRAFTERS)  # every name get_drafter takes
+def model_drafters() -> tuple[str, ...]:
+    """The names of the drafters that need a draft model."""
+    return tuple(name for name, entry in registry().items() if DRAFT_MODEL in entry.cls.needs)
+
+
+# The registry's names, each computed from it when read (module __getattr__), so that none is read before it is built.
+_NAMES = {
+    "DRAFTERS": registry,
+    # ``auto``: the fastest drafter that needs nothing more from the user (:func:`resolve`).
+    "ALL_DRAFTERS": lambda: ("auto", *registry()),  # every name get_drafter takes
+    "MODEL_DRAFTERS": model_drafters,
+    "HEAD_DRAFTERS": lambda: tuple(name for name, entry in registry().items()
+                                   if any(p.name == "heads" for p in entry.params)),
+    "NEEDS_MODEL_DRAFTER": lambda: "--draft-model needs --drafter " + ", ".join(model_drafters()),  # CLI's, server's
+    # A variant's name → (its drafter's own name, the variant's values): ``eagle-chain`` → ("eagle", {"tree": False,
+    # "lookup": False}).
+    "VARIANTS": lambda: {name: (entry.cls.name, entry.variant) for name, entry in registry().items() if entry.variant},
+}
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        return _NAMES[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# What ``auto`` picks (:func:`resolve`), for the help: the two names are auto's measured choice, not a declaration.
+AUTO_PICKS = ("retrieval where an answer store ships for the model (prompt lookup, then its own past answers), "
+              "else lookup")
 
 
 def resolve(name: str, target=None) -> str:
@@ -70,26 +106,18 @@ def resolve(name: str, target=None) -> str:
     return "retrieval" if target is not None and shipped_store(target) is not None else "lookup"
 
 
-# The options each drafter takes by name from the command line (``--drafter-opt KEY=VALUE``) and in bench
-# methods (``drafter=eagle+lookup,k=6,base_k=3``), with their types; the constructors document them.
-# ``heads``: a folder of trained heads (the CLI's --heads), so that a bench run can compare two sets.
-_EAGLE_OPTIONS = {"heads": str, "topk": int, "budget": int, "depth": int, "min_confidence": float}
-OPTIONS: dict[str, dict[str, type]] = {
-    "none": {}, "lookup": {"max_ngram": int, "min_ngram": int, "max_copy": int}, "model": {},
-    "retrieval": {"store": str, "min_context": int, "min_share": float, "max_ngram": int, "min_ngram": int,
-                  "max_copy": int},  # lookup's options too: auto may stand for either
-    "model+lookup": {"min_match": int, "lookup_k": int, "max_copy": int},
-    "model-tree": {"branch": int, "spread": int}, "medusa": {"heads": str}, "medusa-chain": {"heads": str},
-    "eagle": _EAGLE_OPTIONS, "eagle-chain": {"heads": str, "min_confidence": float}, "layerskip": {"layers": int},
-}
-OPTIONS.update({f"{name}+lookup": {**OPTIONS[name], "base_k": int}
-                for name in ("eagle", "eagle-chain", "medusa", "medusa-chain")})
+def option_value(name: str, param: Param, value):
+    """``value`` (or its text) as drafter ``name``'s option ``param`` wants it; SpeculateError saying what it wants."""
+    try:
+        return param.convert(value)
+    except ValueError:
+        raise SpeculateError(f"drafter '{name}': option {param.name} wants {param.kind_text}, got {value!r}") from None
 
 
 def parse_options(name: str, items) -> dict:
     """``KEY=VALUE`` strings (or a {key: value} dict) → the typed options of drafter ``name``; anything it
     does not take, or a value of the wrong type, is a SpeculateError naming what it takes."""
-    takes = OPTIONS.get(name, {})
+    takes = {p.name: p for p in registry()[name].params} if name in registry() else {}
     pairs = items.items() if isinstance(items, dict) else [item.partition("=")[::2] for item in items]
     out = {}
     for key, value in pairs:
@@ -97,53 +125,43 @@ def parse_options(name: str, items) -> dict:
         if key not in takes:
             accepted = ", ".join(takes) or "no options"
             raise SpeculateError(f"drafter '{name}' has no option '{key}' (it takes: {accepted})")
-        try:
-            out[key] = takes[key](str(value).strip())
-        except ValueError:
-            kind = {int: "an integer", float: "a number"}.get(takes[key], takes[key].__name__)
-            raise SpeculateError(f"drafter '{name}': option {key} wants {kind}, got {value!r}") from None
+        out[key] = option_value(name, takes[key], value)
     return out
 
 
 def check_name(name: str) -> str:
     """``name`` if it is a drafter (or an alias get_drafter takes), else a SpeculateError naming the choices."""
-    if name not in ALL_DRAFTERS:
-        raise SpeculateError(f"unknown drafter '{name}'; choose one of: {', '.join(ALL_DRAFTERS)}")
+    if name != "auto" and name not in registry():
+        raise SpeculateError(f"unknown drafter '{name}'; choose one of: {', '.join(('auto', *registry()))}")
     return name
 
 
 def draft_model_error(name: str, has_draft_model: bool) -> str | None:
     """Why drafter ``name`` cannot run with (or without) a draft model, or None: the one check of the drafters'
     need for a draft model, whichever settings path asks (``SpeculativeSpec.check_draft_model`` too)."""
-    if name in MODEL_DRAFTERS and not has_draft_model:
-        return f"drafter '{name}' needs a draft model (--draft-model)"
-    if name not in MODEL_DRAFTERS and has_draft_model:
-        if name in SELF_DRAFTERS:
-            return f"drafter '{name}' drafts with heads on the target itself; it takes no draft model"
-        return f"drafter '{name}' takes no draft model; use --drafter {', '.join(MODEL_DRAFTERS)}"
+    needs = name in model_drafters()
+    if needs and not has_draft_model:
+        return f"drafter '{name}' needs {DRAFT_MODEL} (--draft-model)"
+    if has_draft_model and not needs:
+        return f"drafter '{name}' takes no draft model; use --drafter {', '.join(model_drafters())}"
     return None
 
 
-def get_drafter(name: str, draft_model=None, target=None, **params) -> Drafter:
-    """A drafter by name. ``model``, ``model-tree`` and ``model+lookup`` need ``draft_model`` (a
-    LoadedModel sharing the target's tokenizer); ``model-tree`` takes ``branch`` and ``spread``
-    (drafters/model_tree.py), ``model+lookup`` ``min_match`` and ``lookup_k`` (drafters/model_lookup.py)."""
-    name = resolve(name, target)
-    check_name(name)
+def get_drafter(name: str, draft_model=None, target=None, **options) -> Drafter:
+    """A drafter by name (``auto`` resolved for ``target``), with ``options`` (typed; the declared defaults for the
+    others). ``draft_model``: a LoadedModel sharing the target's tokenizer, for the drafters that need one and for
+    no other; ``target``: the LoadedModel, which the drafters that need it draft from (a draft model's drafters
+    only compare tokenizers with it)."""
+    name = check_name(resolve(name, target))
     error = draft_model_error(name, draft_model is not None)
     if error:
         raise SpeculateError(error)
-    if name in SELF_DRAFTERS:
-        if target is None:
-            raise SpeculateError(f"drafter '{name}' needs the target model")
-        # drafts from the target itself: heads trained on its hidden states, or its own first layers
-        return _self_drafters()[name](target, **params)
-    if name in MODEL_DRAFTERS:
-        return MODEL_DRAFTERS[name](draft_model, target, **params)
-    if name == "retrieval":
-        return RetrievalDrafter(target, **params)
-    return DRAFTERS[name](**params)
+    entry = registry()[name]
+    if TARGET in entry.cls.needs and target is None:
+        raise SpeculateError(f"drafter '{name}' needs {TARGET}")
+    return entry.build(target, draft_model, options)
 
 
-__all__ = ["ALL_DRAFTERS", "DRAFTERS", "HEAD_DRAFTERS", "MODEL_DRAFTERS", "NEEDS_MODEL_DRAFTER", "OPTIONS", "SELF_DRAFTERS", "Draft", "Drafter",
-           "check_name", "draft_model_error", "get_drafter", "parse_options", "resolve"]
+__all__ = ["ALL_DRAFTERS", "AUTO_PICKS", "DRAFTERS", "HEAD_DRAFTERS", "MODEL_DRAFTERS", "NEEDS_MODEL_DRAFTER",
+           "VARIANTS", "Draft", "Drafter", "Entry", "check_name", "draft_model_error", "drafter_classes", "get_drafter",
+           "model_drafters", "option_value", "parse_options", "registry", "resolve"]

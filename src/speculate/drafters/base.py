@@ -1,4 +1,4 @@
-"""The drafter interface.
+"""The drafter interface, and what a drafter declares of itself.
 
 A drafter proposes drafts that continue the committed sequence, with the distributions they were
 drawn from, and learns the verifier's verdict through :meth:`update` (so it can roll back its own
@@ -8,16 +8,27 @@ A draft is a *chain* (``parents`` None: x_1..x_m, each continuing the one before
 (``parents`` a list): nodes in topological order, ``parents[i]`` = -1 for a child of the last
 committed token, else the index of node i's parent. A tree is verified in one target forward
 (the engine's ``tree_parents`` mask) and the verdict names the accepted root-to-node ``path``.
+
+A drafter is one module: its class declares its name, its options (``params``), what it needs (``needs``), its
+variants and a line of help, and the registry (``drafters/__init__.py``) finds it there and builds it through
+:meth:`Drafter.build`, the one constructor shape it calls.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 
+from ..params import Param
 from ..sampling import Sampling
 from ..tree_shape import chain_as_tree, depths
+
+# What a drafter may need besides its options (``Drafter.needs``); each is the phrase its error text uses.
+DRAFT_MODEL = "a draft model"  # a LoadedModel sharing the target's tokenizer (--draft-model)
+TARGET = "the target model"  # the target itself: its weights, hidden rows or the assets shipped for it
 
 
 @dataclass
@@ -63,8 +74,52 @@ class Draft:
         return replace(self, tokens=self.tokens[index], probs=probs, parents=parents)
 
 
+@dataclass(frozen=True)
+class Variant(Param):
+    """A true/false option that names a variant of its drafter: ``suffix`` joins the name where the option is not
+    its default (``eagle`` with tree=false is ``eagle-chain``, with lookup=true ``eagle+lookup``)."""
+
+    suffix: str = ""
+
+
 class Drafter:
-    name = "base"
+    # -- the declaration: what the registry (drafters/__init__.py) reads, without building one -----------------
+    name = "base"  # the name --drafter, a request and a bench method take
+    summary = ""  # one line for --drafter's help: what it drafts from
+    rank = 100  # where it is listed among the choices (help, error texts): the plainest first, then by name
+    params: ClassVar[tuple[Param, ...]] = ()  # its options (--drafter-opt KEY=VALUE): the registry fills in defaults
+    needs: ClassVar[tuple[str, ...]] = ()  # DRAFT_MODEL and/or TARGET: checked before build() is called
+    variants: ClassVar[tuple[Variant, ...]] = ()  # each combination is a name of its own (variant_name)
+
+    @classmethod
+    def variant_name(cls, **values) -> str:
+        """The name of the variant with these ``values`` of :attr:`variants` (the defaults for any not given)."""
+        return cls.name + "".join(v.suffix for v in cls.variants if values.get(v.name, v.default) != v.default)
+
+    @classmethod
+    def variant_values(cls) -> list[dict]:
+        """Every combination of the variants' values, the defaults first: ``[{}]`` for a drafter without variants."""
+        choices = [(v.default, not v.default) for v in cls.variants]
+        return [dict(zip((v.name for v in cls.variants), values)) for values in itertools.product(*choices)]
+
+    @classmethod
+    def options(cls, **variant) -> tuple[Param, ...]:
+        """The options of one variant (``variant``: a value for each of :attr:`variants`); all of ``params`` unless a
+        variant takes others (a chain has no tree shape to set)."""
+        return cls.params
+
+    @classmethod
+    def build(cls, target=None, draft_model=None, **options) -> Drafter:
+        """The registry's one way to make this drafter: ``target`` and ``draft_model`` as the caller has them (what
+        :attr:`needs` names is there), ``options`` every declared option of the variant (given or default) and the
+        variant's values. This one passes what ``needs`` names, the draft model first — ``cls(draft_model, target,
+        **options)``, ``cls(target, **options)`` or ``cls(**options)``; a drafter whose constructor wants something
+        else overrides it."""
+        if DRAFT_MODEL in cls.needs:
+            return cls(draft_model, target, **options)
+        return cls(target, **options) if TARGET in cls.needs else cls(**options)
+
+    # -- the drafter at work ---------------------------------------------------------------------------------
     tree = False  # True: proposals may be trees (Draft.parents); the verifier must have a tree rule
     wants_hidden = False  # True: the engine hands over the target's hidden states through observe()
     feature_layers: tuple[int, ...] = ()  # decoder layers whose outputs observe() also wants (EAGLE-3)

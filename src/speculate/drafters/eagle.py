@@ -17,18 +17,46 @@ a tree drafter proposes chains.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from ..errors import SpeculateError
-from ..heads.io import drafting_parts
+from ..heads.io import HEADS, drafting_parts
 from ..heads.medusa import expand_rows
+from ..params import Param
 from ..sampling import warp
-from .base import EMPTY, Draft, Drafter
+from .base import EMPTY, TARGET, Draft, Drafter, Variant
+from .with_lookup import LOOKUP, base_k, merged
+
+MIN_CONFIDENCE = "stop a chain where the head's top probability falls below this (0: never)"
 
 
 class EagleDrafter(Drafter):
     name = "eagle"
+    summary = "an EAGLE head trained on the target's hidden rows (shipped for the default model), EAGLE-2's tree"
+    rank = 7
+    needs = (TARGET,)
+    params = (HEADS, Param("topk", 2, "nodes expanded per level, and children per node"),
+              Param("budget", None, "nodes kept (default: 2·depth − 2, at least depth)", value_type=int),
+              Param("depth", None, "the tree's depth cap (default: each round's k)", value_type=int),
+              Param("min_confidence", 0.0, MIN_CONFIDENCE))
+    # A chain has no tree to shape, and stops where the head is unsure, below 0.35: chosen on the tuning prompts of
+    # `python -m speculate.bench.trees`, then faster on all six comparisons of the benchmark's samples too
+    # (docs/benchmarks.md, "Confidence-gated chains").
+    chain_params = (HEADS, Param("min_confidence", 0.35, MIN_CONFIDENCE))
+    variants = (Variant("tree", True, "draft EAGLE-2's dynamic tree (false: a chain)", suffix="-chain"), LOOKUP)
     wants_hidden = True
+
+    @classmethod
+    def options(cls, tree=True, lookup=False):
+        # Beside lookup the tree and the chain draft at most 2 deep, their fastest depth there (docs/benchmarks.md,
+        # "The heads with prompt lookup merged in").
+        return (cls.params if tree else cls.chain_params) + ((base_k(2),) if lookup else ())
+
+    @classmethod
+    def build(cls, target, draft_model=None, tree=True, lookup=False, **options):
+        return merged(partial(cls, target, tree=tree), lookup, cls.variant_name(tree=tree, lookup=True), options)
 
     def __init__(self, target, heads=None, tree: bool = False, topk: int = 2, budget: int | None = None,
                  depth: int | None = None, min_confidence: float = 0.0):

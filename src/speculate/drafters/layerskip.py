@@ -16,6 +16,8 @@ import torch.nn as nn
 
 from ..errors import SpeculateError
 from ..models.loader import LoadedModel
+from ..params import Param
+from .base import TARGET
 from .model import ModelDrafter
 
 
@@ -46,6 +48,10 @@ class LayerSkipDrafter(ModelDrafter):
     """``layerskip``: draft with the target's first ``layers`` layers (default: half of them)."""
 
     name = "layerskip"
+    summary = "the target's own first layers (early exit, untrained: usually a slowdown)"
+    rank = 8
+    needs = (TARGET,)
+    params = (Param("layers", None, "the target's first layers the draft runs (default: half)", value_type=int),)
 
     def __init__(self, target: LoadedModel, layers: int | None = None):
         total = len(target.model.model.layers)

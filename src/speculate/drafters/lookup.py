@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpeculateError
+from ..params import Param
 from .base import EMPTY, Draft, Drafter
 
 MAX_COPY = 32  # the default cap on a grown copy (64 measured within noise of it, and verifies more wasted rows)
@@ -37,6 +38,11 @@ MAX_COPY = 32  # the default cap on a grown copy (64 measured within noise of it
 
 class LookupDrafter(Drafter):
     name = "lookup"
+    summary = "prompt lookup, a copy of what followed an earlier occurrence of the last tokens"
+    rank = 1
+    params = (Param("max_ngram", 3, "the longest n-gram matched (a full match copies k tokens)"),
+              Param("min_ngram", 1, "the shortest n-gram matched"),
+              Param("max_copy", MAX_COPY, "how long a copy may grow while copies are accepted whole (0: k)"))
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_copy: int = MAX_COPY):
         """``max_copy``: how long a full-match copy may grow while copies are accepted whole (0, or anything

@@ -15,12 +15,15 @@ WITHOUT replacement from its depth's warped head row (lossless with ``tree_sampl
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
-from ..heads.io import drafting_parts
+from ..heads.io import HEADS, drafting_parts
 from ..heads.medusa import expand_rows
 from ..sampling import warp
-from .base import EMPTY, Draft, Drafter
+from .base import EMPTY, TARGET, Draft, Drafter, Variant
+from .with_lookup import LOOKUP, base_k, merged
 
 # A sparse tree of 12 nodes, 4 deep: the top token of head 0 is expanded most (Medusa's trees
 # put most nodes under the top-1 path too); sized for a CPU, where a forward over 13 tokens costs
@@ -31,7 +34,22 @@ DEFAULT_TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0,
 
 class MedusaDrafter(Drafter):
     name = "medusa"
+    summary = "Medusa heads trained on the target's hidden rows (shipped for the default model), a static tree"
+    rank = 6
+    needs = (TARGET,)
+    params = (HEADS,)
+    variants = (Variant("tree", True, "draft the static candidate tree (false: a chain)", suffix="-chain"), LOOKUP)
     wants_hidden = True
+
+    @classmethod
+    def options(cls, tree=True, lookup=False):
+        # Beside lookup (``python -m speculate.bench.trees``; docs/benchmarks.md, "The heads with prompt lookup
+        # merged in") the chain drafts at most 2 deep; the tree is at most its 4 heads deep, so it keeps it whole.
+        return cls.params + ((base_k(None if tree else 2),) if lookup else ())
+
+    @classmethod
+    def build(cls, target, draft_model=None, tree=True, lookup=False, **options):
+        return merged(partial(cls, target, tree=tree), lookup, cls.variant_name(tree=tree, lookup=True), options)
 
     def __init__(self, target, heads=None, tree=None):
         """``target``: the LoadedModel; ``heads``: a folder (default: the heads shipped for it);

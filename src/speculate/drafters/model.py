@@ -14,11 +14,14 @@ from ..errors import SpeculateError
 from ..models.kv import KVModel, PrefixReuse, Rows, forward_many
 from ..sampling import warp
 from ..verifiers.base import sample_from
-from .base import Draft, Drafter
+from .base import DRAFT_MODEL, Draft, Drafter
 
 
 class ModelDrafter(Drafter):
     name = "model"
+    summary = "an independent draft model sharing the target's tokenizer (--draft-model), with its own KV cache"
+    rank = 3
+    needs = (DRAFT_MODEL,)
 
     def __init__(self, draft_model, target_model=None):
         if target_model is not None:

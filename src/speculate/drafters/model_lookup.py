@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import SpeculateError
-from .base import Drafter
+from ..params import Param
+from .base import DRAFT_MODEL, Drafter
 from .lookup import MAX_COPY, LookupDrafter
 from .model import ModelDrafter
 
@@ -38,6 +39,12 @@ MAX_MATCH = 8  # the longest match min_match may ask for (lookup indexes every n
 
 class ModelWithLookup(Drafter):
     name = "model+lookup"
+    summary = "lookup drafts the rounds whose last tokens occurred before, the draft model the others"
+    rank = 5
+    needs = (DRAFT_MODEL,)
+    params = (Param("min_match", 3, "the n-gram (1-8) whose earlier occurrence lets lookup draft the round"),
+              Param("lookup_k", 10, "how many tokens lookup copies then"),
+              Param("max_copy", MAX_COPY, "lookup's: how long a copy may grow while copies are accepted whole"))
 
     def __init__(self, draft_model, target_model=None, min_match: int = 3, lookup_k: int | None = 10,
                  max_copy: int = MAX_COPY):

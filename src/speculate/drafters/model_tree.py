@@ -29,12 +29,18 @@ from ..errors import SpeculateError
 from ..models.kv import KVModel, PrefixReuse
 from ..sampling import warp
 from ..verifiers.base import sample_from
-from .base import Draft, Drafter
+from ..params import Param
+from .base import DRAFT_MODEL, Draft, Drafter
 from .model import check_same_tokenizer
 
 
 class ModelTreeDrafter(Drafter):
     name = "model-tree"
+    summary = "the draft model drafting a tree, alternatives near the root, then chains"
+    rank = 4
+    needs = (DRAFT_MODEL,)
+    params = (Param("branch", 2, "children of each node above depth spread"),
+              Param("spread", 1, "how deep the tree branches (below: chains)"))
     tree = True
 
     def __init__(self, draft_model, target_model=None, branch: int = 2, spread: int = 1):

@@ -5,6 +5,8 @@ from .base import EMPTY, Draft, Drafter
 
 class NoDrafter(Drafter):
     name = "none"
+    summary = "no drafts: plain decoding, the baseline of every speedup"
+    rank = 0
 
     def propose(self, tokens, k):
         return Draft(EMPTY)

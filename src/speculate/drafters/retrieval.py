@@ -22,7 +22,8 @@ import torch
 
 from ..errors import SpeculateError
 from .answer_store import find_store
-from .base import Draft
+from ..params import Param
+from .base import TARGET, Draft
 from .lookup import MAX_COPY, LookupDrafter
 
 MIN_N, MAX_N, MIN_COUNT = 2, 4, 2  # the table's n-grams and how often a continuation must have been seen
@@ -30,6 +31,14 @@ MIN_N, MAX_N, MIN_COUNT = 2, 4, 2  # the table's n-grams and how often a continu
 
 class RetrievalDrafter(LookupDrafter):
     name = "retrieval"
+    summary = "prompt lookup, then an n-gram table of the target's own past answers (its answer store)"
+    rank = 2
+    needs = (TARGET,)
+    params = (Param("store", None, "an answer store, file or folder (default: the one shipped for the target)",
+                    value_type=str),
+              Param("min_context", 2, "the shortest context match that lookup drafts from instead of the store"),
+              Param("min_share", 0.5, "the store drafts a token that followed its n-gram at least this often (0-1)"),
+              *LookupDrafter.params)
 
     def __init__(self, target, store: str | None = None, min_context: int = 2, min_share: float = 0.5,
                  max_ngram: int = 3, min_ngram: int = 1, max_copy: int = MAX_COPY):

@@ -26,9 +26,27 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpeculateError
+from ..params import Param
 from ..sampling import one_hot
-from .base import Draft, Drafter
+from .base import Draft, Drafter, Variant
 from .lookup import LookupDrafter
+
+# The variant of a drafter that declares it (medusa.py, eagle.py): its proposals with lookup's merged in.
+LOOKUP = Variant("lookup", False, "merge prompt lookup's copy into each draft, as one tree", suffix="+lookup")
+
+
+def base_k(default: int | None) -> Param:
+    """The +lookup variant's option: how deep the base drafts beside lookup (``default`` None: each round's k)."""
+    return Param("base_k", default, "how deep the drafter drafts beside lookup, whose copies reach k",
+                 value_type=int)
+
+
+def merged(make, lookup: bool, name: str, options: dict) -> Drafter:
+    """``make(**options)``, with lookup merged in (as ``name``, to the depth ``options["base_k"]``) where ``lookup``."""
+    if not lookup:
+        return make(**options)
+    depth = options.pop("base_k")
+    return WithLookup(make(**options), depth, name=name)
 
 
 class WithLookup(Drafter):

@@ -16,6 +16,7 @@ import torch
 from ..errors import SpeculateError
 from ..models.cache import atomic_path, atomic_write_text
 from ..models.quantize import weight_bytes
+from ..params import Param
 from .eagle import EagleHead
 from .medusa import MedusaHeads
 
@@ -159,6 +160,11 @@ class DraftingParts:
     def cost(self, *modules: torch.nn.Module) -> float:
         """What running ``modules`` once costs relative to a target step: the weights each reads."""
         return sum(weight_bytes(m) for m in modules) / self.target_bytes
+
+
+# The head drafters' option (drafters/medusa.py, eagle.py) naming the folder drafting_parts reads.
+HEADS = Param("heads", None, "a folder of trained heads (default: the ones shipped for the target; the CLI's --heads)",
+              value_type=str)
 
 
 def drafting_parts(loaded, kind: str, folder: str | Path | None = None) -> DraftingParts:
