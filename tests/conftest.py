@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import shutil
+import socket
+import subprocess
+import sys
+import time
 
+import httpx
 import pytest
 import torch
 
@@ -68,3 +74,31 @@ def assert_pytest_passed(done, skipped: bool = True) -> None:
     summary = done.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and not re.search(r"\d+ (failed|errors?)\b", summary), summary
     assert skipped or not re.search(r"\d+ skipped", summary), summary
+
+
+@contextlib.contextmanager
+def serve_subprocess(args: list[str], env: dict, seconds: float = 60):
+    """``speculate serve ARGS`` in a subprocess on a free loopback port, as a user starts it: yields (the process, its
+    URL) once /health answers; kills it on the way out if the test has not stopped it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "speculate", "serve", *args, "--port", str(port), "--log-level",
+                             "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + seconds
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(15)

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +26,8 @@ from speculate.models.kv import HFKVModel
 from speculate.server import ServerConfig, create_app, load_models
 from speculate.server.background import BackgroundServer
 from speculate.server.errors import APIError
+
+from conftest import serve_subprocess
 
 # The shared server's models are loaded on this thread and generate on the server's generation thread, which the
 # engine warns about (several threads running torch: models/loader.py check_thread); expected here.
@@ -544,35 +544,14 @@ def test_cli_serve_flags_and_a_real_subprocess(tiny_folders, capsys):
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and "cannot listen on 127.0.0.1" in lines[0], lines
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "SPECULATE_API_KEY": "env-key"}
-    proc = subprocess.Popen([sys.executable, "-m", "speculate", "serve", "--model", str(tiny_folders[1]), "--port",
-                             str(port), "--log-level", "warning"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+    with serve_subprocess(["--model", str(tiny_folders[1])], env) as (proc, url):
         c = openai.OpenAI(base_url=url + "/v1", api_key="env-key", max_retries=0)
         r = c.completions.create(model=str(tiny_folders[1]), prompt="abc abc", max_tokens=7, temperature=0)
         assert r.usage.completion_tokens == 7
         assert httpx.get(url + "/v1/models").status_code == 401
         proc.terminate()  # SIGTERM: a graceful stop, exit status 0 (uvicorn's own would re-raise it: 143)
         assert proc.wait(30) == 0, proc.stdout.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(15)
 
 
 def test_the_servers_drafter_options_apply_to_its_drafter_only(tiny):
