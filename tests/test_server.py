@@ -864,3 +864,19 @@ def test_a_list_of_prompts_and_n_give_a_choice_each_equal_to_the_request_alone(s
     assert sum(c.usage is not None for c in chunks) == 1 and chunks[-1].usage.to_dict() == many.usage.to_dict()
     chat = client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=6, temperature=0, n=2)
     assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+
+
+def test_openapi_json_describes_the_request_bodies_and_validates(served):
+    """/openapi.json (behind the key, as the routes) is a valid OpenAPI 3 document whose request bodies are the
+    models that validate the requests, the `speculative` extension among the fields."""
+    from openapi_spec_validator import validate
+
+    assert httpx.get(served.url + "/openapi.json", timeout=30).status_code == 401
+    schema = httpx.get(served.url + "/openapi.json", headers=AUTH, timeout=30).json()
+    validate(schema)
+    body = schema["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    completion = schema["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]
+    assert {"model", "prompt", "max_tokens", "speculative", "n"} <= set(completion["properties"])
+    assert "prompt" in completion["required"] and "model" in completion["required"]
+    assert "/v1/chat/completions" in schema["paths"] and "/tokenize" in schema["paths"]
+    assert schema["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}]

@@ -73,14 +73,16 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
     app.add_middleware(HostGuard, bound_host=config.host, allowed_hosts=config.allowed_hosts,
                        keyless=config.api_key is None)
     app.add_middleware(StatusCounter, metrics=metrics)
-    app.api_route("/health", methods=["GET", "HEAD"])(routes.health)
-    app.api_route("/metrics", methods=["GET", "HEAD"])(routes.prometheus_metrics)
-    app.api_route("/v1/models", methods=["GET", "HEAD"])(routes.list_models)
+    for method in (app.get, app.head):  # (one route each: OpenAPI wants an operation id per method)
+        method("/health")(routes.health)
+        method("/metrics")(routes.prometheus_metrics)
+        method("/v1/models")(routes.list_models)
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat_completions)
-    app.api_route("/tokenizer_info", methods=["GET", "HEAD"])(routes.tokenizer_info)
+    app.get("/tokenizer_info")(routes.tokenizer_info)
     app.post("/tokenize")(routes.tokenize)
     app.post("/detokenize")(routes.detokenize)
+    app.get("/openapi.json", include_in_schema=False)(routes.openapi)
     return app
 
 
@@ -97,6 +99,7 @@ class Routes:
         self.model_id = config.model
         self.public_name = Path(target.name).name  # an alias, or a local folder's last component: never its path
         self.created = int(time.time())
+        self._openapi: dict | None = None
 
     def begin_shutdown(self) -> None:
         """From the event loop, when a stop begins (SIGTERM, Ctrl-C: server/main.py): admit nothing more, answer
@@ -126,6 +129,14 @@ class Routes:
 
     async def chat_completions(self, request: Request):
         return await self.generate(request, "chat")
+
+    async def openapi(self, request: Request):
+        """The OpenAPI 3 description of these routes, their request bodies declared by the same Pydantic models
+        that validate them (``speculative`` among their fields). Behind the key, as the routes are."""
+        check_api_key(request, self.config.api_key)
+        if self._openapi is None:
+            self._openapi = openapi_schema(self.app, self.config.api_key is not None)
+        return self._openapi
 
     async def tokenizer_info(self, request: Request):
         check_api_key(request, self.config.api_key)
@@ -256,6 +267,35 @@ class Routes:
         now = time.perf_counter()
         ttft = result.first_piece_at - job.submitted_at if result.first_piece_at is not None else None
         self.metrics.record_generation(result.generation, ttft, now - job.submitted_at)
+
+
+# The routes whose bodies the handlers read themselves (for the size limit and the one-line errors) and validate with
+# these models: the schema gets them as request bodies.
+REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                  "/tokenize": tokenizer_api.TokenizeRequest, "/detokenize": tokenizer_api.DetokenizeRequest}
+
+
+def openapi_schema(app: FastAPI, keyed: bool) -> dict:
+    """FastAPI's description of the routes, with each body's model (and the models it uses) in components."""
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title="speculate", version=__version__, routes=app.routes,
+                         description="An OpenAI-compatible server with speculative decoding; the extension field "
+                                     "`speculative` sets the drafter, the verifier and its parameters, and k.")
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in REQUEST_BODIES.items():
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+        schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref}}}
+    if keyed:
+        schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, item in schema["paths"].items():
+            if path.startswith("/v1") or path in REQUEST_BODIES or path == "/tokenizer_info":
+                for operation in item.values():
+                    operation["security"] = [{"bearer": []}]
+    return schema
 
 
 def client_gone(jobs: list[Job], outcome: dict) -> Response:
