@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from speculate import SpeculativeDecoder
-from speculate import auto
-from speculate.auto import AutoK, calibrate_eps, mean_nll, profile_for, profile_path
-from speculate.calc.speedup import best_k, expected_tokens
+from speculate.policy import auto
+from speculate.policy.auto import AutoK, calibrate_eps, mean_nll, profile_for, profile_path
+from speculate.policy.speedup import best_k, expected_tokens
 from speculate.drafters import get_drafter
 from speculate.errors import SpeculateError
 from speculate.stats import Stats

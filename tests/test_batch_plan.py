@@ -1,11 +1,11 @@
-"""k by batch size (speculate/batch.py): the planner's choices on constructed cost curves and acceptance rates."""
+"""k by batch size (speculate/policy/batch.py): the planner's choices on constructed cost curves and acceptance rates."""
 
 from __future__ import annotations
 
 import pytest
 
-from speculate.batch import interpolate, plan
-from speculate.calc.speedup import expected_tokens
+from speculate.policy.batch import interpolate, plan
+from speculate.policy.speedup import expected_tokens
 
 
 def chain(k):

@@ -244,7 +244,7 @@ def _timed_record(method, dataset, seconds, id="s0", started=None, **stats):
 def test_predictions_measure_one_start_against_its_own_calibration():
     """calc --from-results divides seconds one start timed for both methods, and where run.json names the start
     that measured a dataset's calibration costs, only that start's samples are set against them."""
-    from speculate.calc.profile import Profile
+    from speculate.policy.profile import Profile
 
     prof = Profile({1: 0.1, 2: 0.11, 3: 0.12, 4: 0.2}, model="t", dtype="int8", context=100, draft_seconds=0.04)
     stats = {"new_tokens": 10, "target_calls": 5, "drafted_tokens": 15, "target_seconds": 0.6, "draft_seconds": 0.9,
@@ -273,7 +273,7 @@ def test_predictions_measure_one_start_against_its_own_calibration():
 def test_predictions_simple_and_costed_on_constructed_costs():
     """The simple model, E(α, k) / (T(k+1)/T(1) + k·c), and the costed one, the run's seconds term by term
     (calc/results.py), worked by hand on a constructed run."""
-    from speculate.calc.profile import Profile
+    from speculate.policy.profile import Profile
 
     prof = Profile({1: 0.1, 2: 0.11, 3: 0.12, 4: 0.2}, model="t", dtype="int8", context=100, draft_seconds=0.04,
                    draft_prefill_seconds=0.5)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from speculate.calc import (Profile, acceptance_rate, best_k, chinchilla_loss, expected_tokens, lesson_speedup,
+from speculate.policy import (Profile, acceptance_rate, best_k, chinchilla_loss, expected_tokens, lesson_speedup,
                             load_profile, measure_profile, recommend_k, residual_distribution, save_profile, speedup)
 from speculate.cli import main
 from speculate.errors import SpeculateError

@@ -144,7 +144,7 @@ def test_a_full_disk_while_serving_is_a_server_fault_not_the_requests(tiny_folde
     invalid_request_error. It is the server's fault: 507 (a 5xx), and the next request that needs no write works."""
     import httpx
 
-    from speculate import auto
+    from speculate.policy import auto
     from speculate.models import cache
     from speculate.server import ServerConfig, create_app, load_models
     from speculate.server.background import BackgroundServer

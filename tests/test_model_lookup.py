@@ -91,7 +91,7 @@ def test_the_draft_model_catches_up_after_lookup_rounds(tiny):
 def test_k_auto_learns_only_from_the_draft_models_rounds(tiny, tmp_path, monkeypatch):
     """``--k auto`` sizes the draft model's rounds, so its α estimate counts only those: lookup's copies,
     of their own length and acceptance, are left out (they would pull k towards lookup's rate)."""
-    from speculate.auto import AutoK
+    from speculate.policy.auto import AutoK
 
     monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path))  # the cost profile is measured into a scratch cache
     target = tiny[0]

@@ -575,7 +575,7 @@ def test_k_and_eps_auto_in_the_server(served, client, tiny, tmp_path, monkeypatc
     """`serve --k auto --eps auto` and a request's "k": "auto" / "eps": "auto", as `generate` takes them: the
     engine sizes each round, Consultant Decoding's ε is the target's calibrated NLL; greedy output stays plain
     decoding's."""
-    from speculate.auto import calibrate_eps
+    from speculate.policy.auto import calibrate_eps
     from speculate.cli import _parser
     from speculate.errors import SpeculateError
     from speculate.server.generation import build_decoder, merge_settings

@@ -54,7 +54,7 @@ def _drafter_opt_help() -> str:
 
 
 def _k_arg(value: str):
-    from .draft_length import parse_k
+    from .policy.draft_length import parse_k
 
     try:
         return parse_k(value)
@@ -72,7 +72,7 @@ def _drafter_arg(value: str) -> str:
 
 
 def _eps_arg(value: str):
-    from .auto import parse_auto
+    from .policy.auto import parse_auto
 
     try:
         return parse_auto(value, float, "--eps")
@@ -158,30 +158,42 @@ class _Parser(argparse.ArgumentParser):
         return namespace, extras
 
 
-def _parser() -> argparse.ArgumentParser:
+def _add_speculative_flags(parser: argparse.ArgumentParser, serving: bool) -> None:
+    """The flags ``generate`` and ``serve`` share: the model, its precision and the speculative settings (for
+    ``serve``, the defaults of requests that give none)."""
     from .drafters import ALL_DRAFTERS, MODEL_DRAFTERS, drafter_classes
     from .models import ALIASES, CHOICES, DEFAULT_MODEL
     from .verifiers import VERIFIERS
+
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"target model: an alias ({', '.join(ALIASES)}) or a local Hugging Face folder (default "
+                             f"{DEFAULT_MODEL})" + ("; also the model id clients must send" if serving else ""))
+    parser.add_argument("--drafter", default="auto", type=_drafter_arg, metavar="{" + ",".join(ALL_DRAFTERS) + "}",
+                        help=("default drafter for requests; " if serving else "") + _drafters_help())
+    if not serving:
+        with_heads = " / ".join(cls.name for cls in drafter_classes() if any(p.name == "heads" for p in cls.params))
+        parser.add_argument("--heads", metavar="DIR", help=f"heads folder for {with_heads} (default: the shipped ones)")
+    parser.add_argument("--drafter-opt", action="append", metavar="KEY=VALUE", help=_drafter_opt_help())
+    parser.add_argument("--draft-model", help=f"draft model for --drafter {_either(MODEL_DRAFTERS)}: an alias or a "
+                                              "folder sharing the target's tokenizer"
+                                              + (" (loaded once, shared by requests)" if serving else ""))
+    parser.add_argument("--verifier", choices=list(VERIFIERS),
+                        help=("default verifier; " if serving else "")
+                        + "default greedy at temperature 0, sample (lossless) otherwise")
+    parser.add_argument("--k", type=_k_arg, default=6, help=K_AUTO_HELP)
+    _add_verifier_params(parser)  # --eps, --beta, --delta, --D, ...: each verifier's declared parameters
+    parser.add_argument("--dtype", default="auto", choices=list(CHOICES), help=DTYPE_HELP)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .models import CHOICES
 
     p = _Parser(prog="speculate", description="Speculative decoding for LLMs, offline.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="generate text with speculative decoding",
                        description="Generate text with speculative decoding and print its speed statistics.")
     g.add_argument("prompt", help="the prompt (the user turn of a chat, unless --no-chat)")
-    g.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"target model: an alias ({', '.join(ALIASES)}) or a local Hugging Face folder "
-                        f"(default {DEFAULT_MODEL})")
-    g.add_argument("--drafter", default="auto", type=_drafter_arg, metavar="{" + ",".join(ALL_DRAFTERS) + "}",
-                   help=_drafters_help())
-    with_heads = " / ".join(cls.name for cls in drafter_classes() if any(p.name == "heads" for p in cls.params))
-    g.add_argument("--heads", metavar="DIR", help=f"heads folder for {with_heads} (default: the shipped ones)")
-    g.add_argument("--drafter-opt", action="append", metavar="KEY=VALUE", help=_drafter_opt_help())
-    g.add_argument("--draft-model", help=f"draft model for --drafter {_either(MODEL_DRAFTERS)}: an alias or a folder "
-                                         "sharing the target's tokenizer")
-    g.add_argument("--verifier", choices=list(VERIFIERS),
-                   help="default greedy at temperature 0, sample (lossless) otherwise")
-    g.add_argument("--k", type=_k_arg, default=6, help=K_AUTO_HELP)
-    _add_verifier_params(g)  # --eps, --beta, --delta, --D, ...: each verifier's declared parameters
+    _add_speculative_flags(g, serving=False)
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) means greedy")
     g.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling: draw from the fewest most likely tokens whose probabilities add up to "
@@ -192,7 +204,6 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, help="seed for every random draw (reproducible runs), in [0, 2^63) as a "
                                             "server request's (default: a random one)")
     g.add_argument("--stop", action="append", help="stop string (repeatable); not included in the output")
-    g.add_argument("--dtype", default="auto", choices=list(CHOICES), help=DTYPE_HELP)
     g.add_argument("--draft-dtype", choices=list(CHOICES), help="the draft model's precision (default: --dtype)")
     g.add_argument("--no-chat", action="store_true", help="send the raw prompt, without the chat template")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
@@ -204,19 +215,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
                                    "/metrics over HTTP. Models load once, before the server listens.")
-    s.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"target model: an alias ({', '.join(ALIASES)}) or a local Hugging Face folder "
-                        f"(default {DEFAULT_MODEL}); also the model id clients must send")
-    s.add_argument("--drafter", default="auto", type=_drafter_arg, metavar="{" + ",".join(ALL_DRAFTERS) + "}",
-                   help="default drafter for requests; " + _drafters_help())
-    s.add_argument("--draft-model", help=f"draft model for --drafter {_either(MODEL_DRAFTERS)} (loaded once, "
-                                         "shared by requests)")
-    s.add_argument("--drafter-opt", action="append", metavar="KEY=VALUE", help=_drafter_opt_help())
-    s.add_argument("--verifier", choices=list(VERIFIERS),
-                   help="default verifier; default greedy at temperature 0, sample (lossless) otherwise")
-    s.add_argument("--k", type=_k_arg, default=6, help=K_AUTO_HELP)
-    _add_verifier_params(s)  # the server's default verifier parameters: each verifier's declared ones
-    s.add_argument("--dtype", default="auto", choices=list(CHOICES), help=DTYPE_HELP)
+    _add_speculative_flags(s, serving=True)
     s.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: loopback only; 0.0.0.0 exposes the server)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -235,6 +234,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-chunk", type=int, default=128,
                    help="prompt tokens a joining request feeds per round, so that a long prompt does not stall the "
                         "others (default 128)")
+    s.add_argument("--max-tokens", type=int, default=2048,
+                   help="a request's new tokens at most, and the default where it asks for none (a completion's "
+                        "default stays OpenAI's 16); 0: the context window")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest accepted request body in bytes; larger is 413 (default 1048576: 1 MiB)")
     s.add_argument("--header-timeout", type=float, default=10.0,
@@ -384,7 +386,7 @@ def _serve(args) -> int:
                           prefix_cache=not args.no_prefix_cache, allowed_hosts=tuple(args.allowed_host or ()),
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
-                          shutdown_grace=args.shutdown_grace)
+                          shutdown_grace=args.shutdown_grace, max_tokens=args.max_tokens)
     serve(config, log_level=args.log_level)
     return 0
 

@@ -32,7 +32,7 @@ from typing import Iterator
 
 import torch
 
-from .auto import AutoK, FixedK, calibrate_eps, is_auto, profile_for
+from .policy.auto import AutoK, FixedK, calibrate_eps, is_auto, profile_for
 from .drafters import Drafter, get_drafter
 from .drafters.base import Draft
 from .errors import SpeculateError
@@ -42,7 +42,7 @@ from .models.loader import LoadedModel, check_thread
 from .sampling import Sampling, one_hot, warp
 from .stats import Stats
 from .text import Detokenizer, encode_prompt, eos_ids
-from .draft_length import parse_k
+from .policy.draft_length import parse_k
 from .verifiers import Verdict, Verifier, check_auto, get_verifier, tree_rule_missing, verifier_class, verifier_for
 
 
@@ -155,7 +155,7 @@ class SpeculativeDecoder:
               top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,
               chat: bool | None = None, prefill_chunk: int | None = None) -> Run:
         """A generation as a :class:`Run`, for :func:`step` to move round by round together with others (batched
-        serving, speculate/batch.py). ``prefill_chunk``: prompt tokens per round until the prompt is in the
+        serving, speculate/policy/batch.py). ``prefill_chunk``: prompt tokens per round until the prompt is in the
         cache (None: all in the first round)."""
         settings = self._settings(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, chat)
         return Run(self, *settings, prefill_chunk=prefill_chunk)

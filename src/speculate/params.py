@@ -17,7 +17,7 @@ AUTO = "auto"
 
 
 def is_auto(value) -> bool:
-    """The value 'auto' (any case, surrounding spaces): the one reading of it (``speculate.auto`` re-exports it)."""
+    """The value 'auto' (any case, surrounding spaces): the one reading of it (``policy.auto`` re-exports it)."""
     return isinstance(value, str) and value.strip().lower() == AUTO
 
 

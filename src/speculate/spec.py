@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .draft_length import MAX_K, parse_k
+from .policy.draft_length import MAX_K, parse_k
 from .drafters import (DRAFTERS, HEAD_DRAFTERS, MODEL_DRAFTERS, NEEDS_MODEL_DRAFTER, VARIANTS, check_name,
                        draft_model_error, get_drafter, option_value, parse_options, resolve)
 from .engine import SpeculativeDecoder

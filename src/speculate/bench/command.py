@@ -17,7 +17,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from ..auto import parse_auto
+from ..policy.auto import parse_auto
 from ..errors import SpeculateError
 from ..spec import parse_k
 from .methods import BASELINES, expand_matrix, parse_method

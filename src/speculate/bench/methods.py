@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass, fields
 
-from ..auto import is_auto
+from ..policy.auto import is_auto
 from ..errors import SpeculateError
 from ..spec import SpeculativeSpec
 from ..verifiers import VERIFIERS, verifier_for

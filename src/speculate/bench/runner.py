@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from ..auto import calibrate_eps, chinchilla_eps, profile_for, teacher_forced
+from ..policy.auto import calibrate_eps, chinchilla_eps, profile_for, teacher_forced
 from ..engine import SpeculativeDecoder
 from ..spec import build_decoder
 from ..errors import SpeculateError

@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import date
 
-from ..draft_length import parse_k
+from ..policy.draft_length import parse_k
 from ..drafters import ALL_DRAFTERS
 from ..models import DEFAULT_MODEL, DTYPES
 from . import emit, machine_header, script

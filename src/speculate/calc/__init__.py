@@ -1,21 +1,3 @@
-"""Speedup arithmetic for speculative decoding (``speculate calc``).
-
-- :mod:`.speedup`  the lesson's model done right: α, the residual, E(α, k), the exact speedup on a cost
-  curve, the lesson's approximation, and the best k (pure Python)
-- :mod:`.profile`  T(n)/T(1) and the draft cost ratio c measured on this machine; JSON save/load
-- :mod:`.scaling`  Consultant Decoding's eq. 9 (Chinchilla) estimate of ε
-- :mod:`.command`  the ``speculate calc`` subcommand
-
-``recommend_k(load_profile(path), alpha, c)`` picks k from a saved profile, with c = 0 for prompt lookup
-or ``profile.c`` for the draft model the profile was measured with; ``--k auto`` does that every round with
-the running α estimate (:mod:`speculate.auto`, beside the engine).
+"""``speculate calc``: the speedup arithmetic on the command line (:mod:`.command`), and the speedup model held
+against a ``speculate bench`` run (:mod:`.results`). The model itself is the engine's policy (speculate/policy/).
 """
-
-from .profile import Profile, load_profile, measure_profile, save_profile
-from .scaling import chinchilla_loss, chinchilla_terms
-from .speedup import (acceptance_rate, best_k, check_distribution, expected_tokens, lesson_speedup, recommend_k,
-                      residual_distribution, speedup, verify_cost)
-
-__all__ = ["Profile", "acceptance_rate", "best_k", "check_distribution", "chinchilla_loss", "chinchilla_terms",
-           "expected_tokens", "lesson_speedup", "load_profile", "measure_profile", "recommend_k",
-           "residual_distribution", "save_profile", "speedup", "verify_cost"]

@@ -1,4 +1,4 @@
-"""``speculate calc``: the command-line face of :mod:`speculate.calc` (arguments, checks, printed report).
+"""``speculate calc``: the command-line face of :mod:`speculate.policy` (arguments, checks, printed report).
 
 Four calculations, one per invocation:
 
@@ -18,9 +18,9 @@ import re
 import sys
 
 from ..errors import SpeculateError
-from .profile import load_profile, measure_profile, save_profile
-from .scaling import chinchilla_terms
-from .speedup import (acceptance_rate, best_k, check_distribution, expected_tokens, lesson_speedup,
+from ..policy.profile import load_profile, measure_profile, save_profile
+from ..policy.scaling import chinchilla_terms
+from ..policy.speedup import (acceptance_rate, best_k, check_distribution, expected_tokens, lesson_speedup,
                       residual_distribution, speedup, verify_cost)
 
 #: The acceptance rates ``--profile`` recommends a k for.
@@ -306,7 +306,7 @@ def _eps_auto(args) -> int:
     from pathlib import Path
 
     from ..models import DEFAULT_MODEL, load_model
-    from ..auto import calibrate_eps, calibration_text, chinchilla_eps, mean_nll
+    from ..policy.auto import calibrate_eps, calibration_text, chinchilla_eps, mean_nll
 
     text = calibration_text()
     if args.calibration:

@@ -3,7 +3,7 @@
 Two predictions per speculative method and dataset, both from the acceptance the run measured (α̂, the
 geometric MLE, :func:`~speculate.stats.alpha_mle`) and costs measured apart from the samples:
 
-- **simple**: the lesson's exact model, E(α̂, k) / (T(k+1)/T(1) + k·c) (:func:`~speculate.calc.speedup.speedup`),
+- **simple**: the lesson's exact model, E(α̂, k) / (T(k+1)/T(1) + k·c) (:func:`~speculate.policy.speedup.speedup`),
   with the profile's T(n) and c. It leaves out what the run pays beside the forwards it counts.
 - **costed**: the wall time of the run predicted term by term (:func:`predict_seconds`):
 
@@ -39,8 +39,8 @@ from collections import defaultdict
 
 from ..bench.records import timed_together
 from ..stats import alpha_mle, summed_stats
-from .profile import Profile
-from .speedup import expected_tokens, speedup
+from ..policy.profile import Profile
+from ..policy.speedup import expected_tokens, speedup
 
 UNMODELLED = ("model+lookup",)  # drafters whose rounds mix two drafters: no prediction (see predictions())
 

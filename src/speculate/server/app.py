@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from .. import __version__
-from ..batch import BatchPlanner
+from ..policy.batch import BatchPlanner
 from ..errors import SpeculateError
 from ..models.loader import LoadedModel
 from .auth import check_api_key
@@ -50,7 +50,7 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
     scheduler.on_change = metrics.set_load
     scheduler.on_round = metrics.record_round
     scheduler.on_admit = metrics.queue_time.observe
-    scheduler.plan = BatchPlanner(target)  # --k auto: each round's draft lengths (speculate/batch.py)
+    scheduler.plan = BatchPlanner(target)  # --k auto: each round's draft lengths (speculate/policy/batch.py)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

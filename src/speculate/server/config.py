@@ -29,6 +29,9 @@ class ServerConfig:
     max_queue: int = 16  # admitted requests waiting for a place in the batch; beyond that: 429
     prefill_chunk: int = 128  # prompt tokens a joining request feeds per round
     max_body_bytes: int = MiB
+    # --max-tokens: a request's new tokens at most, and the default where it gives none (a chat's default was the
+    # rest of the context window: 8,126 tokens held a place in the batch ~90 s); 0: the context window
+    max_tokens: int = 2048
     # Keep decoders between requests and reuse the KV of a prompt's shared prefix (server/decoders.py);
     # --no-prefix-cache: every request prefills its whole prompt in a fresh decoder.
     prefix_cache: bool = True
@@ -59,6 +62,8 @@ class ServerConfig:
             raise SpeculateError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
         if self.max_queue < 0:
             raise SpeculateError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.max_tokens < 0:
+            raise SpeculateError(f"--max-tokens must be >= 0 (0: the context window), got {self.max_tokens}")
         if self.max_body_bytes < 1:
             raise SpeculateError(f"the body size limit must be >= 1 byte, got {self.max_body_bytes}")
         if not 0 <= self.port <= 65535:

@@ -29,7 +29,7 @@ def load_models(config: ServerConfig):
     except APIError as e:
         raise SpeculateError(e.message) from None
     if config.spec.k == "auto" and config.max_batch > 1:  # k by batch size's cost curve: now, not in the first batch
-        from ..auto import profile_for
+        from ..policy.auto import profile_for
 
         profile_for(target, batch=True)
     return target, draft

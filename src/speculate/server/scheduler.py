@@ -112,7 +112,7 @@ class _Running:
 
 class Scheduler:
     """``max_batch``: generations that share a forward; ``max_queue``: admitted requests waiting for a place.
-    ``plan(runs) -> ks | None``: each run's draft length this round (k by batch size, speculate/batch.py; None:
+    ``plan(runs) -> ks | None``: each run's draft length this round (k by batch size, speculate/policy/batch.py; None:
     each run's own policy). ``on_change(running, queued)``, ``on_round(generations, rows, seconds)`` and
     ``on_admit(seconds queued)`` feed the metrics."""
 

@@ -13,7 +13,7 @@ from pydantic_core import PydanticCustomError
 from ..drafters import ALL_DRAFTERS, check_name
 from ..errors import SpeculateError
 from ..sampling import check_seed
-from ..draft_length import parse_k
+from ..policy.draft_length import parse_k
 from ..text import ROLES, check_unicode
 from ..verifiers import PARAMS, VERIFIERS, check_params, param_help
 from .errors import APIError
@@ -28,7 +28,7 @@ class _Speculative(BaseModel):
 
     drafter: str | None = Field(None, description="one of: " + ", ".join(ALL_DRAFTERS))
     verifier: Literal[tuple(VERIFIERS)] | None = None
-    k: int | Literal["auto"] | None = None  # auto: sized per round (speculate/auto.py); 1..64: spec.parse_k
+    k: int | Literal["auto"] | None = None  # auto: sized per round (speculate/policy/auto.py); 1..64: spec.parse_k
 
     @field_validator("drafter", "k")
     @classmethod

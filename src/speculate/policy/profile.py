@@ -9,7 +9,7 @@ tokens after a cached context, every row's logits kept (as the engine's verifica
 forward, last row only.
 
 :func:`save_profile` / :func:`load_profile` store a :class:`Profile` as JSON, for
-:func:`~speculate.calc.speedup.recommend_k` (``--k auto``, speculate/auto.py).
+:func:`~speculate.policy.speedup.recommend_k` (``--k auto``, speculate/policy/auto.py).
 """
 
 from __future__ import annotations

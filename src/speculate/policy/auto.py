@@ -2,7 +2,7 @@
 
 ``--k auto`` (:class:`AutoK`). The lesson's exact model says a round of k drafts yields
 E(α, k) = (1 − α^(k+1)) / (1 − α) tokens for T(k+1)/T(1) + k·c target-forward units (see
-:func:`~speculate.calc.speedup.speedup`). Both ingredients are measured rather than assumed: the cost
+:func:`~speculate.policy.speedup.speedup`). Both ingredients are measured rather than assumed: the cost
 curve T(n)/T(1) and the draft's cost ratio c come from a profile of this machine
 (:func:`profile_for`, measured once per model/precision/thread count and cached), and α is estimated
 *during* the generation from the rounds so far. Each round the policy drafts the k that maximises the
@@ -35,12 +35,12 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from .calc.profile import Profile, load_profile, measure_profile, save_profile
-from .calc.scaling import chinchilla_loss
-from .calc.speedup import best_k
-from .errors import SpeculateError
-from .stats import alpha_mle
-from .verifiers.params import is_auto  # noqa: F401 (one reading of 'auto', re-exported for the settings paths)
+from ..errors import SpeculateError
+from ..params import is_auto  # noqa: F401 (one reading of 'auto', re-exported for the settings paths)
+from ..stats import alpha_mle
+from .profile import Profile, load_profile, measure_profile, save_profile
+from .scaling import chinchilla_loss
+from .speedup import best_k
 
 #: Largest k that ``--k auto`` considers (the profile covers n = 1..AUTO_K_MAX + 1).
 AUTO_K_MAX = 8
@@ -64,7 +64,7 @@ def profile_path(target, draft=None) -> Path:
     another precision says nothing about this one."""
     import torch
 
-    from .models.cache import cache_root
+    from ..models.cache import cache_root
 
     parts = [f"{target.name}@{target.dtype}"]
     if draft is not None:
@@ -81,7 +81,7 @@ def profile_for(target, draft=None, progress: bool = True, batch: bool = False) 
     once (n = 1..AUTO_K_MAX + 1, 3 repeats; seconds on the default model, ~half a minute on a 1.5B) and
     cached atomically."""
     path = profile_path(target, draft)
-    if batch:  # T(n) at larger n, for batches of generations (speculate/batch.py): powers of two to BATCH_ROWS
+    if batch:  # T(n) at larger n, for batches of generations (speculate/policy/batch.py): powers of two to BATCH_ROWS
         path = path.with_name(path.stem + "-batch.json")
     if path.is_file():
         try:
@@ -114,7 +114,7 @@ class AutoK:
             raise SpeculateError(f"alpha0 must be in [0, 1), got {alpha0}")
         # best k for α = 0, 0.01, ..., 0.99: a table lookup per round instead of a search.
         self.table = [best_k(curve, i / self.GRID, c, k_max, rows)[0] for i in range(self.GRID)]
-        self.c, self.rows = c, rows or (lambda k: k + 1)  # (for the batch planner, speculate/batch.py)
+        self.c, self.rows = c, rows or (lambda k: k + 1)  # (for the batch planner, speculate/policy/batch.py)
         self.k_max = max(self.table)
         self.alpha0, self.prior_weight = alpha0, prior_weight
         self.reset()
@@ -157,7 +157,7 @@ class FixedK:
 
 def calibration_text() -> str:
     """The shipped calibration text (prose, arithmetic, code), ~500 words."""
-    return resources.files("speculate.calc").joinpath("calibration.txt").read_text(encoding="utf-8")
+    return resources.files("speculate.policy").joinpath("calibration.txt").read_text(encoding="utf-8")
 
 
 def teacher_forced(loaded, ids: list[int], window: int = 1024):

@@ -3,8 +3,8 @@ table, the Python API): :func:`parse_k`, one check and one error text."""
 
 from __future__ import annotations
 
-from .errors import SpeculateError
-from .params import is_auto
+from ..errors import SpeculateError
+from ..params import is_auto
 
 MAX_K = 64  # the longest draft a round may ask for (the server's request limit, and so everyone's)
 AUTO = "auto"

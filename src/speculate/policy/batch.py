@@ -1,7 +1,7 @@
 """k by batch size: each round's draft lengths for a batch of generations, chosen for the batch's throughput.
 
 A batched round (engine.py, ``step``) verifies Σᵢ (kᵢ + 1) rows in one target forward. With the lesson's model,
-generation i then yields E(αᵢ, kᵢ) = (1 − αᵢ^(kᵢ+1)) / (1 − αᵢ) tokens (calc/speedup.py, ``expected_tokens``), and
+generation i then yields E(αᵢ, kᵢ) = (1 − αᵢ^(kᵢ+1)) / (1 − αᵢ) tokens (speedup.py, ``expected_tokens``), and
 the round costs T(Σ rows)/T(1) + Σ kᵢ·cᵢ target steps. Alone, the best k is where verifying one more row stops
 paying for itself (auto.py, ``AutoK``); in a batch the rows are shared: on a CPU one forward over 8 rows costs a
 fraction more than over one, but 16 generations × 7 rows is a compute-bound forward. So the planner maximises
@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 
 from .auto import AutoK, profile_for
-from .calc.speedup import expected_tokens
+from .speedup import expected_tokens
 
 
 def interpolate(curve: dict[int, float], n: int) -> float:

@@ -13,7 +13,7 @@ they are always ``p_target`` and ``p_draft``.
   (the correction or the bonus) after the accepted ones.
 - :func:`speedup`: E(α, k) / (T(k+1)/T(1) + k·c). One round costs one target forward over k + 1 new
   tokens, T(k+1), plus k draft forwards of c·T(1) each; plain decoding costs T(1) per token. T comes
-  from a measured cost curve (:mod:`speculate.calc.profile`) or is flat (T(n) = T(1), the lesson's
+  from a measured cost curve (:mod:`speculate.policy.profile`) or is flat (T(n) = T(1), the lesson's
   "same cost as a single decode step"). c = 0 for prompt lookup.
 - :func:`lesson_speedup`: the lesson's approximation (1 + kα) / (1 + k/s), s the draft speed ratio
   (s = 1/c). It counts k·α accepted tokens (linear in k) where E(α, k) saturates at 1/(1 − α), which is
@@ -163,7 +163,7 @@ def _curve_of(profile) -> Mapping[int, float]:
 def best_k(profile, alpha: float, c: float, k_max: int | None = None, rows=None) -> tuple[int, float]:
     """(k, speedup) maximising :func:`speedup` over k = 1..k_max on ``profile``'s cost curve.
 
-    ``profile`` is a :class:`~speculate.calc.profile.Profile` or a mapping n → T(n)/T(1) (None: flat,
+    ``profile`` is a :class:`~speculate.policy.profile.Profile` or a mapping n → T(n)/T(1) (None: flat,
     then ``k_max`` is required). k_max defaults to the largest k the curve covers (its largest n − 1).
     ``rows``: k → the rows a draft of depth k verifies (a tree drafter's nodes + 1; None: k + 1); k
     stops where the curve no longer covers them. Ties go to the smaller k. The speedup may be below 1:
@@ -195,7 +195,7 @@ def best_k(profile, alpha: float, c: float, k_max: int | None = None, rows=None)
 def recommend_k(profile, alpha: float, c: float) -> int:
     """The draft length k maximising the exact speedup E(α, k) / (T(k+1)/T(1) + k·c) on ``profile``.
 
-    ``profile``: a measured :class:`~speculate.calc.profile.Profile` (see :func:`load_profile`) or a
+    ``profile``: a measured :class:`~speculate.policy.profile.Profile` (see :func:`load_profile`) or a
     mapping n → T(n)/T(1). ``alpha``: the expected per-token acceptance rate. ``c``: the draft's cost per
     drafted token relative to one target forward (0 for prompt lookup; ``profile.c`` for the draft model
     it was measured with). Meant for a future ``--k auto``; see :func:`best_k` for the speedup too."""
