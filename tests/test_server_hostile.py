@@ -462,3 +462,20 @@ def test_a_low_open_file_limit_caps_connections_without_a_log_flood(tiny_folders
     text = (tmp_path / "server.log").read_text()
     assert text.count("Too many open files") <= 1 and "Traceback" not in text, text[-3000:]
     assert text.count("--max-connections 1000 lowered to 192") == 1  # (256 open files, less 64 for the rest)
+
+
+def test_max_tokens_caps_a_request_and_defaults_a_chat(tiny_folders):
+    """A chat without max_tokens ran to the end of the context window (8,126 tokens on the default model, a place in
+    the batch for ~90 s): --max-tokens is its default and every request's limit."""
+    server = start(tiny_folders, max_tokens=5)
+    try:
+        chat = {"model": server.model, "messages": [{"role": "user", "content": "abc abc abc"}], "temperature": 0}
+        r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5, r.text
+        assert r.json()["usage"]["completion_tokens"] == 5 or r.json()["choices"][0]["finish_reason"] == "stop"
+        over = httpx.post(server.url + "/v1/completions", timeout=60,
+                          json={"model": server.model, "prompt": "abc", "max_tokens": 6})
+        assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens"
+        assert "--max-tokens" in over.json()["error"]["message"]
+    finally:
+        server.stop()

@@ -236,7 +236,7 @@ def _parser() -> argparse.ArgumentParser:
                         "others (default 128)")
     s.add_argument("--max-tokens", type=int, default=2048,
                    help="a request's new tokens at most, and the default where it asks for none (a completion's "
-                        "default stays OpenAI's 16); 0: the context window")
+                        "default stays OpenAI's 16); 0: the context window (default 2048)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest accepted request body in bytes; larger is 413 (default 1048576: 1 MiB)")
     s.add_argument("--header-timeout", type=float, default=10.0,

@@ -45,7 +45,8 @@ class Prepared:
         return len(self.ids)
 
 
-def prepare(config: ServerConfig, target: LoadedModel, req: CompletionRequest | ChatCompletionRequest) -> list[Prepared]:
+def prepare(config: ServerConfig, target: LoadedModel,
+            req: CompletionRequest | ChatCompletionRequest) -> list[Prepared]:
     """Check one request (called off the event loop: it tokenizes; it never runs the models) and make its choices:
     each prompt (a completion may send several) ``n`` times, prompt-major as OpenAI indexes them; the j-th of a
     prompt's n samples draws with ``seed + j`` (a seeded request is reproducible, its samples differ). Raises
@@ -56,20 +57,21 @@ def prepare(config: ServerConfig, target: LoadedModel, req: CompletionRequest | 
         budget = req.token_budget()
         budget_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         prompts = [_prompt_ids(target, req.message_dicts(), "messages")]
-        checked = [_budget(target, ids, budget, "messages", budget_param) for ids in prompts]
+        checked = [_budget(target, ids, budget, "messages", budget_param, config.max_tokens) for ids in prompts]
     else:
         budget = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
         many = len(req.prompts()) > 1
         prompts = [_prompt_ids(target, p, f"prompt[{i}]" if many else "prompt") for i, p in enumerate(req.prompts())]
-        checked = [_budget(target, ids, budget, f"prompt[{i}]" if many else "prompt", "max_tokens")
-                   for i, ids in enumerate(prompts)]
+        checked = [_budget(target, ids, budget, f"prompt[{i}]" if many else "prompt", "max_tokens",
+                           config.max_tokens) for i, ids in enumerate(prompts)]
     try:  # (the engine's own default verifier named, so that the stats can report it)
         settings = merge_settings(config, req.speculative).with_verifier(req.temperature == 0)
     except SpeculateError as e:
         raise APIError(400, f"speculative: {e}", "speculative", "invalid_value") from None
     sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": max(req.top_k or 0, 0), "stop": stops}
-    return [Prepared(ids, max_tokens, settings, {**sampling, "seed": None if req.seed is None else (req.seed + j) % 2**63})
-            for ids, max_tokens in zip(prompts, checked) for j in range(req.n)]
+    seeds = [None if req.seed is None else (req.seed + j) % 2**63 for j in range(req.n)]
+    return [Prepared(ids, max_tokens, settings, {**sampling, "seed": seed})
+            for ids, max_tokens in zip(prompts, checked) for seed in seeds]
 
 
 def _prompt_ids(target: LoadedModel, prompt, param: str) -> list[int]:
@@ -92,11 +94,16 @@ def _prompt_ids(target: LoadedModel, prompt, param: str) -> list[int]:
     return ids
 
 
-def _budget(target: LoadedModel, ids: list[int], budget: int | None, prompt_param: str, budget_param: str) -> int:
-    """The new tokens a prompt may get: ``budget``, or (None) the rest of the context window; checked against it."""
+def _budget(target: LoadedModel, ids: list[int], budget: int | None, prompt_param: str, budget_param: str,
+            most: int = 0) -> int:
+    """The new tokens a prompt may get: ``budget``, or (None) the rest of the context window up to ``most`` (the
+    server's --max-tokens; 0: no cap); checked against the window and the cap."""
     window = target.context_window
+    if most and budget is not None and budget > most:
+        raise APIError(400, f"{budget_param}: {budget} exceeds this server's limit of {most} new tokens (--max-tokens)",
+                       budget_param, "invalid_value")
     if budget is None:
-        budget = window - len(ids)
+        budget = window - len(ids) if not most else min(most, window - len(ids))
         if budget < 1:
             raise APIError(400, f"this model's context window is {window} tokens and the prompt has {len(ids)}: "
                                 f"no room is left for a completion", prompt_param, "context_length_exceeded")
