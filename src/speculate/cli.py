@@ -71,15 +71,6 @@ def _drafter_arg(value: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _eps_arg(value: str):
-    from .policy.auto import parse_auto
-
-    try:
-        return parse_auto(value, float, "--eps")
-    except SpeculateError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def _verifier_param_arg(name: str):
     """``--NAME``'s argparse type for a verifier parameter (``verifiers.PARAMS``): a number, or 'auto' where
     a verifier declares it. Its range depends on the verifier, so it is checked after parsing

@@ -89,7 +89,7 @@ class SpeculativeDecoder:
         self.drafter = drafter if isinstance(drafter, Drafter) else get_drafter(drafter, draft_model, target)
         self.prefix_cache = prefix_cache and not self.drafter.wants_hidden
         self.drafter.reuse_prefix = self.prefix_cache
-        self.held = PrefixReuse()  # which tokens the target's cache holds, for prefix_cache
+        self.prefix_reuse = PrefixReuse()  # which tokens the target's cache holds, for prefix_cache
         self.verifier_spec = verifier
         self.verifier_params = {key: v for key, v in verifier_params.items() if v is not None}
         try:  # ('auto' only where the named verifier declares it)
@@ -217,9 +217,9 @@ class Run:
         self.prompt_end = len(self.tokens) - 1  # the prefill covers all but the last prompt token
         capacity = len(self.tokens) + max_new_tokens + self.drafter.max_nodes(self.policy.k_max) + 1
         # The prefix the cache kept from the decoder's last generation is not computed again (prefix_cache).
-        self.stats.reused_prompt_tokens = self.filled = decoder.held.start(self.kv, self.tokens, capacity,
+        self.stats.reused_prompt_tokens = self.filled = decoder.prefix_reuse.start(self.kv, self.tokens, capacity,
                                                                            decoder.prefix_cache)
-        decoder.held.follow(self.tokens)
+        decoder.prefix_reuse.follow(self.tokens)
         self.kv.taps = self.drafter.feature_layers  # the layer outputs a fused EAGLE head reads beside the hidden rows
         self.policy.reset()
         self.drafter.begin(self.tokens, sampling, generator)

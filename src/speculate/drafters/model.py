@@ -28,11 +28,11 @@ class ModelDrafter(Drafter):
             check_same_tokenizer(draft_model.tokenizer, target_model.tokenizer)
         self.model = draft_model  # read by --k auto for the draft's cost ratio c
         self.kv = KVModel(draft_model)
-        self.held = PrefixReuse()
+        self.prefix_reuse = PrefixReuse()
 
     def begin(self, prompt_ids, sampling, generator):
         super().begin(prompt_ids, sampling, generator)
-        self.held.start(self.kv, prompt_ids, len(prompt_ids) + 256, self.reuse_prefix)
+        self.prefix_reuse.start(self.kv, prompt_ids, len(prompt_ids) + 256, self.reuse_prefix)
 
     def relative_cost(self):
         return None  # measured with the target: the draft model's forwards have their own fixed costs
@@ -49,7 +49,7 @@ class ModelDrafter(Drafter):
         unseen, drafted = [], [[] for _ in drafters]
         for d, tokens in zip(drafters, histories):
             d.base = len(tokens)  # update() keeps the cache up to here plus what it accepts
-            d.held.follow(tokens)  # the cache holds a prefix of these (the engine's list, kept growing)
+            d.prefix_reuse.follow(tokens)  # the cache holds a prefix of these (the engine's list, kept growing)
             unseen.append(torch.tensor(tokens[d.kv.length:], dtype=torch.long))
         for depth in range(max(ks, default=0)):
             active = [i for i, k in enumerate(ks) if depth < k]

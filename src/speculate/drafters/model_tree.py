@@ -53,14 +53,14 @@ class ModelTreeDrafter(Drafter):
         self.branch, self.spread = branch, spread
         self.model = draft_model  # read by --k auto for the draft's cost ratio c
         self.kv = KVModel(draft_model)
-        self.held = PrefixReuse()
+        self.prefix_reuse = PrefixReuse()
 
     def max_nodes(self, k: int) -> int:
         return sum(self.branch ** min(d, self.spread) for d in range(1, k + 1))
 
     def begin(self, prompt_ids, sampling, generator):
         super().begin(prompt_ids, sampling, generator)
-        self.held.start(self.kv, prompt_ids, len(prompt_ids) + 256, self.reuse_prefix)
+        self.prefix_reuse.start(self.kv, prompt_ids, len(prompt_ids) + 256, self.reuse_prefix)
         self.base, self.fed = len(prompt_ids), 0
 
     def _children(self, logits: torch.Tensor, probs: torch.Tensor, count: int) -> list[int]:
@@ -78,7 +78,7 @@ class ModelTreeDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, tokens, k):
         self.base, self.fed = len(tokens), 0
-        self.held.follow(tokens)  # the cache holds a prefix of these (the engine's list, kept growing)
+        self.prefix_reuse.follow(tokens)  # the cache holds a prefix of these (the engine's list, kept growing)
         if k == 0:
             return Draft(torch.empty(0, dtype=torch.long), None, [])
         unseen = tokens[self.kv.length:]  # at least the last committed token (never fed before)

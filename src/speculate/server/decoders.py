@@ -31,7 +31,7 @@ class Decoders:
         with self._lock:
             mine = [i for i, (k, _) in enumerate(self._idle) if k == settings]
             if mine:
-                best = max(mine, key=lambda i: (shared_prefix(self._idle[i][1].held.tokens, ids), i))
+                best = max(mine, key=lambda i: (shared_prefix(self._idle[i][1].prefix_reuse.tokens, ids), i))
                 return self._idle.pop(best)[1]
         return self.build(settings)
 
