@@ -28,6 +28,7 @@ from ..text import encode_prompt
 from .config import ServerConfig
 from .decoders import Decoders
 from .errors import APIError, refused
+from .tokenizer_api import check_ids
 from .schemas import ChatCompletionRequest, CompletionRequest, SpeculativeSettings
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context window
@@ -79,11 +80,7 @@ def _prompt_ids(target: LoadedModel, prompt, param: str) -> list[int]:
     vocabulary."""
     tokenizer = target.tokenizer
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        vocab = len(tokenizer)
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"{param}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param,
-                           "invalid_value")
+        check_ids(tokenizer, prompt, param)
         ids = list(prompt)
     elif isinstance(prompt, str):
         ids = _encode(lambda: encode_prompt(tokenizer, prompt, chat=False), param)

@@ -129,8 +129,9 @@ def serve(config: ServerConfig, log_level: str = "info") -> None:
             "(set --api-key or $SPECULATE_API_KEY)", config.host)
     from .protocol import connection_cap
 
-    if connection_cap(config.max_connections) < config.max_connections:
+    cap = connection_cap(config.max_connections)
+    if cap < config.max_connections:
         logging.getLogger("speculate.server").warning(
             "--max-connections %d lowered to %d: this process may open few files (ulimit -n)",
-            config.max_connections, connection_cap(config.max_connections))
+            config.max_connections, cap)
     uvicorn_server(app, config, host=config.host, port=config.port, log_level=log_level).run()

@@ -46,9 +46,9 @@ def guarded_protocol(header_timeout: float, max_connections: int) -> type[H11Pro
             self.conn.next_event = partial(_framed_once, self.conn.next_event)
 
         def connection_made(self, transport) -> None:
+            self.idle_since = self.loop.time()  # (before uvicorn counts it among the connections _idle reads)
             super().connection_made(transport)
             self._headers_timer = None
-            self.idle_since = self.loop.time()
             if len(self.connections) > cap:  # (this one is counted already)
                 # Past the cap, the connection that has waited longest without a request goes, not the new
                 # one: a client holding idle sockets (reopening any that drop) locked everyone out, /health too.
@@ -96,8 +96,7 @@ def _idle(protocol) -> bool:
     """Whether a connection is between requests (or before its first): nothing of a request read, no response
     under way."""
     conn = protocol.conn
-    return (conn.their_state is h11.IDLE and conn.our_state is h11.IDLE and hasattr(protocol, "idle_since")
-            and not protocol.transport.is_closing())
+    return conn.their_state is h11.IDLE and conn.our_state is h11.IDLE and not protocol.transport.is_closing()
 
 
 def _framed_once(next_event):

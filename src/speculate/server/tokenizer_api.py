@@ -67,9 +67,14 @@ def tokenize(tokenizer, req: TokenizeRequest, context_window: int) -> dict:
 
 
 def detokenize(tokenizer, req: DetokenizeRequest) -> dict:
-    vocab = len(tokenizer)
-    bad = [t for t in req.tokens if not 0 <= t < vocab]
-    if bad:
-        raise APIError(400, f"tokens: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "tokens",
-                       "invalid_value")
+    check_ids(tokenizer, req.tokens, "tokens")
     return {"prompt": tokenizer.decode(req.tokens)}
+
+
+def check_ids(tokenizer, ids: list[int], param: str) -> None:
+    """A 400 at ``param`` unless every token id is in the tokenizer's vocabulary."""
+    vocab = len(tokenizer)
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"{param}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param,
+                       "invalid_value")
