@@ -108,9 +108,9 @@ def test_eps_auto_sets_the_consultant_threshold(tiny):
 
 
 def dec_sampling():
-    from speculate.sampling import Sampling
+    from speculate.sampling import SamplingParams
 
-    return Sampling()
+    return SamplingParams()
 
 
 def test_calc_eps_auto_prints_the_calibrated_value(tiny_folders, tiny, capsys):

@@ -32,7 +32,7 @@ from speculate.models.fast import FastKVModel
 from speculate.models.kv import KVModel
 from speculate.models.loader import QUANTIZED, quantized_cache_folder
 from speculate.models.tiny import tiny_model, tiny_tokenizer
-from speculate.sampling import Sampling, warp
+from speculate.sampling import SamplingParams, warp
 from conftest import assert_pytest_passed, noisy_copy
 
 
@@ -436,7 +436,7 @@ def test_batched_speculative_sampling_matches_the_target_distribution(models):
     # in the target's support (accepted often, not always).
     start = random_prompt(36, 4)
     prompt = start + SpeculativeDecoder(target, "none").generate(start, max_new_tokens=24).token_ids
-    s = Sampling(temperature=1.5, top_k=4)
+    s = SamplingParams(temperature=1.5, top_k=4)
     kv = KVModel(target)
     kv.reset()
     p1 = warp(kv.forward(torch.tensor(prompt))[-1:], s)[0]

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from speculate.sampling import Sampling, warp
+from speculate.sampling import SamplingParams, warp
 from speculate.verifiers import get_verifier
 from speculate.tree_shape import path_to
 from speculate.verifiers.tree import tree_greedy
@@ -18,7 +18,7 @@ def rows(seed: int, k: int, v: int = 12, sharp: float = 3.0):
     """Raw target rows [k+1, V] (softmax of random logits), the greedy-warped rows, and the logits."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(k + 1, v, generator=g) * sharp
-    return logits.softmax(-1), warp(logits, Sampling()), logits
+    return logits.softmax(-1), warp(logits, SamplingParams()), logits
 
 
 def cd(eps, beta, argmax):
@@ -69,7 +69,7 @@ def test_an_unsure_argmax_is_accepted_and_its_nll_enters_the_ema():
     logits[0, 7] = 0.1  # a near-uniform row whose argmax is 7
     logits[1, 3] = 9.0  # a confident row
     logits[2, 5] = 9.0
-    raw, warped = logits.softmax(-1), warp(logits, Sampling())
+    raw, warped = logits.softmax(-1), warp(logits, SamplingParams())
     tokens = torch.tensor([7, 3])
     paper = cd(2.0, 0.2, False).verify(tokens, None, raw, 0.0, sample_probs=warped)
     ours = cd(2.0, 0.2, True).verify(tokens, None, raw, 0.0, sample_probs=warped)

@@ -14,7 +14,7 @@ from speculate import SpeculateError, SpeculativeDecoder, load_model
 from speculate.drafters import get_drafter
 from speculate.drafters.base import Draft, Drafter
 from speculate.models.kv import KVModel
-from speculate.sampling import Sampling, warp
+from speculate.sampling import SamplingParams, warp
 from conftest import noisy_copy
 
 
@@ -222,7 +222,7 @@ def test_speculative_sampling_end_to_end_matches_the_target(tiny):
     target = tiny[0]
     draft = noisy_copy(target, 0.1)
     prompt = random_prompt(3, 8)
-    s = Sampling(temperature=1.0, top_k=4)
+    s = SamplingParams(temperature=1.0, top_k=4)
     with torch.no_grad():
         p1 = warp(target.model(torch.tensor([prompt])).logits[0, -1:], s)[0]
         firsts = p1.nonzero()[:, 0]

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from speculate.models import kernel
+from speculate.spec import SpeculativeSpec
 
 LOAD_KERNELS = "from speculate.models import kernel; import sys; sys.exit(0 if kernel.load() is not None else 3)"
 
@@ -149,7 +150,7 @@ def test_a_full_disk_while_serving_is_a_server_fault_not_the_requests(tiny_folde
     from speculate.server import ServerConfig, create_app, load_models
     from speculate.server.background import BackgroundServer
 
-    config = ServerConfig(model=str(tiny_folders[0]), k=3)
+    config = ServerConfig(model=str(tiny_folders[0]), spec=SpeculativeSpec(k=3))
     target, draft = load_models(config)
     server = BackgroundServer(create_app(config, target, draft))
     monkeypatch.setattr(auto, "profile_path", lambda target, draft=None: tmp_path / "profile.json")

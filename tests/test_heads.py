@@ -14,7 +14,7 @@ from speculate.heads import EagleHead, MedusaHeads, load_heads, save_heads
 from speculate.heads.data import build_data, with_taps
 from speculate.heads.train import _Batches, _medusa_loss, make_heads, train_heads
 from speculate.models.kv import KVModel
-from speculate.sampling import Sampling
+from speculate.sampling import SamplingParams
 
 PROMPT = [5, 40, 77, 12, 9, 100, 33, 250, 7, 64, 64, 3]
 
@@ -221,7 +221,7 @@ def test_eagle_tree_respects_budget_and_order(tiny, tmp_path):
     drafter = EagleDrafter(loaded, tmp_path, tree=True, topk=3, budget=7, depth=4)
     kv = KVModel(loaded)
     kv.reset(64)
-    drafter.begin(PROMPT, Sampling(), torch.Generator())
+    drafter.begin(PROMPT, SamplingParams(), torch.Generator())
     kv.forward(torch.tensor(PROMPT[:-1]))
     drafter.observe(kv.hidden)
     draft = drafter.propose(list(PROMPT), 4)
@@ -237,7 +237,7 @@ def test_medusa_sampling_tree_rows(tiny, tmp_path):
     loaded = tiny[0]
     save_heads(tmp_path, random_heads("medusa", loaded, seed=1), loaded.name, 259)
     drafter = MedusaDrafter(loaded, tmp_path, tree=True)
-    drafter.begin(PROMPT, Sampling(temperature=1.0), torch.Generator().manual_seed(0))
+    drafter.begin(PROMPT, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
     kv = KVModel(loaded)
     kv.reset(64)
     kv.forward(torch.tensor(PROMPT[:-1]))
@@ -498,7 +498,7 @@ def test_eagle_drafting_pairs_match_training_pairs(tiny, tiny_data, tmp_path, la
         trained_view = head(emb, feat)[0]  # row t: the prediction of feature t+1
     drafter = EagleDrafter(loaded, tmp_path)
     L = n - 3
-    drafter.begin(ids[:L], Sampling(), torch.Generator())
+    drafter.begin(ids[:L], SamplingParams(), torch.Generator())
     drafter.observe(rows[: L - 1])
     draft = drafter.propose(ids[:L], 1)
     assert torch.allclose(drafter.root, trained_view[L - 2], atol=1e-4)
@@ -650,7 +650,7 @@ def test_eagle_chain_confidence_gate(tiny, tmp_path):
     propose = drafter.propose
     drafter.propose = lambda tokens, k: lengths.append((len(d := propose(tokens, k)), k)) or d
     decoder = SpeculativeDecoder(loaded, drafter, "sample", k=2)
-    assert sampled_prefix_pvalue(loaded, PROMPT, Sampling(temperature=1.0, top_k=3), decoder, 1000) > 1e-3
+    assert sampled_prefix_pvalue(loaded, PROMPT, SamplingParams(temperature=1.0, top_k=3), decoder, 1000) > 1e-3
     assert any(n < k for n, k in lengths) and any(n == k > 0 for n, k in lengths)  # the gate cut some, not all
     # The registry's EAGLE chains are gated at 0.35 (docs/benchmarks.md, "Confidence-gated chains"); trees are
     # not; 0 turns it off.

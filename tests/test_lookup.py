@@ -10,7 +10,7 @@ from speculate import SpeculateError, SpeculativeDecoder
 from speculate.cli import main
 from speculate.drafters import get_drafter, parse_options
 from speculate.drafters.lookup import LookupDrafter
-from speculate.sampling import Sampling
+from speculate.sampling import SamplingParams
 
 from test_default_model import PARAGRAPH
 
@@ -25,7 +25,7 @@ def run_rounds(drafter, tokens, k, verdicts):
     """Drive ``drafter`` by hand: each round, accept ``verdict(len(draft))`` of its draft and commit those
     tokens plus one more (the continuation of the periodic text, as a copying target would write).
     Returns the draft lengths."""
-    drafter.begin(list(tokens), Sampling(), None)
+    drafter.begin(list(tokens), SamplingParams(), None)
     tokens, lengths = list(tokens), []
     for verdict in verdicts:
         draft = drafter.propose(tokens, k)
@@ -54,7 +54,7 @@ def test_copies_double_while_accepted_whole_and_fall_back_at_a_rejection():
 def test_short_matches_neither_grow_nor_reset_the_copy_length():
     drafter = LookupDrafter(max_copy=16)
     tokens = periodic()
-    drafter.begin(list(tokens), Sampling(), None)
+    drafter.begin(list(tokens), SamplingParams(), None)
     assert len(drafter.propose(tokens, 4)) == 4
     drafter.update(4, 0)
     # A context ending in a one-token match (a fresh token, then one seen before): 2^0 = 1 token, and

@@ -16,7 +16,7 @@ from speculate import SpeculativeDecoder
 from speculate.cli import _parser, main
 from speculate.drafters import get_drafter
 from speculate.errors import SpeculateError
-from speculate.sampling import Sampling
+from speculate.sampling import SamplingParams
 from speculate.server.config import ServerConfig
 from speculate.server.generation import build_decoder, merge_settings
 from speculate.server.schemas import CompletionRequest, SpeculativeSettings
@@ -25,6 +25,7 @@ from speculate.verifiers import PARAMS, VERIFIERS, get_verifier
 from speculate.verifiers.greedy import GreedyVerifier
 from speculate.verifiers.loose import LooseVerifier
 from speculate.verifiers.tree import tree_greedy
+from speculate.spec import SpeculativeSpec
 
 from conftest import noisy_copy
 
@@ -156,7 +157,7 @@ def test_in_the_engine_chain_and_tree(tiny):
     assert shut.token_ids == greedy.token_ids  # the gate never opens: greedy decoding
     drafter = get_drafter("model-tree", noisy_copy(target, 0.3), target, branch=2)
     tree = SpeculativeDecoder(target, drafter, "loose", k=3, theta=0.0, rho=0.05)
-    assert tree._verifier(Sampling()).has_tree_rule()
+    assert tree._verifier(SamplingParams()).has_tree_rule()
     out = tree.generate(prompt, max_new_tokens=20)
     assert out.stats.new_tokens == 20
     out = tree.generate(prompt, max_new_tokens=20, temperature=0.8, seed=2)  # greedy=False set by the engine
@@ -192,9 +193,9 @@ def test_request_fields_reach_the_verifier(tiny_folders, tiny):
                                                           "rho": 0.75}}
     spec = CompletionRequest.model_validate(body).speculative
     assert spec.verifier_params() == {"theta": 0.25, "rho": 0.75}
-    settings = merge_settings(ServerConfig(model=str(tiny_folders[0]), drafter="lookup"), spec)
+    settings = merge_settings(ServerConfig(model=str(tiny_folders[0]), spec=SpeculativeSpec("lookup")), spec)
     decoder = build_decoder(tiny[0], None, settings)
-    verifier = decoder._verifier(Sampling())
+    verifier = decoder._verifier(SamplingParams())
     assert isinstance(verifier, LooseVerifier) and (verifier.theta, verifier.rho) == (0.25, 0.75)
     # A bad value: the same text as get_verifier's, at the request's "speculative" object.
     with pytest.raises(ValidationError) as err:

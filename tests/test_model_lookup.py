@@ -13,7 +13,7 @@ from speculate import SpeculateError, SpeculativeDecoder
 from speculate.cli import main
 from speculate.drafters import get_drafter, parse_options
 from speculate.drafters.model_lookup import ModelWithLookup
-from speculate.sampling import Sampling, warp
+from speculate.sampling import SamplingParams, warp
 from conftest import noisy_copy
 
 
@@ -115,7 +115,7 @@ def test_sampling_is_lossless(tiny):
     the prompt repeats, so rounds are drafted by lookup (one-hot rows) and by the draft model."""
     target = tiny[2]
     draft = noisy_copy(target, 0.3)
-    s = Sampling(temperature=1.0, top_k=3)
+    s = SamplingParams(temperature=1.0, top_k=3)
 
     def rows(prefixes):
         with torch.no_grad():

@@ -15,7 +15,7 @@ from speculate import SpeculateError, SpeculativeDecoder
 from speculate.cli import main
 from speculate.drafters import get_drafter, parse_options
 from speculate.drafters.answer_store import FILE, AnswerStore, find_store, save_store
-from speculate.sampling import Sampling, warp
+from speculate.sampling import SamplingParams, warp
 
 
 def reference_table(answers, max_n, min_count, min_n=1):
@@ -121,7 +121,7 @@ def test_sampling_is_lossless(tiny, tmp_path):
     target = tiny[2]
     prompt = random_prompt(5)
     folder = store_of_answers(tmp_path, target, [prompt], n_new=8, copies=3, with_prompt=True)
-    s = Sampling(temperature=1.0, top_k=3)
+    s = SamplingParams(temperature=1.0, top_k=3)
     with torch.no_grad():
         p1 = warp(target.model(torch.tensor([prompt])).logits[0, -1:], s)[0]
         firsts = p1.nonzero()[:, 0]
@@ -210,11 +210,17 @@ def test_auto_is_retrieval_where_a_store_ships_else_lookup(default_model, tiny, 
     # Options reach the drafter auto stands for: retrieval's here, lookup's on a model without a store.
     assert main(["generate", "Name three colours.", "--max-new-tokens", "8", "--drafter-opt", "min_share=0.9"]) == 0
     capsys.readouterr()
+    assert _serve_config("smollm2-135m-instruct", "--drafter-opt", "min_share=0.9").spec.drafter == "retrieval"
+    with pytest.raises(SpeculateError, match="takes: max_ngram"):
+        _serve_config("/some/folder", "--drafter-opt", "min_share=0.9")
+
+
+def _serve_config(model, *flags):
+    """The server's settings as ``speculate serve --model MODEL FLAGS`` makes them."""
+    from speculate.cli import _parser
     from speculate.server.config import ServerConfig
 
-    assert ServerConfig(model="smollm2-135m-instruct", drafter_options={"min_share": 0.9}).drafter == "retrieval"
-    with pytest.raises(SpeculateError, match="takes: max_ngram"):
-        ServerConfig(model="/some/folder", drafter_options={"min_share": 0.9})
+    return ServerConfig.from_cli(_parser().parse_args(["serve", "--model", model, *flags]))
 
 
 def test_concurrent_first_uses_load_a_store_once(tiny, tmp_path, monkeypatch):
@@ -250,13 +256,12 @@ def test_concurrent_first_uses_load_a_store_once(tiny, tmp_path, monkeypatch):
 
 def test_auto_takes_the_options_of_either_drafter_it_may_stand_for(default_model, tiny):
     """auto is retrieval on the default model and lookup elsewhere: lookup's options work with both."""
-    from speculate.server.config import ServerConfig
     from speculate.server.generation import merge_settings
     from speculate.server.schemas import SpeculativeSettings
 
     for model in ("smollm2-135m-instruct", "/some/folder"):
-        config = ServerConfig(model=model, drafter_options={"min_ngram": 2, "max_copy": 8})
-        assert config.drafter_options == {"min_ngram": 2, "max_copy": 8}
+        config = _serve_config(model, "--drafter-opt", "min_ngram=2", "--drafter-opt", "max_copy=8")
+        assert config.spec.drafter_options == {"min_ngram": 2, "max_copy": 8}
         # A request naming auto gets the server's own settings (and so its decoders and their prefix caches).
         assert merge_settings(config, SpeculativeSettings(drafter="auto")) == merge_settings(config, None)
     drafter = get_drafter("auto", None, default_model, min_ngram=2)

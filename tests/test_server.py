@@ -26,6 +26,7 @@ from speculate.models.kv import HFKVModel
 from speculate.server import ServerConfig, create_app, load_models
 from speculate.server.background import BackgroundServer
 from speculate.server.errors import APIError
+from speculate.spec import SpeculativeSpec
 
 from conftest import serve_subprocess
 
@@ -44,7 +45,7 @@ class Served(BackgroundServer):
 
 @pytest.fixture(scope="module")
 def served(tiny_folders):
-    config = ServerConfig(model=str(tiny_folders[0]), api_key=KEY, max_batch=4, max_queue=64, k=3)
+    config = ServerConfig(model=str(tiny_folders[0]), api_key=KEY, max_batch=4, max_queue=64, spec=SpeculativeSpec(k=3))
     target, draft = load_models(config)
     s = Served(create_app(config, target, draft))
     s.model, s.target = config.model, target
@@ -130,7 +131,11 @@ def test_openai_client_streamed_text_equals_whole_text(served, client):
     # usage as OpenAI sends it: once, in a last chunk without choices, and only when asked for
     assert [c.usage is not None for c in chunks] == [False] * (len(chunks) - 1) + [True] and chunks[-1].choices == []
     assert all(c.usage is None for c in bare) and bare[-1].choices[0].finish_reason == whole.choices[0].finish_reason
-    assert chunks[-1].usage.to_dict() == whole.usage.to_dict()
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [getattr(chunks[-1].usage, n) for n in counts] == [getattr(whole.usage, n) for n in counts]
+    # The same prompt again: all of it but the last token came from a cache (the store's full blocks at least).
+    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert whole.usage.prompt_tokens - 16 <= cached < whole.usage.prompt_tokens
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].message.content and streamed == whole.choices[0].message.content
@@ -258,7 +263,7 @@ BAD = [  # (body for /v1/completions unless "path" is given, status, param, code
     ({"path": "/v1/chat/completions", "model": "M", "messages": MESSAGES, "max_completion_tokens": 5000}, 400,
      "max_completion_tokens", "invalid_value"),
     # What the engine cannot honour is refused, not ignored:
-    ({"model": "M", "prompt": "hi", "logprobs": 0}, 400, "logprobs", "unsupported_parameter"),
+    ({"model": "M", "prompt": "hi", "logprobs": 0, "stream": True}, 400, "logprobs", "unsupported_parameter"),
     ({"path": "/v1/chat/completions", "model": "M", "messages": MESSAGES, "response_format": {"type": "json_object"}},
      400, "response_format", "unsupported_parameter"),
     ({"path": "/v1/chat/completions", "model": "M", "messages": MESSAGES, "tool_choice": "required"}, 400,
@@ -561,14 +566,14 @@ def test_the_servers_drafter_options_apply_to_its_drafter_only(tiny):
     from speculate.server.generation import build_decoder, merge_settings
     from speculate.server.schemas import SpeculativeSettings
 
-    config = ServerConfig(model="m", drafter="lookup", drafter_options=["max_ngram=5"])
-    assert config.drafter_options == {"max_ngram": 5}
+    config = ServerConfig(model="m", spec=SpeculativeSpec("lookup", ["max_ngram=5"]))
+    assert config.spec.drafter_options == {"max_ngram": 5}
     decoder = build_decoder(tiny[0], None, merge_settings(config, None))
     assert decoder.drafter.max_ngram == 5
     other = merge_settings(config, SpeculativeSettings(drafter="none"))
     assert other.drafter_options == {} and build_decoder(tiny[0], None, other).drafter.name == "none"
     with pytest.raises(SpeculateError, match="no option 'base_k'"):
-        ServerConfig(model="m", drafter="lookup", drafter_options=["base_k=2"])
+        ServerConfig(model="m", spec=SpeculativeSpec("lookup", ["base_k=2"]))
 
 
 def test_k_and_eps_auto_in_the_server(served, client, tiny, tmp_path, monkeypatch):
@@ -582,12 +587,12 @@ def test_k_and_eps_auto_in_the_server(served, client, tiny, tmp_path, monkeypatc
 
     monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path))  # the cost profile that k = auto measures once
     args = _parser().parse_args(["serve", "--k", "auto", "--eps", "auto", "--verifier", "consultant"])
-    config = ServerConfig(model="m", drafter="lookup", k=args.k, eps=args.eps, verifier=args.verifier)
+    config = ServerConfig(model="m", spec=SpeculativeSpec("lookup", (), args.verifier, {"eps": args.eps}, args.k))
     decoder = build_decoder(tiny[0], None, merge_settings(config, None))
     assert decoder.k == "auto" and decoder.verifier_params["eps"] == calibrate_eps(tiny[0])
     for bad in ("fast", 0, True):
         with pytest.raises(SpeculateError, match="k must be an integer in 1..64"):
-            ServerConfig(model="m", k=bad)
+            ServerConfig(model="m", spec=SpeculativeSpec(k=bad))
 
     # A request's own "auto" measures the cost profile / calibrates ε on the generation worker that runs it
     # (generation.open_run), not in the thread that prepared it: that thread would keep a second OpenMP team.
@@ -621,7 +626,7 @@ def test_a_request_may_ask_for_model_lookup_with_the_servers_draft_model(tiny, m
     from speculate.server.generation import build_decoder, merge_settings
     from speculate.server.schemas import SpeculativeSettings
 
-    config = ServerConfig(model="m", drafter="model+lookup", draft_model="d", drafter_options=["lookup_k=4"])
+    config = ServerConfig(model="m", spec=SpeculativeSpec("model+lookup", ["lookup_k=4"]), draft_model="d")
     # The tokenizers were compared at startup; a request does not compare them again (~0.3 s on Qwen's).
     monkeypatch.setattr("speculate.drafters.model.check_same_tokenizer", _fail)
     decoder = build_decoder(tiny[0], tiny[0], merge_settings(config, None))
@@ -688,7 +693,7 @@ def test_serve_loads_its_models_on_the_generation_thread(tiny_folders, tiny, mon
         return [t for t in set(threading.enumerate()) - before if t.name.startswith("speculate-generation")]
 
     before = set(threading.enumerate())
-    app = server_main.build_app(ServerConfig(model=str(tiny_folders[0]), drafter="lookup"))
+    app = server_main.build_app(ServerConfig(model=str(tiny_folders[0]), spec=SpeculativeSpec("lookup")))
     assert threads == ["speculate-generation"] and app.state.scheduler.started
     server = BackgroundServer(app)
     try:
@@ -700,7 +705,7 @@ def test_serve_loads_its_models_on_the_generation_thread(tiny_folders, tiny, mon
     assert workers_started_since(before) == []  # stopped with the server
 
     with pytest.raises(SpeculateError, match="unknown model"):
-        server_main.build_app(ServerConfig(model=str(tiny_folders[0]) + "-missing", drafter="lookup"))
+        server_main.build_app(ServerConfig(model=str(tiny_folders[0]) + "-missing", spec=SpeculativeSpec("lookup")))
     assert workers_started_since(before) == []
 
 
@@ -708,7 +713,7 @@ def test_a_q4_server_answers_exactly_what_the_engine_decodes(tiny_folders, tmp_p
     """dtype q4 through the server (models loaded on its generation worker): the greedy answer of a lookup request
     is the engine's plain q4 answer, and the request's stats say the rows were verified batched and exact."""
     monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path))
-    config = ServerConfig(model=str(tiny_folders[2]), dtype="q4", drafter="lookup", k=4, max_batch=1)
+    config = ServerConfig(model=str(tiny_folders[2]), dtype="q4", spec=SpeculativeSpec("lookup", k=4), max_batch=1)
     target, draft = load_models(config)
     assert target.dtype == "q4"
     s = BackgroundServer(create_app(config, target, draft))
@@ -731,7 +736,7 @@ def test_batched_requests_answer_exactly_what_each_gets_alone(tiny_folders, monk
     the request gets alone from the engine."""
     from speculate.engine import Run
 
-    config = ServerConfig(model=str(tiny_folders[0]), dtype="int8", max_batch=4, max_queue=8, k=3)
+    config = ServerConfig(model=str(tiny_folders[0]), dtype="int8", max_batch=4, max_queue=8, spec=SpeculativeSpec(k=3))
     target, draft = load_models(config)
     real = Run.take
 

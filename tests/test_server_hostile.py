@@ -17,6 +17,7 @@ from speculate.server.background import BackgroundServer
 from speculate.server.guard import HostGuard, hostname, is_loopback
 from speculate.server.schemas import MAX_STOP, MAX_STOP_CHARS
 from speculate.text import Detokenizer, held_back
+from speculate.spec import SpeculativeSpec
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*loaded on another thread:RuntimeWarning")
 
@@ -25,7 +26,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def start(tiny_folders, **options):
-    config = ServerConfig(model=str(tiny_folders[0]), k=3, **options)
+    config = ServerConfig(model=str(tiny_folders[0]), spec=SpeculativeSpec(k=3), **options)
     target, draft = load_models(config)
     server = BackgroundServer(create_app(config, target, draft))
     server.model, server.target = config.model, target

@@ -83,10 +83,10 @@ def _toml_error(tmp_path, text: str) -> str:
 def test_the_same_settings_give_the_same_spec_on_every_path(tmp_path):
     assert _cli("--drafter", "lookup", "--verifier", "consultant", "--eps", "2", "--beta", "0.2", "--k", "3") \
         == EXPECTED
-    assert ServerConfig(model="m", drafter="lookup", verifier="consultant", eps=2, beta=0.2, k=3).spec == EXPECTED
+    assert ServerConfig(model="m", spec=SpeculativeSpec("lookup", (), "consultant", {"eps": 2, "beta": 0.2}, 3)).spec == EXPECTED
     assert _request({"drafter": "lookup", "verifier": "consultant", "eps": 2.0, "beta": 0.2, "k": 3}) == EXPECTED
     # A request over a server started with these settings, and one naming nothing: the server's spec.
-    config = ServerConfig(model="m", drafter="lookup", verifier="consultant", eps=2, beta=0.2, k=3)
+    config = ServerConfig(model="m", spec=SpeculativeSpec("lookup", (), "consultant", {"eps": 2, "beta": 0.2}, 3))
     assert _request({}, config) == _request({"drafter": "lookup", "k": 3}, config) == EXPECTED
     assert parse_method("drafter=lookup,verifier=consultant,k=3,eps=2,beta=0.2").spec == EXPECTED
     assert engine_method("lookup", "consultant", 3, eps=2, beta=0.2).spec == EXPECTED
@@ -108,7 +108,7 @@ def test_a_bad_k_is_one_text_on_every_path(tmp_path, k):
     assert str(err.value) == text
     assert _cli_error("--k", str(k)).endswith(K_ERROR + repr(str(k)))  # (argparse hands over the text)
     with pytest.raises(SpeculateError, match=re.escape(text)):
-        ServerConfig(model="m", k=k)
+        ServerConfig(model="m", spec=SpeculativeSpec(k=k))
     with pytest.raises(ValidationError, match=re.escape(text)):
         CompletionRequest.model_validate({"model": "m", "prompt": "hi", "speculative": {"k": k}})
     assert _method_error(f"drafter=lookup,k={k}").endswith(K_ERROR + repr(str(k)))
@@ -119,7 +119,7 @@ def test_a_bad_k_is_one_text_on_every_path(tmp_path, k):
 def test_an_unknown_drafter_is_one_text_on_every_path(tmp_path, tiny):
     assert UNKNOWN_DRAFTER in _cli_error("--drafter", "nope")
     with pytest.raises(SpeculateError, match=re.escape(UNKNOWN_DRAFTER)):
-        ServerConfig(model="m", drafter="nope")
+        ServerConfig(model="m", spec=SpeculativeSpec("nope"))
     assert UNKNOWN_DRAFTER in _request_error({"drafter": "nope"}, tiny=tiny)
     assert UNKNOWN_DRAFTER in _method_error("drafter=nope,k=3")
     assert UNKNOWN_DRAFTER in _toml_error(tmp_path, 'method = [{drafter = "nope"}]\n')
@@ -144,13 +144,13 @@ def test_a_draft_model_drafter_without_a_draft_model_is_one_text_on_every_path(t
     # And a draft model given for a drafter that takes none: the CLI's and the server's flag check, once.
     assert "--draft-model needs --drafter model" in _cli_error("--drafter", "lookup", "--draft-model", "x")
     with pytest.raises(SpeculateError, match="--draft-model needs --drafter model"):
-        ServerConfig(model="m", drafter="lookup", draft_model="x")
+        ServerConfig(model="m", spec=SpeculativeSpec("lookup"), draft_model="x")
 
 
 def test_a_bad_verifier_parameter_is_one_text_on_every_path(tmp_path, tiny):
     assert BAD_PARAM in _cli_error("--verifier", "consultant", "--beta", "1.5")
     with pytest.raises(SpeculateError, match=re.escape(BAD_PARAM)):
-        ServerConfig(model="m", verifier="consultant", beta=1.5)
+        ServerConfig(model="m", spec=SpeculativeSpec(verifier="consultant", params={"beta": 1.5}))
     assert BAD_PARAM in _request_error({"verifier": "consultant", "beta": 1.5}, tiny=tiny)
     assert BAD_PARAM in _method_error("verifier=consultant,k=3,beta=1.5")
     assert BAD_PARAM in _toml_error(tmp_path, 'method = [{verifier = "consultant", beta = 1.5}]\n')

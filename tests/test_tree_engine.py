@@ -15,7 +15,7 @@ from speculate import SpeculateError, SpeculativeDecoder
 from speculate.drafters import get_drafter
 from speculate.drafters.base import Draft, Drafter
 from speculate.drafters.model_tree import ModelTreeDrafter
-from speculate.sampling import Sampling, warp
+from speculate.sampling import SamplingParams, warp
 from speculate.stats import Stats
 from speculate.verifiers import Verifier
 from speculate.verifiers.tree import children_of
@@ -175,7 +175,7 @@ def test_stop_inside_an_accepted_tree_path(tiny):
 # --------------------------------------------------------------------------------------- sampling
 
 
-def sampled_prefix_pvalue(target, prompt, sampling: Sampling, decoder, n: int, after=None) -> float:
+def sampled_prefix_pvalue(target, prompt, sampling: SamplingParams, decoder, n: int, after=None) -> float:
     """Chi-square p-value of the first three tokens ``decoder`` samples (n seeded runs) against the exact
     warped target distribution of three-token prefixes (bins expected below 5 pooled). ``after(i)``
     runs after generation i (the caller's bookkeeping)."""
@@ -215,7 +215,7 @@ def test_tree_sampling_end_to_end_matches_the_target(tiny):
     target = tiny[0]
     draft = noisy_copy(target, 0.3)
     prompt = random_prompt(3, 8)
-    s = Sampling(temperature=1.0, top_k=3)
+    s = SamplingParams(temperature=1.0, top_k=3)
     drafter = Recording(draft, target, branch=2)
     decoder = SpeculativeDecoder(target, drafter, "sample", k=3)
     siblings = []
@@ -230,7 +230,7 @@ def test_model_tree_draws_siblings_without_replacement(tiny):
     target = tiny[0]
     drafter = ModelTreeDrafter(noisy_copy(target, 0.3), target, branch=3, spread=2)
     tokens = [5, 6, 7]
-    drafter.begin(tokens, Sampling(temperature=1.5), torch.Generator().manual_seed(0))
+    drafter.begin(tokens, SamplingParams(temperature=1.5), torch.Generator().manual_seed(0))
     for i in range(20):
         draft = drafter.propose(tokens, 3)
         assert len(draft) == drafter.max_nodes(3) == 3 + 9 + 9

@@ -14,7 +14,7 @@ from speculate.drafters.lookup import LookupDrafter
 from speculate.drafters.with_lookup import WithLookup, beside, merge
 from speculate.errors import SpeculateError
 from speculate.heads import save_heads
-from speculate.sampling import Sampling
+from speculate.sampling import SamplingParams
 
 from test_heads import PROMPT, plain_greedy, random_heads
 
@@ -116,7 +116,7 @@ def test_sampling_with_lookup_is_lossless_end_to_end(tiny, tmp_path):
         update(n_accepted, next_token, path)
     drafter.propose, drafter.update = spy_propose, spy_update
     decoder = SpeculativeDecoder(loaded, drafter, "sample", k=3)
-    assert sampled_prefix_pvalue(loaded, PROMPT, Sampling(temperature=1.0, top_k=3), decoder, 1000) > 1e-3
+    assert sampled_prefix_pvalue(loaded, PROMPT, SamplingParams(temperature=1.0, top_k=3), decoder, 1000) > 1e-3
     assert any(through_lookup)
 
 

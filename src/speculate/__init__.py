@@ -6,12 +6,12 @@
     print(out.text, out.stats.to_dict())
 """
 
-from .engine import Generation, SpeculativeDecoder, Stream
+from .engine import Generation, SpeculativeDecoder, Stream, TokenLogprob
 from .errors import SpeculateError
 from .models import DEFAULT_MODEL, LoadedModel, load_model
-from .sampling import Sampling
+from .sampling import SamplingParams
 from .stats import Stats
 
-__all__ = ["DEFAULT_MODEL", "Generation", "LoadedModel", "Sampling", "SpeculateError", "SpeculativeDecoder",
-           "Stats", "Stream", "load_model"]
+__all__ = ["DEFAULT_MODEL", "Generation", "LoadedModel", "SamplingParams", "SpeculateError", "SpeculativeDecoder",
+           "Stats", "Stream", "TokenLogprob", "load_model"]
 __version__ = "0.1.0"

@@ -53,6 +53,17 @@ def _drafter_opt_help() -> str:
     return f"a drafter option (repeatable).{also} Options by drafter (=default) — {takes}"
 
 
+def _count_arg(value: str) -> int:
+    """A whole number >= 0 (argparse names the flag in its one-line error)."""
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {count}")
+    return count
+
+
 def _k_arg(value: str):
     from .policy.draft_length import parse_k
 
@@ -190,7 +201,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="nucleus sampling: draw from the fewest most likely tokens whose probabilities add up to "
                         "TOP_P, in (0, 1]; 1 means off")
     g.add_argument("--top-k", type=int, default=0, help="0 (default) means off")
-    g.add_argument("--max-new-tokens", type=int, default=256,
+    g.add_argument("--max-new-tokens", type=_count_arg, default=256,
                    help="the most tokens to generate (the prompt and these must fit the model's context window)")
     g.add_argument("--seed", type=int, help="seed for every random draw (reproducible runs), in [0, 2^63) as a "
                                             "server request's (default: a random one)")
@@ -244,7 +255,10 @@ def _parser() -> argparse.ArgumentParser:
                         "error (a stream: an error event, then [DONE]); queued requests get 503 at once (default 10)")
     s.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt whole in a fresh decoder (default: decoders are kept between "
-                        "requests and a prompt reuses the KV of the prefix it shares with an earlier one)")
+                        "requests, and a prompt reuses the KV of the prefix it shares with any earlier one)")
+    s.add_argument("--prefix-cache-gib", type=float, default=1.0,
+                   help="memory for prompts' KV blocks shared by all requests, whatever their speculative settings "
+                        "(GiB; the least recently used go first; default 1)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server's log messages shown, from this level up")
 
@@ -293,15 +307,14 @@ def stats_line(method: str, s, k) -> str:
 def _generate(args) -> int:
     from .engine import SpeculativeDecoder
     from .models import load_model
-    from .sampling import Sampling, check_seed
+    from .sampling import SamplingParams, check_seed
     from .spec import SpeculativeSpec, build_decoder
+    from .text import check_text_prompt
 
-    Sampling(args.temperature, args.top_p, args.top_k)  # (their checks, before any model loads)
-    check_seed(args.seed)
-    if args.max_new_tokens < 0:
-        raise SpeculateError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if not args.prompt.strip():
-        raise SpeculateError("the prompt is empty")
+    # Every check that needs no model, before any model loads.
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, check_seed(args.seed), args.max_new_tokens,
+                              args.stop or ())
+    check_text_prompt(args.prompt)
     spec = SpeculativeSpec.from_cli(args)  # drafter, options, verifier and parameters, k; --draft-model fits
     if args.stream and args.json:  # one JSON object at the end cannot also be a stream of text
         raise SpeculateError("--stream and --json: choose one")
@@ -310,18 +323,17 @@ def _generate(args) -> int:
     target = load_model(args.model, dtype=args.dtype)
     draft = load_model(args.draft_model, dtype=args.draft_dtype or args.dtype) if args.draft_model else None
     decoder = build_decoder(spec, target, draft)
-    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, seed=args.seed, stop=args.stop, chat=False if args.no_chat else None)
+    chat = False if args.no_chat else None
     plain = SpeculativeDecoder(target, "none") if args.compare else None
     if plain is not None:  # both warmed up alike on another prompt: neither pays a first call's costs in the timing
         for d in (decoder, plain):
-            d.generate("Hi.", max_new_tokens=2, chat=sampling["chat"])
-    stream = decoder.stream(args.prompt, **sampling)
+            d.generate("Hi.", max_new_tokens=2, chat=chat)
+    stream = decoder.stream(args.prompt, sampling, chat=chat)
     for piece in stream:
         if args.stream:
             print(piece, end="", flush=True)
     gen = stream.generation
-    base = plain.generate(args.prompt, **sampling) if plain is not None else None
+    base = plain.generate(args.prompt, sampling, chat=chat) if plain is not None else None
     if args.json:
         out = {"text": gen.text, "token_ids": gen.token_ids, "finish_reason": gen.finish_reason,
                "stats": gen.stats.to_dict()}
@@ -360,25 +372,9 @@ def compare_line(gen, base, greedy: bool) -> str:
 
 
 def _serve(args) -> int:
-    import os
-
-    from .verifiers import PARAMS
-
     from .server import ServerConfig, serve
 
-    api_key = args.api_key if args.api_key is not None else (os.environ.get("SPECULATE_API_KEY") or None)
-    config = ServerConfig(model=args.model, drafter=args.drafter, draft_model=args.draft_model,
-                          verifier=args.verifier, k=args.k, dtype=args.dtype,
-                          verifier_options={name: getattr(args, name) for name in PARAMS
-                                            if getattr(args, name) is not None},
-                          host=args.host, port=args.port, api_key=api_key,
-                          max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
-                          max_body_bytes=args.max_body_bytes, drafter_options=args.drafter_opt or [],
-                          prefix_cache=not args.no_prefix_cache, allowed_hosts=tuple(args.allowed_host or ()),
-                          header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                          keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
-                          shutdown_grace=args.shutdown_grace, max_tokens=args.max_tokens)
-    serve(config, log_level=args.log_level)
+    serve(ServerConfig.from_cli(args), log_level=args.log_level)
     return 0
 
 

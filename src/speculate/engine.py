@@ -27,7 +27,7 @@ way the engine makes one call, ``verifier.judge``, and gets one verdict type, wi
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
@@ -38,12 +38,23 @@ from .drafters.base import Draft
 from .errors import SpeculateError
 from .models import exactness
 from .models.kv import KVModel, PrefixReuse, Rows, forward_many
+from .models.prefix_store import PrefixStore
 from .models.loader import LoadedModel, check_thread
-from .sampling import Sampling, one_hot, warp
+from .sampling import SamplingParams, one_hot, warp
 from .stats import Stats
-from .text import Detokenizer, encode_prompt, eos_ids
+from .text import Detokenizer, check_prompt, encode_prompt, eos_ids
 from .policy.draft_length import parse_k
 from .verifiers import Verdict, Verifier, check_auto, get_verifier, tree_rule_missing, verifier_class, verifier_for
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the target (raw logits, log-softmax), and the ``top`` most likely tokens
+    with theirs, most likely first (``SamplingParams.logprobs`` of them)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -53,6 +64,18 @@ class Generation:
     stats: Stats
     finish_reason: str = "length"  # "stop" (EOS or a stop string) or "length" (max_new_tokens)
     prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per new token (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, None for the first
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation, checked (``SpeculativeDecoder._request``): the prompt's token ids, how it samples and
+    stops, and the verifier built for that sampling."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    verifier: Verifier
 
 
 @dataclass
@@ -78,11 +101,14 @@ class SpeculativeDecoder:
     kept rows are bit-identical to a fresh prefill's (batch-invariant kernels); at fp32 they can differ in
     the last bits, so a near-tie may resolve differently than in a fresh decoder. Not for drafters that
     read the target's features (the heads observe every prompt row).
+    ``prefix_store``: a :class:`~speculate.models.prefix_store.PrefixStore` shared by every decoder of this target
+    (the server's): a prompt's blocks that any generation computed, whatever its settings, are copied in instead of
+    computed, and this generation's prompt blocks are added for the next (the same caveats as ``prefix_cache``).
     """
 
     def __init__(self, target: LoadedModel, drafter: Drafter | str = "auto", verifier: Verifier | str | None = None,
                  k: int | str = 6, draft_model: LoadedModel | None = None, prefix_cache: bool = False,
-                 **verifier_params):
+                 prefix_store: PrefixStore | None = None, **verifier_params):
         k = parse_k(k)
         self.target = target
         self.kv = KVModel(target)
@@ -90,6 +116,7 @@ class SpeculativeDecoder:
         self.prefix_cache = prefix_cache and not self.drafter.wants_hidden
         self.drafter.reuse_prefix = self.prefix_cache
         self.prefix_reuse = PrefixReuse()  # which tokens the target's cache holds, for prefix_cache
+        self.prefix_store = prefix_store if self.kv.shares_prefixes and not self.drafter.wants_hidden else None
         self.verifier_spec = verifier
         self.verifier_params = {key: v for key, v in verifier_params.items() if v is not None}
         try:  # ('auto' only where the named verifier declares it)
@@ -101,7 +128,7 @@ class SpeculativeDecoder:
         self.k_policy = self._k_policy(k)
         self.k = k
         self.eos = eos_ids(target)
-        self._verifier(Sampling())  # validate the name, parameters and tree rule now, not at the first request
+        self._verifier(SamplingParams())  # validate the name, parameters and tree rule now, not at the first request
 
     def _k_policy(self, k):
         if not is_auto(k):
@@ -116,7 +143,7 @@ class SpeculativeDecoder:
         rows = (lambda k: self.drafter.max_nodes(k) + 1) if self.drafter.tree else None
         return AutoK(prof, prof.c if cost is None else cost, rows=rows)
 
-    def _verifier(self, sampling: Sampling) -> Verifier:
+    def _verifier(self, sampling: SamplingParams) -> Verifier:
         if isinstance(self.verifier_spec, Verifier):
             verifier = self.verifier_spec
         else:
@@ -133,58 +160,48 @@ class SpeculativeDecoder:
         return verifier
 
     # ---------------------------------------------------------------------------------------------
-    def generate(self, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,
-                 chat: bool | None = None) -> Generation:
-        """Generate from a string or a list of chat messages; returns text, token ids and stats."""
-        stream = self.stream(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, chat)
+    def generate(self, prompt, sampling: SamplingParams | None = None, *, chat: bool | None = None,
+                 **params) -> Generation:
+        """Generate from a string, a list of chat messages or token ids; returns text, token ids and stats.
+        ``sampling``: a :class:`SamplingParams`, or its fields by name (``max_new_tokens=128, temperature=0.7,
+        seed=1, stop=[...]``; given with ``sampling`` they replace its fields). ``chat``: see ``encode_prompt``."""
+        stream = self.stream(prompt, sampling, chat=chat, **params)
         for _ in stream:
             pass
         return stream.generation
 
-    def stream(self, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,
-               chat: bool | None = None) -> Stream:
+    def stream(self, prompt, sampling: SamplingParams | None = None, *, chat: bool | None = None,
+               **params) -> Stream:
         """Like :meth:`generate`, as an iterator of text pieces (bad settings raise here, eagerly)."""
-        settings = self._settings(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, chat)
+        request = self._request(prompt, sampling, chat, params)
         stream = Stream(iter(()))
-        stream.pieces = self._pieces(stream, settings)
+        stream.pieces = self._pieces(stream, request)
         return stream
 
-    def start(self, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-              top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,
-              chat: bool | None = None, prefill_chunk: int | None = None) -> Run:
+    def start(self, prompt, sampling: SamplingParams | None = None, *, chat: bool | None = None,
+              prefill_chunk: int | None = None, **params) -> Run:
         """A generation as a :class:`Run`, for :func:`step` to move round by round together with others (batched
         serving, speculate/policy/batch.py). ``prefill_chunk``: prompt tokens per round until the prompt is in the
         cache (None: all in the first round)."""
-        settings = self._settings(prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, chat)
-        return Run(self, *settings, prefill_chunk=prefill_chunk)
+        return Run(self, self._request(prompt, sampling, chat, params), prefill_chunk=prefill_chunk)
 
-    def _settings(self, prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, chat) -> tuple:
-        """Validate one request's settings (one error line each): (prompt ids, max_new_tokens, sampling,
-        verifier, generator, stops)."""
+    def _request(self, prompt, sampling: SamplingParams | None, chat: bool | None, params: dict) -> Request:
+        """One generation's settings, checked once: the prompt's ids (``text.check_prompt``: not empty, within the
+        context window with the new tokens), the sampling parameters and the verifier they call for."""
         check_thread(self.target)  # (a warning, once: several threads running torch slow every forward)
-        sampling = Sampling(temperature, top_p, top_k)
-        verifier = self._verifier(sampling)
-        prompt_ids = prompt if _is_token_ids(prompt) else encode_prompt(self.target.tokenizer, prompt, chat)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise SpeculateError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens}")
-        if not prompt_ids:
-            raise SpeculateError("the prompt is empty")
-        window = self.target.context_window
-        if len(prompt_ids) + max_new_tokens > window:
-            raise SpeculateError(f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) "
-                                 f"exceeds the model's context window of {window} tokens")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64):
-            raise SpeculateError(f"seed must be an integer in [-2^63, 2^64), got {seed}")  # torch's seed range
-        generator = torch.Generator()
-        generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        return list(prompt_ids), max_new_tokens, sampling, verifier, generator, stops
+        if sampling is None:
+            sampling = SamplingParams(**params)
+        elif not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams (or give its fields by name), got {sampling!r}")
+        elif params:
+            sampling = replace(sampling, **params)
+        prompt_ids = list(prompt) if _is_token_ids(prompt) else encode_prompt(self.target.tokenizer, prompt, chat)
+        check_prompt(prompt_ids, sampling.max_new_tokens, self.target.context_window)
+        return Request(prompt_ids, sampling, self._verifier(sampling))
 
-    def _pieces(self, stream: Stream, settings: tuple) -> Iterator[str]:
+    def _pieces(self, stream: Stream, request: Request) -> Iterator[str]:
         """One generation alone: :func:`step` over a single run until it is done."""
-        run = Run(self, *settings)
+        run = Run(self, request)
         stream.generation = run.generation  # (done at once: nothing to prefill and nothing to generate)
         while not run.done:
             pieces = step([run])[0]
@@ -200,29 +217,38 @@ class Run:
     decoder's drafter, cache and k policy, which it holds until it is done. :func:`step` moves a list of runs by
     one round each; ``done`` then ``generation`` (or ``error``) say how it ended."""
 
-    def __init__(self, decoder: SpeculativeDecoder, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
-                 verifier: Verifier, generator: torch.Generator, stops: list[str], prefill_chunk: int | None = None):
+    def __init__(self, decoder: SpeculativeDecoder, request: Request, prefill_chunk: int | None = None):
+        prompt_ids, sampling = request.prompt_ids, request.sampling
         self.kv, self.drafter, self.policy = decoder.kv, decoder.drafter, decoder.k_policy
-        self.sampling, self.verifier, self.generator = sampling, verifier, generator
-        self.eos, self.max_new_tokens = decoder.eos, max_new_tokens
+        self.sampling, self.verifier, self.generator = sampling, request.verifier, sampling.generator()
+        self.eos, self.max_new_tokens = decoder.eos, sampling.max_new_tokens
         self.stats = Stats(exactness=exactness.mode(self.kv), prompt_tokens=len(prompt_ids))
-        self.detok = Detokenizer(decoder.target.tokenizer, stops)
+        self.detok = Detokenizer(decoder.target.tokenizer, list(sampling.stop))
         self.finish = "length"  # "stop" (EOS or a stop string) or "length" (max_new_tokens)
         self.started = time.perf_counter()
         self.tokens = list(prompt_ids)  # prompt + everything committed so far
         self.prompt_tokens = len(prompt_ids)
         self.state, self.produced, self.draft, self.rows_last = None, 0, None, 0
         self.done, self.generation, self.error = False, None, None
+        # Log-probabilities, where asked: of the new tokens (from the verification rows), of the prompt's (from the
+        # prefill's rows: so every prompt row is computed, none taken from a cache).
+        self.logprobs = [] if sampling.logprobs is not None else None
+        self.prompt_logprobs = [None] if sampling.prompt_logprobs is not None else None
         self.prefill_chunk = prefill_chunk or len(self.tokens)
         self.prompt_end = len(self.tokens) - 1  # the prefill covers all but the last prompt token
-        capacity = len(self.tokens) + max_new_tokens + self.drafter.max_nodes(self.policy.k_max) + 1
+        capacity = len(self.tokens) + self.max_new_tokens + self.drafter.max_nodes(self.policy.k_max) + 1
         # The prefix the cache kept from the decoder's last generation is not computed again (prefix_cache).
-        self.stats.reused_prompt_tokens = self.filled = decoder.prefix_reuse.start(self.kv, self.tokens, capacity,
-                                                                           decoder.prefix_cache)
+        reuse = self.prompt_logprobs is None
+        kept = decoder.prefix_reuse.start(self.kv, self.tokens, capacity, decoder.prefix_cache and reuse)
         decoder.prefix_reuse.follow(self.tokens)
+        # ...nor are the blocks of it that any generation on this target stored (models/prefix_store.py).
+        self.store = decoder.prefix_store
+        if self.store is not None and reuse:
+            kept = self.store.fill(self.kv, self.tokens[: self.prompt_end], kept)
+        self.stats.reused_prompt_tokens = self.filled = kept
         self.kv.taps = self.drafter.feature_layers  # the layer outputs a fused EAGLE head reads beside the hidden rows
         self.policy.reset()
-        self.drafter.begin(self.tokens, sampling, generator)
+        self.drafter.begin(self.tokens, sampling, self.generator)
         self._prefilled()
 
     @property
@@ -250,7 +276,8 @@ class Run:
         token] + ``draft``, a proposal of the drafter."""
         if self.prefilling:
             self.draft = None
-            rows = Rows(self.kv, torch.tensor(self.tokens[self.filled: self.filled + self.prefill_rows]), want=0)
+            rows = Rows(self.kv, torch.tensor(self.tokens[self.filled: self.filled + self.prefill_rows]),
+                        want=0 if self.prompt_logprobs is None else None)
         else:
             self.draft = draft.within(self.budget)
             root = torch.tensor(self.tokens[-1:])
@@ -263,6 +290,9 @@ class Run:
         if self.draft is None:  # a prefill chunk went in
             if self.drafter.wants_hidden:
                 self.drafter.observe(self.kv.hidden)
+            if self.prompt_logprobs is not None:  # row j of the chunk scores the prompt token after it
+                following = self.tokens[self.filled + 1: self.filled + 1 + logits.shape[0]]
+                self.prompt_logprobs += _logprobs(logits, following, self.sampling.prompt_logprobs)
             self.filled = self.kv.length
             return self._prefilled()
         draft, kv, drafter = self.draft, self.kv, self.drafter
@@ -282,12 +312,18 @@ class Run:
         if draft.from_k:  # (model+lookup's copies say nothing about the draft model's acceptance)
             self.policy.update(draft.depth, len(path))
         self.stats.record(len(draft), len(path), draft.depth)
-        return self._commit(draft.tokens[path].tolist() + [verdict.next_token])
+        new = draft.tokens[path].tolist() + [verdict.next_token]
+        # Row rows[j] scored new[j]: the accepted drafts' values are the verification forward's, so they are the
+        # values plain decoding reports (the same bits at int8 and q4, where a row does not depend on the others).
+        scored = _logprobs(logits[rows], new, self.sampling.logprobs) if self.logprobs is not None else None
+        return self._commit(new, scored)
 
-    def _commit(self, new: list[int]) -> list[str]:
+    def _commit(self, new: list[int], scored: list[TokenLogprob] | None = None) -> list[str]:
         """Append the round's tokens up to EOS, a stop string or the budget; nothing past them is kept."""
         pieces = []
-        for token in new:
+        for j, token in enumerate(new):
+            if scored is not None:
+                self.logprobs.append(scored[j])
             self.tokens.append(token)
             self.produced += 1
             self.stats.new_tokens += 1
@@ -308,6 +344,8 @@ class Run:
     def _prefilled(self) -> list[str]:
         if self.prefilling:
             return []
+        if self.store is not None:  # the prompt's blocks, for the generations that share its prefix
+            self.store.add(self.kv, self.tokens[: self.prompt_end])
         self.stats.prefill_seconds = time.perf_counter() - self.started
         return self._end() if self.max_new_tokens == 0 else []
 
@@ -315,7 +353,7 @@ class Run:
         self.stats.wall_seconds = time.perf_counter() - self.started
         tail = self.detok.flush()
         self.generation = Generation(self.detok.text, list(self.detok.ids), self.stats, self.finish,
-                                     self.prompt_tokens)
+                                     self.prompt_tokens, self.logprobs, self.prompt_logprobs)
         self.done = True
         return [tail] if tail else []
 
@@ -393,7 +431,7 @@ def _propose(runs: list[Run], ks: dict | None) -> dict[int, Draft]:
     return drafts
 
 
-def _verify(verifier: Verifier, draft, logits: torch.Tensor, sampling: Sampling, state, generator) -> Verdict:
+def _verify(verifier: Verifier, draft, logits: torch.Tensor, sampling: SamplingParams, state, generator) -> Verdict:
     """The verdict on a draft (chain or tree) from the target's rows ``logits`` [m+1, V], in one call
     shape: warped (temperature/top-k/top-p) target rows, or raw ones plus the warped rows as
     ``sample_probs`` for verifiers that judge by the target's own likelihood (``raw_target``)."""
@@ -406,6 +444,18 @@ def _verify(verifier: Verifier, draft, logits: torch.Tensor, sampling: Sampling,
     # independent of their siblings: the with-replacement rule is the exact one for them (trees only).
     return verifier.judge(draft.tokens, draft.parents, draft_probs, target_probs, state, generator, sample_probs,
                           replacement=draft.replacement or draft.probs is None)
+
+
+def _logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each row's log-softmax at its token (row j scores ``tokens[j]``), with the ``top`` most likely tokens. One row
+    at a time, so that a value never depends on how many rows were scored together."""
+    out = []
+    for row, token in zip(logits, tokens):
+        lp = row.float().log_softmax(-1)
+        best = lp.topk(top) if top else None
+        out.append(TokenLogprob(token, float(lp[token]),
+                                tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()))
+    return out
 
 
 def _rooted(parents: list[int] | None) -> list[int] | None:

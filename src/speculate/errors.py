@@ -6,6 +6,11 @@ class SpeculateError(ValueError):
     """A bad input or setting the user can fix (unknown model, k < 1, prompt too long, ...)."""
 
 
+class ContextLengthError(SpeculateError):
+    """A prompt and its new tokens do not fit the model's context window (the server: 400
+    ``context_length_exceeded``, as OpenAI says it)."""
+
+
 class StorageError(SpeculateError):
     """The machine's storage failed us (a full disk, a read-only cache): one line on the command line, as any
     SpeculateError; a server fault for a request that met it (507), not the request's (4xx)."""

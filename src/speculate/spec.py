@@ -173,12 +173,12 @@ class SpeculativeSpec:
         return spec.check_draft_model(bool(getattr(args, "draft_model", None)), bool(getattr(args, "draft_model", None)))
 
     @classmethod
-    def from_request(cls, request, defaults: SpeculativeSpec, model=None,
-                     default_name: str | None = None) -> SpeculativeSpec:
+    def from_request(cls, request, defaults: SpeculativeSpec, model=None) -> SpeculativeSpec:
         """A request's ``speculative`` object (a ``SpeculativeSettings`` or a dict; None: nothing) over the
         server's ``defaults``. A drafter named by the request gets its own defaults unless it is the server's own
-        (``default_name``: the name the server was started with); a request that names another verifier than the
-        server's does not inherit the server's verifier parameters (they were meant for another rule)."""
+        (the same drafter and variant: ``eagle-chain`` on a server started with ``eagle-chain``, or with ``eagle``
+        and tree=false, keeps the server's options); a request that names another verifier than the server's does
+        not inherit the server's verifier parameters (they were meant for another rule)."""
         if request is None:
             given: dict = {}
         elif isinstance(request, dict):
@@ -195,9 +195,9 @@ class SpeculativeSpec:
             params = {**defaults.verifier_params, **params}
         drafter_spec = (defaults.drafter, defaults.options)
         if drafter is not None:
-            drafter = resolve(drafter, model)
-            if drafter != (default_name or defaults.registry_name):
-                drafter_spec = (drafter, ())
+            asked = cls(resolve(drafter, model))  # the named drafter with its own defaults
+            if asked.registry_name != defaults.registry_name:
+                drafter_spec = (asked.drafter, asked.options)
         return cls(*drafter_spec, verifier if verifier is not None else defaults.verifier, params,
                    k if k is not None else defaults.k, defaults.dtype)
 
@@ -215,7 +215,7 @@ class SpeculativeSpec:
                    dtype)
 
 
-def build_decoder(spec: SpeculativeSpec, target, draft_model=None, prefix_cache: bool = False,
+def build_decoder(spec: SpeculativeSpec, target, draft_model=None, prefix_cache: bool = False, prefix_store=None,
                   check_tokenizer: bool = True):
     """The decoder for ``spec`` on the loaded ``target`` (and ``draft_model`` for the drafters that take one;
     it is not passed to the others, so a server's draft model may sit beside a request's lookup). ``check_tokenizer``
@@ -227,7 +227,7 @@ def build_decoder(spec: SpeculativeSpec, target, draft_model=None, prefix_cache:
     else:
         drafter = get_drafter(spec.registry_name, None, target, **spec.drafter_options)
     return SpeculativeDecoder(target, drafter, spec.verifier, k=spec.k, prefix_cache=prefix_cache,
-                              **spec.verifier_params)
+                              prefix_store=prefix_store, **spec.verifier_params)
 
 
 __all__ = ["MAX_K", "VARIANTS", "SpeculativeSpec", "build_decoder", "canonical_drafter", "parse_k"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .errors import SpeculateError
+from .errors import ContextLengthError, SpeculateError
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # the chat roles (the server's schema takes the same)
@@ -18,6 +18,27 @@ def check_unicode(text: str, what: str) -> None:
                              f"at character {error.start}") from None
 
 
+EMPTY_PROMPT = "the prompt is empty"
+
+
+def check_text_prompt(prompt: str) -> None:
+    """A prompt given as text: valid Unicode, and not empty or blank (before any tokenizer or model is needed)."""
+    check_unicode(prompt, "the prompt")
+    if not prompt.strip():
+        raise SpeculateError(EMPTY_PROMPT)
+
+
+def check_prompt(ids: list[int], max_new_tokens: int, window: int, budget: str = "max_new_tokens") -> None:
+    """The one check of a prompt's token ids against the model, wherever a generation starts (the engine, the
+    server): not empty, and room in the context ``window`` for it and ``max_new_tokens`` new tokens (``budget``:
+    that setting's name where the user gave it; ContextLengthError otherwise)."""
+    if not ids:
+        raise SpeculateError(EMPTY_PROMPT)
+    if len(ids) + max_new_tokens > window:
+        raise ContextLengthError(f"this model's context window is {window} tokens; the prompt has {len(ids)} tokens "
+                                 f"and {budget} is {max_new_tokens}: shorten the prompt or lower {budget}")
+
+
 def encode_prompt(tokenizer, prompt, chat: bool | None = None) -> list[int]:
     """A string or a list of chat messages → prompt token ids.
 
@@ -25,9 +46,7 @@ def encode_prompt(tokenizer, prompt, chat: bool | None = None) -> list[int]:
     (it is then the user turn), unless ``chat`` is False: then the raw text is encoded.
     """
     if isinstance(prompt, str):
-        check_unicode(prompt, "the prompt")
-        if not prompt.strip():
-            raise SpeculateError("the prompt is empty")
+        check_text_prompt(prompt)
         has_template = bool(getattr(tokenizer, "chat_template", None))
         if chat is None:
             chat = has_template

@@ -27,6 +27,7 @@ from datetime import date
 from ..policy.draft_length import parse_k
 from ..drafters import ALL_DRAFTERS
 from ..models import DEFAULT_MODEL, DTYPES
+from ..spec import SpeculativeSpec
 from . import emit, machine_header, script
 from .speed import PROMPT_SETS
 
@@ -59,7 +60,7 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
     from ..server import ServerConfig, build_app
     from ..server.background import BackgroundServer
 
-    config = ServerConfig(model=model, draft_model=draft_model, drafter="model" if draft_model else "auto",
+    config = ServerConfig(model=model, spec=SpeculativeSpec("model" if draft_model else "auto"), draft_model=draft_model,
                           max_batch=max(clients), max_queue=max(clients) * 2, dtype=dtype, prefix_cache=prefix_cache)
     app = build_app(config)  # as `speculate serve` builds it: models loaded on the generation thread
     scheduler = app.state.scheduler

@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 
 from ..params import Param
-from ..sampling import Sampling
+from ..sampling import SamplingParams
 from ..tree_shape import chain_as_tree, depths
 
 # What a drafter may need besides its options (``Drafter.needs``); each is the phrase its error text uses.
@@ -127,7 +127,7 @@ class Drafter:
     # next prompt shares with the last generation (models/kv.py, PrefixReuse).
     reuse_prefix = False
 
-    def begin(self, prompt_ids: list[int], sampling: Sampling, generator: torch.Generator) -> None:
+    def begin(self, prompt_ids: list[int], sampling: SamplingParams, generator: torch.Generator) -> None:
         """Start a new generation (reset any state)."""
         self.sampling, self.generator = sampling, generator
 

@@ -2,7 +2,7 @@
 
 Each proposal feeds the committed tokens the draft model has not seen yet (the whole prompt at the
 first round, then one or two tokens), then drafts k tokens autoregressively, each drawn from the
-draft's logits warped exactly like the target's (Sampling), whose rows are returned as p_draft.
+draft's logits warped exactly like the target's (SamplingParams), whose rows are returned as p_draft.
 After the verdict its cache is rolled back to the accepted prefix.
 """
 

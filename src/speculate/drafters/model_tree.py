@@ -8,7 +8,7 @@ sampling into a chain: 2k nodes. In general the tree has sum_{d=1..k} branch^min
 
 Children: under greedy decoding the draft's top-``branch`` tokens (by logit); when sampling,
 ``branch`` tokens drawn WITHOUT replacement from the draft's warped distribution (the same
-``Sampling`` warp as the target's), in draw order, so that ``tree_sample(replacement=False)`` is
+``SamplingParams`` warp as the target's), in draw order, so that ``tree_sample(replacement=False)`` is
 lossless; fewer when the warped row has fewer tokens with mass. Each node's p_draft row is the
 distribution it was drawn from, its parent's row, one tensor shared by the siblings.
 

@@ -381,6 +381,24 @@ class FastKVModel:
         self.v_cache[:, :, start: start + m] = self.v_cache[:, :, src]
         self.length = start + m
 
+    # Rows copied out of and into the cache, for prompt prefixes shared across generations (models/prefix_store.py).
+    shares_prefixes = True
+
+    @torch.inference_mode()
+    def read_rows(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the keys and values of positions start..start+n-1 (every layer, the cache's own layout)."""
+        return (self.k_cache.narrow(self.k_slot_dim, start, n).clone(),
+                self.v_cache.narrow(2, start, n).clone())
+
+    @torch.inference_mode()
+    def write_rows(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Put :meth:`read_rows`'s copy at positions start.. (the buffers hold them: reset sized them)."""
+        n = values.shape[2]
+        self._ensure(start + n)
+        self.k_cache.narrow(self.k_slot_dim, start, n).copy_(keys)
+        self.v_cache.narrow(2, start, n).copy_(values)
+        self.length = max(self.length, start + n)
+
 
 @dataclass
 class _Segment:

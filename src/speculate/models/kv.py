@@ -45,6 +45,8 @@ def forward_many(items: list[Rows]) -> list[torch.Tensor | None]:
 
 
 class HFKVModel:
+    shares_prefixes = False  # (models/prefix_store.py: only the lean caches copy rows in and out)
+
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
         self.model = loaded.model

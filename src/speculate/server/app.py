@@ -22,6 +22,7 @@ from .. import __version__
 from ..policy.batch import BatchPlanner
 from ..errors import SpeculateError
 from ..models.loader import LoadedModel
+from ..models.prefix_store import PrefixStore
 from .auth import check_api_key
 from .body import read_json
 from .config import ServerConfig
@@ -66,6 +67,7 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
                   openapi_url=None)
     app.state.ready = False
     app.state.config, app.state.metrics, app.state.scheduler = config, metrics, scheduler
+    app.state.target = target  # (tools that drive an app in-process: its tokenizer)
     routes = Routes(app, config, target, draft, scheduler, metrics)
     app.state.begin_shutdown = routes.begin_shutdown
     install_error_handlers(app, partial(check_api_key, api_key=config.api_key))
@@ -95,7 +97,11 @@ class Routes:
                  scheduler: Scheduler, metrics: Metrics):
         self.app, self.config, self.target, self.scheduler, self.metrics = app, config, target, scheduler, metrics
         # Idle decoders between requests (prefix reuse): one per place in the batch, each holding its KV buffers.
-        self.decoders = Decoders(lambda s: build_decoder(target, draft, s, config.prefix_cache), keep=config.max_batch)
+        # Prompts' KV blocks for every request, whatever its settings (models/prefix_store.py).
+        self.prefix_store = PrefixStore(int(config.prefix_cache_gib * 2**30)) if config.prefix_cache else None
+        metrics.store = self.prefix_store
+        self.decoders = Decoders(lambda s: build_decoder(target, draft, s, config.prefix_cache, self.prefix_store),
+                                 keep=config.max_batch)
         self.model_id = config.model
         self.public_name = Path(target.name).name  # an alias, or a local folder's last component: never its path
         self.created = int(time.time())
@@ -158,7 +164,7 @@ class Routes:
         prepared = await anyio.to_thread.run_sync(prepare, self.config, self.target, req)
         jobs = self.submit(prepared)
         prompts = len(prepared) // req.n
-        shaper = Shaper(kind, self.model_id, prepared[0].settings, len(prepared), prompts)
+        shaper = Shaper(kind, self.model_id, prepared[0].settings, len(prepared), prompts, self.target.tokenizer)
         outcome = request.scope.get(OUTCOME_KEY, {})
         if req.stream:
             return await self.stream(request, jobs, shaper, kind, req.include_usage, outcome)
@@ -175,7 +181,7 @@ class Routes:
             if event == "error":
                 raise as_api_error(value)
             return client_gone(jobs, outcome)
-        return shaper.whole(gens)
+        return shaper.whole(gens, [(p.echo, p.ids[0]) if p.echo is not None else None for p in prepared])
 
     async def validated(self, request: Request, schema):
         check_api_key(request, self.config.api_key)

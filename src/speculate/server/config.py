@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass
 
-from ..drafters import resolve
 from ..errors import SpeculateError
 from ..spec import SpeculativeSpec
 
@@ -14,13 +14,10 @@ MiB = 1 << 20
 @dataclass(frozen=True)
 class ServerConfig:
     model: str  # the target: an alias or a local Hugging Face folder; also the served model id
-    drafter: str = "auto"
+    # The default speculative settings, as one checked spec (``speculate serve``: SpeculativeSpec.from_cli, the same
+    # path as ``generate``); None: the default drafter for ``model``. ``auto`` is resolved for ``model``.
+    spec: SpeculativeSpec | None = None
     draft_model: str | None = None
-    verifier: str | None = None  # None: greedy at temperature 0, sample otherwise
-    k: int | str = 6  # or "auto" (the engine sizes each round)
-    eps: float | str | None = None  # or "auto" (consultant: the target's calibrated NLL)
-    beta: float | None = None
-    verifier_options: dict = field(default_factory=dict)  # any verifier parameter by name (--delta, --theta, ...)
     dtype: str = "auto"  # models/loader.py, resolve_dtype: q4 for the default model, else fp32
     host: str = "127.0.0.1"
     port: int = 8000
@@ -32,11 +29,11 @@ class ServerConfig:
     # --max-tokens: a request's new tokens at most, and the default where it gives none (a chat's default was the
     # rest of the context window: 8,126 tokens held a place in the batch ~90 s); 0: the context window
     max_tokens: int = 2048
-    # Keep decoders between requests and reuse the KV of a prompt's shared prefix (server/decoders.py);
-    # --no-prefix-cache: every request prefills its whole prompt in a fresh decoder.
+    # Keep decoders between requests and reuse the KV of a prompt's shared prefix (server/decoders.py), and keep
+    # prompts' blocks for every request, whatever its settings (models/prefix_store.py), in --prefix-cache-gib GiB
+    # at most; --no-prefix-cache: every request prefills its whole prompt in a fresh decoder.
     prefix_cache: bool = True
-    # --drafter-opt KEY=VALUE: the server drafter's options (requests that name another drafter get its defaults)
-    drafter_options: dict = field(default_factory=dict)
+    prefix_cache_gib: float = 1.0
     # --allowed-host: Host (and Origin) names served besides loopback ones (server/guard.py: DNS rebinding)
     allowed_hosts: tuple[str, ...] = ()
     # Slow and idle clients (server/protocol.py, body.py): seconds to send a request's headers (from connecting, or
@@ -47,15 +44,9 @@ class ServerConfig:
     max_connections: int = 100
     # On SIGTERM / Ctrl-C: seconds that running generations get to finish before they are ended cleanly.
     shutdown_grace: float = 10.0
-    # The speculative settings above as one checked SpeculativeSpec (set in __post_init__).
-    spec: SpeculativeSpec | None = field(default=None, init=False, compare=False, repr=False)
-
     def __post_init__(self):
-        # The default speculative settings, checked once (k, drafter and options, verifier and parameters).
-        spec = SpeculativeSpec(resolve(self.drafter, self.model), self.drafter_options, self.verifier,
-                               self.verifier_params, self.k)
-        spec.check_draft_model(True, given_for_it=bool(self.draft_model))
-        object.__setattr__(self, "spec", spec)
+        spec = (self.spec or SpeculativeSpec()).resolved(self.model)
+        object.__setattr__(self, "spec", spec.check_draft_model(True, given_for_it=bool(self.draft_model)))
         if self.max_batch < 1:
             raise SpeculateError(f"--max-batch must be >= 1, got {self.max_batch}")
         if self.prefill_chunk < 1:
@@ -64,6 +55,8 @@ class ServerConfig:
             raise SpeculateError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.max_tokens < 0:
             raise SpeculateError(f"--max-tokens must be >= 0 (0: the context window), got {self.max_tokens}")
+        if not 0 <= self.prefix_cache_gib < float("inf"):
+            raise SpeculateError(f"--prefix-cache-gib must be a number >= 0, got {self.prefix_cache_gib}")
         if self.max_body_bytes < 1:
             raise SpeculateError(f"the body size limit must be >= 1 byte, got {self.max_body_bytes}")
         if not 0 <= self.port <= 65535:
@@ -76,10 +69,17 @@ class ServerConfig:
             raise SpeculateError(f"--max-connections must be >= 1, got {self.max_connections}")
         if self.api_key is not None and not self.api_key:
             raise SpeculateError("--api-key must not be empty")
-        object.__setattr__(self, "drafter", resolve(self.drafter, self.model))  # auto: by the model's name
-        object.__setattr__(self, "drafter_options", spec.drafter_options)
 
-    @property
-    def verifier_params(self) -> dict:
-        named = {key: v for key, v in (("eps", self.eps), ("beta", self.beta)) if v is not None}
-        return {**named, **{key: v for key, v in self.verifier_options.items() if v is not None}}
+    @classmethod
+    def from_cli(cls, args) -> ServerConfig:
+        """``speculate serve``'s flags: the speculative ones through ``SpeculativeSpec.from_cli`` (the path
+        ``generate`` takes), the API key from --api-key or else $SPECULATE_API_KEY."""
+        api_key = args.api_key if args.api_key is not None else (os.environ.get("SPECULATE_API_KEY") or None)
+        return cls(model=args.model, spec=SpeculativeSpec.from_cli(args), draft_model=args.draft_model,
+                   dtype=args.dtype, host=args.host, port=args.port, api_key=api_key, max_batch=args.max_batch,
+                   max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, max_body_bytes=args.max_body_bytes,
+                   prefix_cache=not args.no_prefix_cache, prefix_cache_gib=args.prefix_cache_gib,
+                   allowed_hosts=tuple(args.allowed_host or ()), header_timeout=args.header_timeout,
+                   body_timeout=args.body_timeout, keep_alive_timeout=args.keep_alive_timeout,
+                   max_connections=args.max_connections, shutdown_grace=args.shutdown_grace,
+                   max_tokens=args.max_tokens)

@@ -20,11 +20,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..engine import Run, SpeculativeDecoder
-from ..errors import SpeculateError
+from ..errors import ContextLengthError, SpeculateError
 from ..models.loader import LoadedModel
+from ..models.prefix_store import PrefixStore
+from ..sampling import SamplingParams
 from ..spec import SpeculativeSpec
 from ..spec import build_decoder as build_from_spec
-from ..text import encode_prompt
+from ..text import check_prompt, encode_prompt
 from .config import ServerConfig
 from .decoders import Decoders
 from .errors import APIError, refused
@@ -37,9 +39,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; cha
 @dataclass
 class Prepared:
     ids: list[int]  # the prompt's tokens
-    max_tokens: int
+    sampling: SamplingParams  # how it samples and stops, max_new_tokens and log-probabilities included
     settings: SpeculativeSpec  # the speculative settings in force, the verifier named
-    sampling: dict  # the engine's stream() arguments besides the prompt and max_new_tokens
+    echo: str | None = None  # a completion's ``echo``: the prompt's text, put before the answer's
 
     @property
     def prompt_tokens(self) -> int:
@@ -69,10 +71,19 @@ def prepare(config: ServerConfig, target: LoadedModel,
         settings = merge_settings(config, req.speculative).with_verifier(req.temperature == 0)
     except SpeculateError as e:
         raise APIError(400, f"speculative: {e}", "speculative", "invalid_value") from None
-    sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": max(req.top_k or 0, 0), "stop": stops}
     seeds = [None if req.seed is None else (req.seed + j) % 2**63 for j in range(req.n)]
-    return [Prepared(ids, max_tokens, settings, {**sampling, "seed": seed})
-            for ids, max_tokens in zip(prompts, checked) for seed in seeds]
+    if isinstance(req, ChatCompletionRequest):
+        logprobs, prompt_logprobs, echoes = (req.top_logprobs or 0) if req.logprobs else None, None, [None]
+    else:  # (echo: the prompt as sent; token ids as their text)
+        logprobs, prompt_logprobs = req.logprobs, req.logprobs if req.echo else None
+        echoes = [(p if isinstance(p, str) else target.tokenizer.decode(ids)) if req.echo else None
+                  for p, ids in zip(req.prompts(), prompts)]
+    try:
+        return [Prepared(ids, SamplingParams(req.temperature, req.top_p, max(req.top_k or 0, 0), seed, max_tokens, stops,
+                                             logprobs, prompt_logprobs), settings, echo)
+                for ids, max_tokens, echo in zip(prompts, checked, echoes) for seed in seeds]
+    except SpeculateError as e:  # (the schema's own checks are stricter: not expected)
+        raise APIError(400, str(e), None, "invalid_value") from None
 
 
 def _prompt_ids(target: LoadedModel, prompt, param: str) -> list[int]:
@@ -86,8 +97,6 @@ def _prompt_ids(target: LoadedModel, prompt, param: str) -> list[int]:
         ids = _encode(lambda: encode_prompt(tokenizer, prompt, chat=False), param)
     else:
         ids = _encode(lambda: encode_prompt(tokenizer, prompt), param)
-    if not ids:
-        raise APIError(400, f"{param}: the prompt is empty", param, "invalid_value")
     return ids
 
 
@@ -107,10 +116,12 @@ def _budget(target: LoadedModel, ids: list[int], budget: int | None, prompt_para
     if budget > window:
         raise APIError(400, f"{budget_param}: {budget} exceeds the model's context window of {window} tokens",
                        budget_param, "invalid_value")
-    if len(ids) + budget > window:
-        raise APIError(400, f"this model's context window is {window} tokens; the prompt has {len(ids)} tokens "
-                            f"and {budget_param} is {budget}: shorten the prompt or lower {budget_param}",
-                       prompt_param, "context_length_exceeded")
+    try:
+        check_prompt(ids, budget, window, budget_param)  # (the engine's own check, run before the request queues)
+    except ContextLengthError as e:
+        raise APIError(400, str(e), prompt_param, "context_length_exceeded") from None
+    except SpeculateError as e:
+        raise APIError(400, f"{prompt_param}: {e}", prompt_param, "invalid_value") from None
     return budget
 
 
@@ -120,8 +131,7 @@ def open_run(prepared: Prepared, decoders: Decoders, prefill_chunk: int | None =
     Raises APIError (400) for settings the engine refuses."""
     decoder = decoders.take(prepared.settings, prepared.ids)  # build_decoder: SpeculateError → APIError 400
     try:
-        run = decoder.start(prepared.ids, max_new_tokens=prepared.max_tokens, prefill_chunk=prefill_chunk,
-                            **prepared.sampling)
+        run = decoder.start(prepared.ids, prepared.sampling, prefill_chunk=prefill_chunk)
     except SpeculateError as e:
         decoders.give_back(prepared.settings, decoder)  # nothing ran: it is as it was
         raise refused(e) from None
@@ -137,15 +147,15 @@ def _encode(fn, param: str) -> list[int]:
 
 def merge_settings(config: ServerConfig, spec: SpeculativeSettings | None) -> SpeculativeSpec:
     """The request's speculative settings over the server's flags (``SpeculativeSpec.from_request``)."""
-    return SpeculativeSpec.from_request(spec, config.spec, config.model, config.drafter)
+    return SpeculativeSpec.from_request(spec, config.spec, config.model)
 
 
 def build_decoder(target: LoadedModel, draft: LoadedModel | None, settings: SpeculativeSpec,
-                  prefix_cache: bool = False) -> SpeculativeDecoder:
+                  prefix_cache: bool = False, prefix_store: PrefixStore | None = None) -> SpeculativeDecoder:
     """``spec.build_decoder`` with the server's models; a refusal is a 400 at the request's ``speculative``.
     The draft model goes to the drafters that take one without the target: its tokenizer was checked against
     the target's at startup, and comparing two 150k-token vocabularies costs ~0.3 s a request."""
     try:
-        return build_from_spec(settings, target, draft, prefix_cache, check_tokenizer=False)
+        return build_from_spec(settings, target, draft, prefix_cache, prefix_store, check_tokenizer=False)
     except SpeculateError as e:
         raise refused(e, f"speculative: {e}", "speculative") from None

@@ -68,6 +68,16 @@ class Metrics:
                                     "batch (every request that got one)", buckets=LATENCY_BUCKETS, registry=r)
         self.time_per_token = Histogram("speculate_time_per_output_token_seconds", "Per finished generation: "
                                         "(end − first text piece) / (tokens − 1)", buckets=LATENCY_BUCKETS, registry=r)
+        # The prompts' KV blocks shared by all requests (models/prefix_store.py), read when /metrics is asked.
+        self.cached_prompt_tokens = Counter("speculate_cached_prompt_tokens", "Prompt tokens of finished generations "
+                                            "whose KV came from a cache, not a forward", registry=r)
+        self.prefix_store_bytes = Gauge("speculate_prefix_cache_bytes", "Bytes of prompt KV blocks held for all "
+                                        "requests", registry=r)
+        self.prefix_store_blocks = Gauge("speculate_prefix_cache_blocks", "Prompt KV blocks held for all requests",
+                                         registry=r)
+        self.prefix_hit_rate = Gauge("speculate_prefix_cache_hit_rate", "Prompt tokens found cached over prompt "
+                                     "tokens looked up, since the start", registry=r)
+        self.store = None  # the server's PrefixStore, if any
         self._tokens = 0
         self._calls = 0
 
@@ -84,6 +94,7 @@ class Metrics:
         s = gen.stats
         n = len(gen.token_ids)
         self.prompt_tokens.inc(gen.prompt_tokens)
+        self.cached_prompt_tokens.inc(s.reused_prompt_tokens)
         self.generated_tokens.inc(n)
         self.target_calls.inc(s.target_calls)
         self.drafted.inc(s.drafted_tokens)
@@ -104,6 +115,10 @@ class Metrics:
         self.latency.observe(latency)
 
     def render(self) -> bytes:
+        if self.store is not None:
+            self.prefix_store_bytes.set(self.store.bytes)
+            self.prefix_store_blocks.set(self.store.blocks)
+            self.prefix_hit_rate.set(self.store.hit_rate)
         return generate_latest(self.registry)
 
 

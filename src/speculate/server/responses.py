@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 
-from ..engine import Generation
+from ..engine import Generation, TokenLogprob
 from ..spec import SpeculativeSpec
 
 
@@ -16,11 +16,16 @@ def new_id(kind: str) -> str:
 
 def usage(gens: list[Generation], prompts: int = 1) -> dict:
     """Tokens of a request's choices: each prompt counted once (its n samples share it, as OpenAI counts them;
-    ``prompts``: how many different prompts, the first choices of each are theirs), every completion's tokens."""
+    ``prompts``: how many different prompts, the first choices of each are theirs), every completion's tokens, and
+    the prompt tokens that came from a cache."""
     per = max(len(gens) // prompts, 1)
     prompt = sum(g.prompt_tokens for g in gens[::per])
     completion = sum(len(g.token_ids) for g in gens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    # Prompt tokens whose KV was not computed again (a decoder's own cache, or the shared prefix store), as OpenAI
+    # reports its prompt caching.
+    cached = sum(g.stats.reused_prompt_tokens for g in gens[::per])
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def speculative_stats(gen: Generation, settings: SpeculativeSpec) -> dict:
@@ -32,24 +37,31 @@ class Shaper:
     """Builds the response objects of one request (``kind``: 'chat' or 'text') with ``choices`` choices from
     ``prompts`` prompts (index = prompt × n + sample, as OpenAI orders them)."""
 
-    def __init__(self, kind: str, model: str, settings: SpeculativeSpec, choices: int = 1, prompts: int = 1):
+    def __init__(self, kind: str, model: str, settings: SpeculativeSpec, choices: int = 1, prompts: int = 1,
+                 tokenizer=None):
         self.kind, self.model, self.settings, self.choices, self.prompts = kind, model, settings, choices, prompts
+        self.tokenizer = tokenizer  # (a token's text in log-probabilities)
         self.id = new_id(kind)
         self.created = int(time.time())
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, gens: list[Generation]) -> dict:
+    def whole(self, gens: list[Generation], echoes: list[tuple[str, int] | None] | None = None) -> dict:
         """The answer with every choice. One choice: our ``speculative_stats`` beside ``usage``; several: in each
-        choice (each ran its own generation)."""
+        choice (each ran its own generation). ``echoes``: where a completion asked for ``echo``, each choice's
+        prompt text and first token."""
         choices = []
         for i, gen in enumerate(gens):
             if self.kind == "chat":
-                choice = {"index": i, "message": {"role": "assistant", "content": gen.text}, "logprobs": None,
+                logprobs = None if gen.logprobs is None else chat_logprobs(self.tokenizer, gen.logprobs)
+                choice = {"index": i, "message": {"role": "assistant", "content": gen.text}, "logprobs": logprobs,
                           "finish_reason": gen.finish_reason}
             else:
-                choice = {"index": i, "text": gen.text, "logprobs": None, "finish_reason": gen.finish_reason}
+                echo, first = echoes[i] if echoes and echoes[i] else ("", None)
+                entries = (gen.prompt_logprobs or []) + (gen.logprobs or [])
+                logprobs = None if gen.logprobs is None else completion_logprobs(self.tokenizer, entries, first)
+                choice = {"index": i, "text": echo + gen.text, "logprobs": logprobs, "finish_reason": gen.finish_reason}
             if len(gens) > 1:
                 choice["speculative_stats"] = speculative_stats(gen, self.settings)
             choices.append(choice)
@@ -82,6 +94,40 @@ class Shaper:
         once, only when asked (a client that adds up every chunk's usage, as LangChain's does, counted it twice)."""
         return {**self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion"), "choices": [],
                 "usage": usage(gens, self.prompts)}
+
+
+def _text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def completion_logprobs(tokenizer, entries: list[TokenLogprob | None], first: int | None = None) -> dict:
+    """A completion choice's ``logprobs`` as OpenAI's legacy API shapes it: per token its text, its log-probability,
+    a dict of the most likely tokens' texts (the token's own among them, as vLLM sends it) and its offset in the
+    choice's text. ``entries``: with echo the prompt's (``first``: the first prompt token, which nothing scores: its
+    values are None), then the new tokens'."""
+    tokens, values, tops, offsets, at = [], [], [], [], 0
+    for entry in entries:
+        if entry is None:
+            text, value, top = _text(tokenizer, first), None, None
+        else:
+            text, value = _text(tokenizer, entry.token), entry.logprob
+            top = {}
+            for t, v in ((entry.token, entry.logprob), *entry.top):  # (two tokens of one text: the likelier's value)
+                top[_text(tokenizer, t)] = max(v, top.get(_text(tokenizer, t), v))
+        tokens.append(text), values.append(value), tops.append(top), offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
+    """A chat choice's ``logprobs``: per new token its text, log-probability and UTF-8 bytes, and ``top_logprobs``
+    alternatives (``top_logprobs`` of the request), as OpenAI's chat API shapes them."""
+    def one(token: int, value: float) -> dict:
+        text = _text(tokenizer, token)
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]} for e in entries],
+            "refusal": None}
 
 
 def sse(obj) -> bytes:

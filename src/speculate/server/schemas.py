@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI API (the subset we honour), validated strictly: a wrongly typed field is a
 400, not silently coerced; ``null`` is "not given", as at OpenAI. Unknown top-level fields are ignored, as OpenAI clients send many; fields we
-know but cannot honour (logprobs, penalties, tools, ...) are refused rather than ignored. The
+know but cannot honour (penalties, tools, logprobs in a stream, ...) are refused rather than ignored. The
 extra ``speculative`` object is strict: an unknown key there is a 400."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pydantic_core import PydanticCustomError
 
 from ..drafters import ALL_DRAFTERS, check_name
 from ..errors import SpeculateError
-from ..sampling import check_seed
+from ..sampling import MAX_LOGPROBS, check_seed
 from ..policy.draft_length import parse_k
 from ..text import ROLES, check_unicode
 from ..verifiers import PARAMS, VERIFIERS, check_params, param_help
@@ -141,18 +141,21 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions; 0 only with echo (scoring)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # K: each token's and the K most likely tokens'
     best_of: int | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise APIError(400, "echo is not supported", "echo", "unsupported_parameter")
-        if self.logprobs is not None:  # (0 asks for the chosen tokens' logprobs)
-            raise APIError(400, "logprobs is not supported", "logprobs", "unsupported_parameter")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens: 0 generates nothing; it is only for scoring a prompt (with echo)",
+                           "max_tokens", "invalid_value")
+        if self.stream and (self.echo or self.logprobs is not None):
+            name = "logprobs" if self.logprobs is not None else "echo"
+            raise APIError(400, f"{name} with stream is not supported (ask without stream)", name,
+                           "unsupported_parameter")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of: only 1 is supported", "best_of", "unsupported_parameter")
         if self.suffix:
@@ -161,10 +164,8 @@ class CompletionRequest(_Common):
     def prompts(self) -> list[str | list[int]]:
         """The prompts: a string or token ids is one; a list of strings or of token-id lists is one each (a
         choice per prompt, n per prompt, at most MAX_CHOICES in all)."""
-        p = self.prompt
-        if isinstance(p, list) and not p:
-            raise APIError(400, "prompt: the prompt is empty", "prompt", "invalid_value")
-        many = p if isinstance(p, list) and not isinstance(p[0], int) else [p]
+        p = self.prompt  # ([] is one empty prompt: generation.prepare refuses it, as any empty prompt)
+        many = p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
         if len(many) * self.n > MAX_CHOICES:
             raise APIError(400, f"prompt, n: {len(many)} prompt(s) × n = {self.n} choices; at most {MAX_CHOICES}",
                            "n", "invalid_value")
@@ -190,7 +191,7 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
     tool_choice: str | dict | None = None
     functions: list | None = None
@@ -202,8 +203,11 @@ class ChatCompletionRequest(_Common):
         super().check_supported()
         if self.n > MAX_CHOICES:
             raise APIError(400, f"n: at most {MAX_CHOICES}", "n", "invalid_value")
-        if self.logprobs or self.top_logprobs:
-            raise APIError(400, "logprobs is not supported", "logprobs", "unsupported_parameter")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+        if self.logprobs and self.stream:
+            raise APIError(400, "logprobs with stream is not supported (ask without stream)", "logprobs",
+                           "unsupported_parameter")
         if self.tools:
             raise APIError(400, "tools are not supported", "tools", "unsupported_parameter")
         if self.tool_choice not in (None, "none", "auto"):  # a forced call with no tools to call

@@ -1,0 +1,156 @@
+"""The prompt-prefix store shared by every generation on a model (models/prefix_store.py): a prompt's cached blocks
+are copied in whoever computed them and whatever their speculative settings, and the answer is the one a fresh
+decoder gives (int8 and q4: a row's KV does not depend on the forward that computed it)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from speculate import SpeculativeDecoder, load_model
+from speculate.models.prefix_store import PrefixStore
+
+from test_prefix_cache import Counted
+
+
+@pytest.fixture(scope="module", params=["int8", "q4"])
+def target(request, tiny_folders):
+    folder = tiny_folders[0] if request.param == "int8" else tiny_folders[2]
+    return load_model(str(folder), dtype=request.param)
+
+
+def ids(seed, n):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 259) for _ in range(n)]
+
+
+SETTINGS = [("none", "greedy", 1), ("lookup", "greedy", 3), ("lookup", "consultant", 4)]
+
+
+def test_a_prefix_any_request_computed_is_copied_in_and_the_tokens_are_a_fresh_decoders(target):
+    """Three decoders of different settings share one store (blocks of 4 tokens, so that a prompt ends inside a
+    block): each later prompt copies the shared prefix's full blocks and computes only the rest, and every answer
+    is token-identical to a fresh decoder's without the store."""
+    store = PrefixStore(1 << 30, block=4)
+    shared = ids(0, 41)
+    prompts = [shared + ids(i + 1, 6) for i in range(3)]
+    decoders = [SpeculativeDecoder(target, d, v, k=k, prefix_store=store) for d, v, k in SETTINGS]
+    fed = [Counted(d.kv) for d in decoders]
+    for i, (decoder, prompt) in enumerate(zip(decoders, prompts)):
+        out = decoder.generate(prompt, max_new_tokens=12, temperature=0)
+        d, v, k = SETTINGS[i]
+        alone = SpeculativeDecoder(target, d, v, k=k)
+        fresh = alone.generate(prompt, max_new_tokens=12)
+        assert out.token_ids == fresh.token_ids
+        # The same bits, not only the same argmax: the cache (copied blocks, and every row computed over them).
+        n = min(decoder.kv.length, alone.kv.length)
+        assert n >= len(prompt) - 1
+        assert torch.equal(*(kv.k_cache.narrow(kv.k_slot_dim, 0, n) for kv in (decoder.kv, alone.kv)))
+        assert torch.equal(*(kv.v_cache.narrow(2, 0, n) for kv in (decoder.kv, alone.kv)))
+        # The first prompt was computed whole (all but its last token); the later ones copied the 40 tokens of
+        # the shared prefix's full blocks (41 shared: the 41st is in a block that differs).
+        assert out.stats.reused_prompt_tokens == (0 if i == 0 else 40)
+        assert fed[i].fed[0] == len(prompt) - 1 - out.stats.reused_prompt_tokens
+    assert store.blocks == 10 + 3  # the 40 shared tokens, then each prompt's own 11th block
+    assert store.hit_rate == pytest.approx(80 / (3 * (len(prompts[0]) - 1)))
+
+
+def test_a_tree_drafter_and_a_sampled_run_use_the_store_too(target):
+    """Sampling with a seed draws the same tokens with a copied prefix as without (the same bits, the same draws)."""
+    store = PrefixStore(1 << 30, block=8)
+    shared = ids(3, 33)
+    SpeculativeDecoder(target, "none", prefix_store=store).generate(shared + [7], max_new_tokens=2)
+    prompt = shared + ids(4, 5)
+    for kwargs in ({"temperature": 0.9, "seed": 5}, {"temperature": 0}):
+        with_store = SpeculativeDecoder(target, "lookup", k=3, prefix_store=store).generate(prompt, max_new_tokens=16,
+                                                                                           **kwargs)
+        alone = SpeculativeDecoder(target, "lookup", k=3).generate(prompt, max_new_tokens=16, **kwargs)
+        assert with_store.token_ids == alone.token_ids and with_store.stats.reused_prompt_tokens == 32
+
+
+class FakeKV:
+    """Rows of a cache as plain numbers: position p holds the value tokens[p], to see which block went where."""
+
+    def __init__(self, tokens=()):
+        self.rows = torch.tensor(list(tokens), dtype=torch.float64).reshape(1, 1, -1, 1)
+        self.length = len(tokens)
+
+    def read_rows(self, start, n):
+        return self.rows[:, :, start: start + n].clone(), self.rows[:, :, start: start + n].clone()
+
+    def write_rows(self, start, keys, values):
+        n = values.shape[2]
+        if self.rows.shape[2] < start + n:
+            self.rows = torch.cat([self.rows, torch.zeros(1, 1, start + n - self.rows.shape[2], 1)], dim=2)
+        self.rows[:, :, start: start + n] = values
+        self.length = max(self.length, start + n)
+
+
+def test_colliding_keys_never_give_another_prefixs_rows():
+    """A one-byte key: 256 keys for thousands of blocks. Whatever collides, a prompt gets only rows computed for
+    exactly its own prefix (each entry's tokens and parent are compared, not only its key)."""
+    store = PrefixStore(1 << 30, block=2, digest_size=1)
+    rng = random.Random(0)
+    stored = []
+    for _ in range(300):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(2, 12))]
+        store.add(FakeKV(tokens), tokens)
+        stored.append(tokens)
+    for _ in range(500):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(2, 12))]
+        kv = FakeKV()
+        got = store.fill(kv, tokens)
+        assert got % 2 == 0 and got <= len(tokens)
+        assert kv.rows[0, 0, :got, 0].tolist() == tokens[:got]  # the rows are those of this very prefix
+        # ...and a prefix found is one that was stored.
+        assert got == 0 or any(s[:got] == tokens[:got] for s in stored)
+
+
+def test_eviction_keeps_the_budget_and_shortens_a_prefix_from_its_end():
+    one = FakeKV([0, 0]).read_rows(0, 2)
+    block_bytes = one[0].nbytes + one[1].nbytes
+    store = PrefixStore(5 * block_bytes, block=2)
+    a = [1, 2, 3, 4, 5, 6, 7, 8]  # 4 blocks
+    store.add(FakeKV(a), a)
+    b = [9, 9, 8, 8, 7, 7]  # 3 more: 7 > 5, the two least recently used go
+    store.add(FakeKV(b), b)
+    assert store.bytes <= store.budget and store.blocks == 5
+    # a's last two blocks went, its first two stay reachable.
+    assert store.fill(FakeKV(), a) == 4 and store.fill(FakeKV(), b) == 6
+    assert PrefixStore(0, block=2).fill(FakeKV(), a) == 0  # a budget of 0 keeps nothing
+    empty = PrefixStore(0, block=2)
+    empty.add(FakeKV(a), a)
+    assert empty.blocks == 0 and empty.bytes == 0
+
+
+def test_the_server_reports_cached_prompt_tokens_as_openai_does(tiny_folders):
+    """Two chat requests with the same long system prompt and different speculative settings: the second's usage
+    says how many prompt tokens came from the cache, and /metrics shows the store."""
+    import httpx
+
+    from speculate.server import ServerConfig, build_app
+    from speculate.server.background import BackgroundServer
+    from speculate.spec import SpeculativeSpec
+
+    config = ServerConfig(model=str(tiny_folders[2]), dtype="q4", spec=SpeculativeSpec("lookup", k=3), max_batch=1)
+    server = BackgroundServer(build_app(config))
+    system = " ".join(f"rule {i}: be brief." for i in range(30))
+    try:
+        with httpx.Client(timeout=120) as http:
+            got = []
+            for question, speculative in (("a b c", {"drafter": "none"}), ("d e f", {"drafter": "lookup", "k": 2})):
+                body = {"model": config.model, "max_tokens": 4, "speculative": speculative,
+                        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+                r = http.post(server.url + "/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                got.append(r.json()["usage"])
+            metrics = http.get(server.url + "/metrics").text
+    finally:
+        server.stop()
+    assert got[0]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = got[1]["prompt_tokens_details"]["cached_tokens"]
+    assert cached % 16 == 0 and got[1]["prompt_tokens"] - 64 < cached < got[1]["prompt_tokens"]
+    assert f"speculate_cached_prompt_tokens_total {float(cached)}" in metrics
+    assert "speculate_prefix_cache_blocks " in metrics
