@@ -10,8 +10,8 @@ SRC = Path(__file__).parent.parent / "src"
 
 # Lowest first. A module's layer is that of the longest name here that it is, or is inside of.
 LAYERS = [
-    ("foundations", ["speculate.errors", "speculate.tree_shape", "speculate.sampling", "speculate.stats",
-                     "speculate.text", "speculate.params", "speculate.plugins"]),
+    ("foundations", ["speculate.errors", "speculate.grammar", "speculate.tree_shape", "speculate.sampling",
+                     "speculate.stats", "speculate.text", "speculate.params", "speculate.plugins"]),
     ("models", ["speculate.models"]),
     ("parts", ["speculate.verifiers", "speculate.drafters", "speculate.heads", "speculate.heads.io",
                "speculate.heads.eagle", "speculate.heads.medusa", "speculate.policy"]),

@@ -264,8 +264,11 @@ BAD = [  # (body for /v1/completions unless "path" is given, status, param, code
      "max_completion_tokens", "invalid_value"),
     # What the engine cannot honour is refused, not ignored:
     ({"model": "M", "prompt": "hi", "logprobs": 0, "stream": True}, 400, "logprobs", "unsupported_parameter"),
-    ({"path": "/v1/chat/completions", "model": "M", "messages": MESSAGES, "response_format": {"type": "json_object"}},
-     400, "response_format", "unsupported_parameter"),
+    ({"path": "/v1/chat/completions", "model": "M", "messages": MESSAGES, "response_format": {"type": "yaml"}},
+     400, "response_format", "invalid_value"),
+    ({"path": "/v1/chat/completions", "model": "M", "messages": MESSAGES,
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     400, "response_format", "invalid_value"),
     ({"path": "/v1/chat/completions", "model": "M", "messages": MESSAGES, "tool_choice": "required"}, 400,
      "tool_choice", "unsupported_parameter"),
     ({"path": "/v1/chat/completions", "model": "M", "messages": MESSAGES, "functions": [{"name": "f"}]}, 400,

@@ -36,6 +36,7 @@ from .policy.auto import AutoK, FixedK, calibrate_eps, is_auto, profile_for
 from .drafters import Drafter, get_drafter
 from .drafters.base import Draft
 from .errors import SpeculateError
+from .grammar import Constraint
 from .models import exactness
 from .models.kv import KVModel, PrefixReuse, Rows, forward_many
 from .models.prefix_store import PrefixStore
@@ -234,6 +235,8 @@ class Run:
         # prefill's rows: so every prompt row is computed, none taken from a cache).
         self.logprobs = [] if sampling.logprobs is not None else None
         self.prompt_logprobs = [None] if sampling.prompt_logprobs is not None else None
+        # Structured output: every new token follows the grammar (speculate/grammar.py: masked rows, cut drafts).
+        self.constraint = Constraint(decoder.target.tokenizer, sampling.grammar) if sampling.grammar else None
         self.prefill_chunk = prefill_chunk or len(self.tokens)
         self.prompt_end = len(self.tokens) - 1  # the prefill covers all but the last prompt token
         capacity = len(self.tokens) + self.max_new_tokens + self.drafter.max_nodes(self.policy.k_max) + 1
@@ -280,6 +283,8 @@ class Run:
                         want=0 if self.prompt_logprobs is None else None)
         else:
             self.draft = draft.within(self.budget)
+            if self.constraint is not None and self.sampling.greedy and draft.parents is None:
+                self.draft = self.draft.within(self.constraint.valid_prefix(self.draft.tokens.tolist()))
             root = torch.tensor(self.tokens[-1:])
             rows = Rows(self.kv, torch.cat([root, self.draft.tokens]), _rooted(self.draft.parents))
         self.rows_last = rows.tokens.shape[0]  # (the scheduler's rows-per-forward metric)
@@ -296,6 +301,10 @@ class Run:
             self.filled = self.kv.length
             return self._prefilled()
         draft, kv, drafter = self.draft, self.kv, self.drafter
+        raw = logits
+        if self.constraint is not None:  # each row keeps what the grammar allows after its draft path
+            logits = logits.clone() if self.logprobs is not None else logits  # (logprobs: the raw model's)
+            self.constraint.mask(logits, _paths(draft))
         # 3. Verify: the accepted drafts (a chain's first n, or a tree's path) and the next token.
         verdict = _verify(self.verifier, draft, logits, self.sampling, self.state, self.generator)
         path, self.state = verdict.path, verdict.state
@@ -315,7 +324,7 @@ class Run:
         new = draft.tokens[path].tolist() + [verdict.next_token]
         # Row rows[j] scored new[j]: the accepted drafts' values are the verification forward's, so they are the
         # values plain decoding reports (the same bits at int8 and q4, where a row does not depend on the others).
-        scored = _logprobs(logits[rows], new, self.sampling.logprobs) if self.logprobs is not None else None
+        scored = _logprobs(raw[rows], new, self.sampling.logprobs) if self.logprobs is not None else None
         return self._commit(new, scored)
 
     def _commit(self, new: list[int], scored: list[TokenLogprob] | None = None) -> list[str]:
@@ -327,6 +336,8 @@ class Run:
             self.tokens.append(token)
             self.produced += 1
             self.stats.new_tokens += 1
+            if self.constraint is not None:
+                self.constraint.consume(token)
             if token in self.eos:
                 self.detok.ids.append(token)
                 self.finish = "stop"
@@ -334,7 +345,7 @@ class Run:
             piece = self.detok.add(token)
             if piece:
                 pieces.append(piece)
-            if self.detok.stopped:
+            if self.detok.stopped or (self.constraint is not None and self.constraint.ended):
                 self.finish = "stop"
                 break
         if self.finish == "stop" or self.produced >= self.max_new_tokens:
@@ -456,6 +467,17 @@ def _logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLo
         out.append(TokenLogprob(token, float(lp[token]),
                                 tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()))
     return out
+
+
+def _paths(draft: Draft) -> list[list[int]]:
+    """The draft tokens before each row of the target's forward over [root] + draft: row 0 follows the root alone;
+    in a chain row i + 1 follows draft[:i + 1], in a tree row i + 1 follows node i's root-to-node path."""
+    tokens = draft.tokens.tolist()
+    paths = [[]]
+    for i, token in enumerate(tokens):
+        parent = i - 1 if draft.parents is None else draft.parents[i]
+        paths.append(paths[parent + 1] + [token])
+    return paths
 
 
 def _rooted(parents: list[int] | None) -> list[int] | None:

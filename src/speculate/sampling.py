@@ -35,6 +35,8 @@ class SamplingParams:
     # wanted; K: the chosen token's and the K most likely tokens' (0..MAX_LOGPROBS).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # A grammar every new token follows (llguidance's; grammar.json_schema_grammar makes one from a JSON schema).
+    grammar: str | None = None
 
     def __post_init__(self):
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \

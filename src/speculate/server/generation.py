@@ -21,6 +21,7 @@ from typing import Callable
 
 from ..engine import Run, SpeculativeDecoder
 from ..errors import ContextLengthError, SpeculateError
+from ..grammar import json_schema_grammar
 from ..models.loader import LoadedModel
 from ..models.prefix_store import PrefixStore
 from ..sampling import SamplingParams
@@ -72,15 +73,22 @@ def prepare(config: ServerConfig, target: LoadedModel,
     except SpeculateError as e:
         raise APIError(400, f"speculative: {e}", "speculative", "invalid_value") from None
     seeds = [None if req.seed is None else (req.seed + j) % 2**63 for j in range(req.n)]
+    grammar = None
     if isinstance(req, ChatCompletionRequest):
         logprobs, prompt_logprobs, echoes = (req.top_logprobs or 0) if req.logprobs else None, None, [None]
+        structured, schema = req.json_schema()
+        if structured:
+            try:
+                grammar = json_schema_grammar(schema)
+            except SpeculateError as e:
+                raise APIError(400, f"response_format: {e}", "response_format", "invalid_value") from None
     else:  # (echo: the prompt as sent; token ids as their text)
         logprobs, prompt_logprobs = req.logprobs, req.logprobs if req.echo else None
         echoes = [(p if isinstance(p, str) else target.tokenizer.decode(ids)) if req.echo else None
                   for p, ids in zip(req.prompts(), prompts)]
     try:
         return [Prepared(ids, SamplingParams(req.temperature, req.top_p, max(req.top_k or 0, 0), seed, max_tokens, stops,
-                                             logprobs, prompt_logprobs), settings, echo)
+                                             logprobs, prompt_logprobs, grammar), settings, echo)
                 for ids, max_tokens, echo in zip(prompts, checked, echoes) for seed in seeds]
     except SpeculateError as e:  # (the schema's own checks are stricter: not expected)
         raise APIError(400, str(e), None, "invalid_value") from None

@@ -199,6 +199,24 @@ class ChatCompletionRequest(_Common):
     response_format: dict | None = None
     modalities: list[str] | None = None
 
+    def json_schema(self) -> tuple[bool, dict | None]:
+        """(structured, schema): ``response_format`` ``json_schema`` gives its schema, ``json_object`` any JSON object
+        (schema None), ``text`` or none no structure."""
+        rf = self.response_format
+        kind = "text" if rf is None else rf.get("type")
+        if kind == "text":
+            return False, None
+        if kind == "json_object":
+            return True, None
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise APIError(400, "response_format.json_schema: an object with a \"schema\" object (and a \"name\")",
+                               "response_format", "invalid_value")
+            return True, spec.get("schema", {})
+        raise APIError(400, "response_format.type: one of \"text\", \"json_object\", \"json_schema\"",
+                       "response_format", "invalid_value")
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.n > MAX_CHOICES:
@@ -215,9 +233,7 @@ class ChatCompletionRequest(_Common):
         for name in ("functions", "function_call"):
             if getattr(self, name) not in (None, [], "none", "auto"):
                 raise APIError(400, f"{name} is not supported", name, "unsupported_parameter")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format: only {\"type\": \"text\"} is supported (no JSON mode or schema)",
-                           "response_format", "unsupported_parameter")
+        self.json_schema()  # (its shape checked here; the schema itself when it compiles)
         if self.modalities not in (None, ["text"]):
             raise APIError(400, "modalities: only [\"text\"] is supported", "modalities", "unsupported_parameter")
 

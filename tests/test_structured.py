@@ -1,0 +1,135 @@
+"""Structured output (speculate/grammar.py, llguidance): every answer parses and follows its JSON schema, and greedy
+constrained answers are token-identical with and without speculation (chain and tree drafts, drafts all accepted or
+mostly rejected); sampling stays lossless with respect to the constrained distribution."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+from speculate import SamplingParams, SpeculateError, SpeculativeDecoder, load_model
+from speculate.drafters.base import Draft, Drafter
+from speculate.grammar import json_schema_grammar
+
+OBJ = {"type": "object", "additionalProperties": False}
+SCHEMAS = [
+    {**OBJ, "properties": {"a": {"enum": ["x", "y"]}, "b": {"type": "boolean"}}, "required": ["a", "b"]},
+    {**OBJ, "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"]},
+    {**OBJ, "properties": {"s": {"type": "string", "maxLength": 5}}, "required": ["s"]},
+    {**OBJ, "properties": {"xs": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                                  "minItems": 1, "maxItems": 3}}, "required": ["xs"]},
+    {**OBJ, "properties": {"p": {**OBJ, "properties": {"q": {"type": "boolean"}}, "required": ["q"]}},
+     "required": ["p"]},
+    {**OBJ, "properties": {"k": {"anyOf": [{"type": "null"}, {"enum": [1, 2, 3]}]}}, "required": ["k"]},
+    {**OBJ, "properties": {"c": {"const": "fixed"}, "d": {"type": "number", "minimum": 0, "maximum": 1}},
+     "required": ["c"]},
+    {**OBJ, "properties": {"t": {"type": "string", "pattern": "^[a-c]{2,4}$"}}, "required": ["t"]},
+]
+
+
+@pytest.fixture(scope="module", params=["int8", "q4"])
+def target(request, tiny_folders):
+    folder = tiny_folders[0] if request.param == "int8" else tiny_folders[2]
+    return load_model(str(folder), dtype=request.param)
+
+
+class Oracle(Drafter):
+    """Drafts the answer it is told (so every chain draft is accepted: the masks of drafts' rows decide), or a tree of
+    that answer with, at each depth, a sibling of another token (rows of paths the grammar may forbid)."""
+
+    name = "oracle"
+
+    def __init__(self, answer: list[int], prompt_tokens: int, tree: bool = False):
+        self.answer, self.prompt_tokens, self.tree = answer, prompt_tokens, tree
+
+    def max_nodes(self, k: int) -> int:
+        return 2 * k if self.tree else k
+
+    def propose(self, tokens, k):
+        chain = self.answer[len(tokens) - self.prompt_tokens:][:k]
+        if not self.tree:
+            return Draft(torch.tensor(chain, dtype=torch.long))
+        nodes, parents, parent = [], [], -1
+        for token in chain:
+            nodes += [token, token + 1]
+            parents += [parent, parent]
+            parent = len(nodes) - 2
+        return Draft(torch.tensor(nodes, dtype=torch.long), parents=parents)
+
+
+def answer(target, drafter, schema, prompt, **kwargs):
+    draft = target if drafter == "model" else None
+    decoder = SpeculativeDecoder(target, drafter, k=4, draft_model=draft)
+    return decoder.generate(prompt, SamplingParams(max_new_tokens=64, grammar=json_schema_grammar(schema), **kwargs))
+
+
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+def test_every_answer_follows_its_schema_and_speculation_changes_no_token(target, index):
+    schema = SCHEMAS[index]
+    for prompt in ([5, 6, 7, 8], [40, 41, 40, 41, 40]):
+        plain = answer(target, "none", schema, prompt)
+        assert plain.finish_reason == "stop"
+        jsonschema.validate(json.loads(plain.text), schema)
+        # Drafters whose drafts the grammar mostly forbids (a draft model proposing freely, lookup), and the answer
+        # itself as a chain (every draft accepted) and as a tree with a sibling at each depth.
+        drafters = ["model", "lookup", Oracle(plain.token_ids, len(prompt)), Oracle(plain.token_ids, len(prompt), True)]
+        for drafter in drafters:
+            spec = answer(target, drafter, schema, prompt)
+            assert spec.token_ids == plain.token_ids, drafter
+            if isinstance(drafter, Oracle):
+                assert spec.stats.accepted_draft_tokens >= len(plain.token_ids) - spec.stats.target_calls > 0
+
+
+def test_sampling_stays_lossless_under_the_grammar(target):
+    """The first token of the value is drawn from the constrained distribution: the same with a draft model that
+    proposes freely (its drafts often forbidden) as without speculation (chi-square over 400 draws each)."""
+    schema = {**OBJ, "properties": {"v": {"enum": ["a", "b", "c", "d", "e"]}}, "required": ["v"]}
+    counts = {}
+    for drafter in ("none", "model"):
+        seen = {}
+        for seed in range(400):
+            text = answer(target, drafter, schema, [9, 10, 11], temperature=1.0, seed=seed).text
+            value = json.loads(text)["v"]
+            seen[value] = seen.get(value, 0) + 1
+        counts[drafter] = seen
+    keys = sorted(set(counts["none"]) | set(counts["model"]))
+    table = [[counts[d].get(k, 0) for k in keys] for d in ("none", "model")]
+    assert len(keys) >= 3 and chi2_contingency(table).pvalue > 1e-3
+
+
+def test_a_bad_schema_is_one_clear_error():
+    with pytest.raises(SpeculateError, match="the JSON schema cannot be used: .*objectx"):
+        json_schema_grammar({"type": "objectx"})
+
+
+def test_the_openai_client_gets_json_that_follows_its_schema(target):
+    import openai
+
+    from speculate.server import ServerConfig, create_app
+    from speculate.server.background import BackgroundServer
+    from speculate.spec import SpeculativeSpec
+
+    config = ServerConfig(model=str(target.path), dtype=target.dtype, spec=SpeculativeSpec("lookup", k=4), max_batch=2)
+    server = BackgroundServer(create_app(config, target))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    try:
+        for schema in SCHEMAS[:4] + [None]:
+            fmt = ({"type": "json_object"} if schema is None else
+                   {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}})
+            texts = []
+            for drafter in ("none", "lookup"):
+                c = client.chat.completions.create(model=config.model, messages=[{"role": "user", "content": "JSON?"}],
+                                                   max_tokens=64, temperature=0, response_format=fmt,
+                                                   extra_body={"speculative": {"drafter": drafter}}).choices[0]
+                texts.append(c.message.content)
+                if schema is None and c.finish_reason == "length":  # any object: a random model may not close it
+                    continue
+                assert c.finish_reason == "stop"
+                jsonschema.validate(json.loads(c.message.content), schema or {"type": "object"})
+            assert texts[0] == texts[1]
+    finally:
+        server.stop()
