@@ -1,6 +1,7 @@
 """Structured output (speculate/grammar.py, llguidance): every answer parses and follows its JSON schema, and greedy
 constrained answers are token-identical with and without speculation (chain and tree drafts, drafts all accepted or
-mostly rejected); sampling stays lossless with respect to the constrained distribution."""
+mostly rejected; a draft model drafting under the grammar too); sampling stays lossless with respect to the
+constrained distribution."""
 
 from __future__ import annotations
 
@@ -74,14 +75,18 @@ def test_every_answer_follows_its_schema_and_speculation_changes_no_token(target
         plain = answer(target, "none", schema, prompt)
         assert plain.finish_reason == "stop"
         jsonschema.validate(json.loads(plain.text), schema)
-        # Drafters whose drafts the grammar mostly forbids (a draft model proposing freely, lookup), and the answer
-        # itself as a chain (every draft accepted) and as a tree with a sibling at each depth.
-        drafters = ["model", "lookup", Oracle(plain.token_ids, len(prompt)), Oracle(plain.token_ids, len(prompt), True)]
+        # Drafts the grammar mostly forbids (lookup), and the answer itself as a chain (every draft accepted) and as a
+        # tree with a sibling at each depth.
+        drafters = ["lookup", Oracle(plain.token_ids, len(prompt)), Oracle(plain.token_ids, len(prompt), True)]
         for drafter in drafters:
             spec = answer(target, drafter, schema, prompt)
             assert spec.token_ids == plain.token_ids, drafter
             if isinstance(drafter, Oracle):
                 assert spec.stats.accepted_draft_tokens >= len(plain.token_ids) - spec.stats.target_calls > 0
+        # The target as its own draft model, drafting under the grammar too: every draft accepted.
+        spec = answer(target, "model", schema, prompt)
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.accepted_draft_tokens == spec.stats.drafted_tokens > len(plain.token_ids) // 2
 
 
 def test_sampling_stays_lossless_under_the_grammar(target):
@@ -133,3 +138,23 @@ def test_the_openai_client_gets_json_that_follows_its_schema(target):
             assert texts[0] == texts[1]
     finally:
         server.stop()
+
+
+def test_the_command_line_takes_a_schema(tiny_folders, tmp_path, capsys):
+    from speculate.cli import main
+
+    schema = SCHEMAS[0]
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    model = ["--model", str(tiny_folders[0]), "--max-new-tokens", "64", "--no-chat", "--json"]
+    texts = []
+    for given in (str(tmp_path / "schema.json"), json.dumps(schema)):
+        assert main(["generate", "abc", *model, "--json-schema", given]) == 0
+        out = json.loads(capsys.readouterr().out)
+        jsonschema.validate(json.loads(out["text"]), schema)
+        texts.append(out["text"])
+    assert texts[0] == texts[1]
+    for bad, message in ((str(tmp_path / "missing.json"), "cannot read"), ("{not json", "not JSON"),
+                         ('{"type": "objectx"}', "cannot be used")):
+        assert main(["generate", "abc", *model, "--json-schema", bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0]

@@ -206,6 +206,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, help="seed for every random draw (reproducible runs), in [0, 2^63) as a "
                                             "server request's (default: a random one)")
     g.add_argument("--stop", action="append", help="stop string (repeatable); not included in the output")
+    g.add_argument("--json-schema", metavar="FILE_OR_JSON",
+                   help="structured output: the answer is a JSON document following this schema (a file, or the "
+                        "schema itself; '{}' for any JSON object), every token checked by the grammar")
     g.add_argument("--draft-dtype", choices=list(CHOICES), help="the draft model's precision (default: --dtype)")
     g.add_argument("--no-chat", action="store_true", help="send the raw prompt, without the chat template")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
@@ -312,8 +315,9 @@ def _generate(args) -> int:
     from .text import check_text_prompt
 
     # Every check that needs no model, before any model loads.
+    grammar = _schema_grammar(args.json_schema) if args.json_schema else None
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, check_seed(args.seed), args.max_new_tokens,
-                              args.stop or ())
+                              args.stop or (), grammar=grammar)
     check_text_prompt(args.prompt)
     spec = SpeculativeSpec.from_cli(args)  # drafter, options, verifier and parameters, k; --draft-model fits
     if args.stream and args.json:  # one JSON object at the end cannot also be a stream of text
@@ -347,6 +351,27 @@ def _generate(args) -> int:
     if base is not None:
         print(compare_line(gen, base, args.temperature == 0), file=sys.stderr)
     return 0
+
+
+def _schema_grammar(value: str) -> str:
+    """--json-schema: a file holding a JSON schema, or the schema's JSON itself."""
+    from pathlib import Path
+
+    from .grammar import json_schema_grammar
+
+    text = value
+    if not value.lstrip().startswith("{"):
+        try:
+            text = Path(value).read_text()
+        except OSError as e:
+            raise SpeculateError(f"--json-schema: cannot read {value} ({e.strerror or e})") from None
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise SpeculateError(f"--json-schema: not JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise SpeculateError("--json-schema: a schema is a JSON object")
+    return json_schema_grammar(schema or None)
 
 
 def speedup(spec_stats, plain_stats) -> float:

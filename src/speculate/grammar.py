@@ -9,7 +9,8 @@ decoding would choose, and under sampling the verifier sees the constrained targ
 (lossless with respect to it; a draft token the grammar forbids has target probability 0 and is rejected). Greedy
 rounds also cut a chain draft at its first forbidden token before the forward (rows that could never be accepted);
 sampling rounds do not cut, since cutting by the drawn value would change the distribution of the token drawn there.
-The committed tokens then advance the grammar; a grammar that has ended ends the generation ("stop").
+The committed tokens then advance the grammar; a grammar that has ended ends the generation ("stop"). A draft model
+(drafters/model.py) drafts under the grammar as well, from its own matcher, so its chains are never cut.
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ class Constraint:
         """Advance by a committed token (the verifier's rows were masked: it is allowed)."""
         if not self.matcher.consume_token(token):
             raise SpeculateError(f"token {token} does not follow the grammar: {self.matcher.get_error()}")
+
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` tokens consumed (a drafter's own drafts, once proposed)."""
+        self.matcher.rollback(n)
 
     @property
     def ended(self) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpeculateError
+from ..grammar import Constraint
 from ..models.kv import KVModel, PrefixReuse, Rows, forward_many
 from ..sampling import warp
 from ..verifiers.base import sample_from
@@ -29,10 +30,15 @@ class ModelDrafter(Drafter):
         self.model = draft_model  # read by --k auto for the draft's cost ratio c
         self.kv = KVModel(draft_model)
         self.prefix_reuse = PrefixReuse()
+        self.constraint, self.followed = None, 0
 
     def begin(self, prompt_ids, sampling, generator):
         super().begin(prompt_ids, sampling, generator)
         self.prefix_reuse.start(self.kv, prompt_ids, len(prompt_ids) + 256, self.reuse_prefix)
+        # Structured output: the draft follows the generation's grammar too (its own copy, kept at the committed
+        # tokens), so its drafts are never cut for a forbidden token and its p_draft rows are what it drew from.
+        self.constraint = Constraint(self.model.tokenizer, sampling.grammar) if sampling.grammar else None
+        self.followed = len(prompt_ids)  # the committed tokens the constraint has consumed (prompt excluded)
 
     def relative_cost(self):
         return None  # measured with the target: the draft model's forwards have their own fixed costs
@@ -46,21 +52,36 @@ class ModelDrafter(Drafter):
         """Several generations' drafts, their draft models' forwards batched: at each depth ONE forward of the draft
         model runs every generation still drafting (models/kv.py, forward_many: its rows of each cache). At int8 and
         q4 a row's bits do not depend on the others, so each generation drafts what it would alone."""
-        unseen, drafted = [], [[] for _ in drafters]
+        unseen, drafted, ks = [], [[] for _ in drafters], list(ks)
         for d, tokens in zip(drafters, histories):
             d.base = len(tokens)  # update() keeps the cache up to here plus what it accepts
             d.prefix_reuse.follow(tokens)  # the cache holds a prefix of these (the engine's list, kept growing)
             unseen.append(torch.tensor(tokens[d.kv.length:], dtype=torch.long))
+            if d.constraint is not None:  # the tokens committed since the last round
+                for token in tokens[d.followed:]:
+                    d.constraint.consume(token)
+                d.followed = len(tokens)
         for depth in range(max(ks, default=0)):
             active = [i for i, k in enumerate(ks) if depth < k]
             logits = forward_many([Rows(drafters[i].kv, unseen[i], want=1) for i in active])
             for i, row in zip(active, logits):
                 d = drafters[i]
+                if d.constraint is not None:
+                    if d.constraint.ended:  # nothing may follow: no more drafts
+                        ks[i] = depth
+                        continue
+                    row = row.clone()
+                    d.constraint.mask(row, [[]])  # what the grammar allows after the drafts so far
                 probs = warp(row, d.sampling)
                 token = (probs.argmax(-1) if d.sampling.greedy
                          else torch.tensor([sample_from(probs[0], d.generator)]))
                 drafted[i].append((token, probs))
                 unseen[i] = token
+                if d.constraint is not None:
+                    d.constraint.consume(int(token))
+        for d, out in zip(drafters, drafted):  # the drafts were the constraint's only for the drafting
+            if d.constraint is not None and out:
+                d.constraint.rollback(len(out))
         # The last drafted token was never fed: each cache holds prefix + first k-1 drafts. (k = 0, the budget's last
         # token: nothing drafted, and update keeps the cache as it is.)
         return [Draft(torch.cat([t for t, _ in out]), torch.cat([p for _, p in out])) if out
