@@ -128,6 +128,18 @@ def test_the_openai_client_gets_logprobs_equal_with_and_without_speculation(serv
         assert len(c.logprobs.content) == 8 and all(len(e.top_logprobs) == 3 for e in c.logprobs.content)
         assert all(e.top_logprobs[0].logprob == pytest.approx(e.logprob) for e in c.logprobs.content)
     assert [e.logprob for e in chats[0].logprobs.content] == [e.logprob for e in chats[1].logprobs.content]
+    # Streamed: each round's values in a chunk after its text; added up, the same list.
+    streamed = [ch for ch in client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "abc abc abc"}], max_tokens=8, logprobs=True,
+        top_logprobs=3, temperature=0, stream=True, extra_body={"speculative": {"drafter": "lookup"}})]
+    content = [e for ch in streamed if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in content] == [(e.token, e.logprob) for e in chats[1].logprobs.content]
+    text = "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)
+    assert text == chats[1].message.content
+    pieces = [ch for ch in client.completions.create(model=model, prompt=ids, max_tokens=12, logprobs=2,
+                                                      temperature=0, stream=True) if ch.choices]
+    values = [v for ch in pieces if ch.choices[0].logprobs for v in ch.choices[0].logprobs.token_logprobs]
+    assert values == got["lookup"].logprobs.token_logprobs
 
 
 def test_echo_scores_the_prompt_as_lm_eval_asks(served, target):
@@ -151,7 +163,7 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(served, target):
     # Scoring only (max_tokens 0, with echo), and what is refused.
     r = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 0}, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"]["token_logprobs"][1:] == lp["token_logprobs"][1:-1]
-    for bad, param in (({"max_tokens": 0, "echo": False}, "max_tokens"), ({"stream": True}, "logprobs"),
+    for bad, param in (({"max_tokens": 0, "echo": False}, "max_tokens"), ({"stream": True}, "echo"),
                        ({"logprobs": 21}, "logprobs")):
         r = httpx.post(server.url + "/v1/completions", json={**body, **bad}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

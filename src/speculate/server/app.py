@@ -243,8 +243,9 @@ class Routes:
                 for future in sorted(done, key=waiting.get):  # (the lower index first where both are ready)
                     i = waiting.pop(future)
                     event, value = future.result()
-                    if event == "piece":
-                        yield sse(shaper.chunk(text=value, index=i))
+                    if event in ("piece", "logprobs"):
+                        text, scored = (value, None) if event == "piece" else ("", value)
+                        yield sse(shaper.chunk(text=text, index=i, logprobs=scored))
                         waiting[asyncio.ensure_future(jobs[i].events.get())] = i
                     elif event == "done":
                         jobs[i].finished = True
@@ -332,7 +333,7 @@ def as_api_error(value) -> APIError:
 async def wait_or_disconnect(job: Job, request: Request, until_ready: bool = False):
     """The job's final event ('done', 'error', 'cancelled') — or, ``until_ready``, its first one ('ready' when
     its stream is open) — or ('disconnected', None) if the client left."""
-    passing = ("piece",) if until_ready else ("piece", "ready")
+    passing = ("piece", "logprobs") if until_ready else ("piece", "logprobs", "ready")
 
     async def final():
         while True:

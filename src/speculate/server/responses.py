@@ -72,16 +72,21 @@ class Shaper:
         return out
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, first: bool = False,
-              index: int = 0) -> dict:
+              index: int = 0, logprobs: list[TokenLogprob] | None = None) -> dict:
+        """A stream's chunk: a piece of text, or (``logprobs``) the log-probabilities of the tokens committed in a
+        round, sent after that round's text (the text can lag its tokens: the detokenizer holds back what may be a
+        stop string's start)."""
         if self.kind == "chat":
             delta = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            shaped = None if logprobs is None else chat_logprobs(self.tokenizer, logprobs)
+            choice = {"index": index, "delta": delta, "logprobs": shaped, "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        shaped = None if logprobs is None else completion_logprobs(self.tokenizer, logprobs)
+        choice = {"index": index, "text": text or "", "logprobs": shaped, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def finish_chunk(self, gen: Generation, index: int = 0) -> dict:

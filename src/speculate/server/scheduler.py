@@ -108,6 +108,7 @@ class _Running:
     run: Run
     release: Callable[[], None]
     first: float | None = None  # when its first text piece went out
+    scored: int = 0  # its new tokens' log-probabilities sent so far (a stream that asked for them)
 
 
 class Scheduler:
@@ -274,6 +275,10 @@ class Scheduler:
                 r.first = r.first or now
                 for piece in out:
                     r.job.emit("piece", piece)
+            scored = r.run.logprobs
+            if scored is not None and len(scored) > r.scored and not r.job.cancelled.is_set():
+                r.job.emit("logprobs", scored[r.scored:])  # (after the round's text; a client adds them up)
+                r.scored = len(scored)
             if r.run.error is not None:
                 self._finish(r, error=r.run.error)
             elif r.run.done:

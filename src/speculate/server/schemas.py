@@ -152,9 +152,8 @@ class CompletionRequest(_Common):
         if self.max_tokens == 0 and not self.echo:
             raise APIError(400, "max_tokens: 0 generates nothing; it is only for scoring a prompt (with echo)",
                            "max_tokens", "invalid_value")
-        if self.stream and (self.echo or self.logprobs is not None):
-            name = "logprobs" if self.logprobs is not None else "echo"
-            raise APIError(400, f"{name} with stream is not supported (ask without stream)", name,
+        if self.stream and self.echo:
+            raise APIError(400, "echo with stream is not supported (ask without stream)", "echo",
                            "unsupported_parameter")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of: only 1 is supported", "best_of", "unsupported_parameter")
@@ -223,9 +222,6 @@ class ChatCompletionRequest(_Common):
             raise APIError(400, f"n: at most {MAX_CHOICES}", "n", "invalid_value")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
-        if self.logprobs and self.stream:
-            raise APIError(400, "logprobs with stream is not supported (ask without stream)", "logprobs",
-                           "unsupported_parameter")
         if self.tools:
             raise APIError(400, "tools are not supported", "tools", "unsupported_parameter")
         if self.tool_choice not in (None, "none", "auto"):  # a forced call with no tools to call
