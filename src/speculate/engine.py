@@ -365,6 +365,7 @@ class Run:
         tail = self.detok.flush()
         self.generation = Generation(self.detok.text, list(self.detok.ids), self.stats, self.finish,
                                      self.prompt_tokens, self.logprobs, self.prompt_logprobs)
+        self.drafter.end(self.tokens)
         self.done = True
         return [tail] if tail else []
 

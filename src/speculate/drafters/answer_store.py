@@ -65,15 +65,21 @@ class AnswerStore:
 
     @classmethod
     def load(cls, path: str | Path, **settings) -> AnswerStore:
-        from safetensors import safe_open
+        answers, meta = read_answers(path)
+        return cls(answers, meta=meta, **settings)
 
-        try:
-            with safe_open(str(path), "pt") as f:
-                meta = json.loads((f.metadata() or {}).get("meta", "{}"))
-                tokens, starts = f.get_tensor("tokens").tolist(), f.get_tensor("starts").tolist()
-        except Exception as e:  # missing, truncated, not a store
-            raise SpeculateError(f"cannot read the answer store {path}: {e}") from None
-        return cls([tokens[a:b] for a, b in zip(starts, starts[1:])], meta=meta, **settings)
+
+def read_answers(path: str | Path) -> tuple[list[list[int]], dict]:
+    """The answers of a store's file, and its metadata."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads((f.metadata() or {}).get("meta", "{}"))
+            tokens, starts = f.get_tensor("tokens").tolist(), f.get_tensor("starts").tolist()
+    except Exception as e:  # missing, truncated, not a store
+        raise SpeculateError(f"cannot read the answer store {path}: {e}") from None
+    return [tokens[a:b] for a, b in zip(starts, starts[1:])], meta
 
 
 def save_store(path: str | Path, answers: list[list[int]], meta: dict) -> None:

@@ -155,6 +155,10 @@ class Drafter:
         appended by the target. For a chain they are its first ``n_accepted`` tokens and ``path`` is
         not passed; for a tree ``path`` lists the accepted node indices, root side first."""
 
+    def end(self, tokens: list[int]) -> None:
+        """The generation ended well: ``tokens`` is its prompt and everything it committed (a drafter that learns
+        from answers keeps them: drafters/suffix.py)."""
+
     def observe(self, hidden: torch.Tensor) -> None:
         """For drafters that draft from the target's own features (``wants_hidden``): the final-normed
         hidden states [r, H] of newly committed positions (then, [r, (1 + L)·H], the outputs of the L

@@ -1,0 +1,86 @@
+"""Does a drafter that learns from served answers (``suffix``) get faster as it serves? Its speed on the first and the
+last requests of workloads that repeat and of one that does not, against ``retrieval``, ``lookup`` and plain decoding.
+
+    python -m speculate.bench.learning [--model M] [--dtype q4] [--requests 40] [--max-tokens 64] [--out FILE.json]
+
+The engine in this process, one request at a time, every request decoded by each drafter in an order that rotates
+(``suffix``'s index learns from its own answers only; each workload starts it empty). Workloads, from shipped data:
+``json`` (GSM8K questions, each asked for a JSON record with the same fields: repeats its shape), ``gsm8k-8shot`` (the
+paper's 8-shot prompt: repeats its answer format) and ``mt_bench`` (first turns: little repeats). Per workload and
+drafter: tokens/s and tokens per target call over the first and the last quarter of the requests, the ratio to plain
+decoding over the same requests, and whether every answer equals plain decoding's.
+"""
+
+from __future__ import annotations
+
+import argparse
+from datetime import date
+
+from ..drafters import suffix
+from ..engine import SpeculativeDecoder
+from ..models import DEFAULT_MODEL, DTYPES, load_model
+from . import emit, machine_header, script
+from .datasets import load_dataset
+
+DRAFTERS = ["none", "lookup", "retrieval", "suffix"]
+JSON_ASK = ('{q}\nReply with only a JSON object with the fields "quantities" (the numbers in the question), '
+            '"operation" and "answer".')
+
+
+def workloads(n: int) -> dict[str, list[str]]:
+    gsm = load_dataset("gsm8k", limit=n, shots=0)
+    return {"json": [JSON_ASK.format(q=s.turns[0]) for s in gsm],
+            "gsm8k-8shot": [s.turns[0] for s in load_dataset("gsm8k", limit=n, shots=8)],
+            "mt_bench": [s.turns[0] for s in load_dataset("mt_bench", limit=n, shots=0)]}
+
+
+def run(model: str, dtype: str, requests: int, max_tokens: int) -> dict:
+    machine = machine_header()  # at the start: the threads and load as the run begins
+    target = load_model(model, dtype=dtype, progress=False)
+    rows = []
+    for name, prompts in workloads(requests).items():
+        suffix._INDEXES.clear()  # each workload starts with an empty index
+        decoders = {d: SpeculativeDecoder(target, d) for d in DRAFTERS}
+        for d in decoders.values():  # warm-up (not timed; an answer too short for the index)
+            d.generate("Hi.", max_new_tokens=2)
+        for i, prompt in enumerate(prompts):
+            order = DRAFTERS[i % len(DRAFTERS):] + DRAFTERS[: i % len(DRAFTERS)]
+            outs = {d: decoders[d].generate(prompt, max_new_tokens=max_tokens) for d in order}
+            for d, out in outs.items():
+                rows.append({"workload": name, "request": i, "drafter": d, "tokens": out.stats.new_tokens,
+                             "calls": out.stats.target_calls, "seconds": out.stats.wall_seconds,
+                             "same_as_plain": out.token_ids == outs["none"].token_ids})
+    summary = {}
+    quarter = max(1, requests // 4)
+    for name in dict.fromkeys(r["workload"] for r in rows):
+        summary[name] = {}
+        for part, keep in (("first", range(quarter)), ("last", range(requests - quarter, requests))):
+            cell = {}
+            for d in DRAFTERS:
+                mine = [r for r in rows if r["workload"] == name and r["drafter"] == d and r["request"] in keep]
+                tokens = sum(r["tokens"] for r in mine)
+                cell[d] = {"tokens_per_second": round(tokens / sum(r["seconds"] for r in mine), 2),
+                           "tokens_per_call": round(tokens / max(1, sum(r["calls"] for r in mine)), 3)}
+            for d in DRAFTERS:
+                cell[d]["x_plain"] = round(cell[d]["tokens_per_second"] / cell["none"]["tokens_per_second"], 3)
+            summary[name][part] = cell
+        same = {d: sum(r["same_as_plain"] for r in rows if r["workload"] == name and r["drafter"] == d)
+                for d in DRAFTERS}
+        summary[name]["same_as_plain"] = {d: f"{n}/{requests}" for d, n in same.items()}
+    return {"date": date.today().isoformat(), **machine, "model": model, "dtype": dtype, "requests": requests,
+            "max_tokens": max_tokens, "summary": summary, "rows": rows}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m speculate.bench.learning", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="q4", choices=list(DTYPES))
+    p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    return emit(run(a.model, a.dtype, a.requests, a.max_tokens), a.out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(script(main))

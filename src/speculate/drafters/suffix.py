@@ -1,0 +1,168 @@
+"""Drafts that learn from what this process has served (``suffix``): prompt lookup over the request's own context,
+then an index of every answer the target has given here (SuffixDecoding, Oliaro et al. 2024, reduced to n-grams).
+
+Traffic repeats itself more than a benchmark: the same JSON shapes, the same phrasings, the same questions asked
+again. This drafter keeps, per target model and per scope, a :class:`ServedIndex`: for each n-gram (n = 2..``max_n``)
+of the answers generated so far, how often each token followed it. Where the request's own context gives no match of
+``min_context`` tokens (prompt lookup, drafters/lookup.py), it drafts from the index: the token that most often
+followed the longest n-gram ending the context, then the one after that, while that token's share of what followed
+is at least ``min_share``; a match of n tokens drafts at most ``alpha`` · n tokens (SuffixDecoding's
+``max_spec = α · p``: a long match predicts further). When a generation ends, its answer goes into the index (the
+first ``seed`` answers may come from the target's shipped answer store, drafters/answer_store.py, so a fresh process
+drafts as ``retrieval`` does). At most ``max_tokens`` answer tokens are kept; the oldest answers go first.
+
+Isolation: ``share`` false keeps a generation out of the index (it neither reads nor feeds it). The server runs one
+scope per API key it was started with (one), so answers drafted from are this server's own. A draft never reveals
+text to a client (the target verifies every token), but how fast an answer comes can hint that another client's
+answer was similar: a timing side channel, as with any shared cache; use ``share: false`` where that matters.
+
+Drafts are certain (one-hot p_draft) and depend only on committed tokens and earlier answers: greedy output stays
+the target's, sampling stays lossless.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from ..errors import SpeculateError
+from ..params import Param
+from .answer_store import FILE, read_answers, shipped_store
+from .base import TARGET, Draft
+from .lookup import MAX_COPY, LookupDrafter
+
+MAX_N = 6  # the longest n-gram of the index
+
+
+class ServedIndex:
+    """n-gram → counts of the tokens that followed it, over the answers added (oldest first out past ``max_tokens``).
+    Ties between continuations go to the smaller token id, so a draft never depends on dict order."""
+
+    def __init__(self, max_n: int = MAX_N, max_tokens: int = 200_000):
+        if max_n < 2 or max_tokens < 1:
+            raise SpeculateError("suffix: the index needs max_n >= 2 and max_tokens >= 1")
+        self.max_n, self.max_tokens = max_n, max_tokens
+        self.counts: dict[tuple[int, ...], dict[int, int]] = {}
+        self.answers: deque[list[int]] = deque()
+        self.tokens = 0
+        self.lock = threading.Lock()
+
+    def _grams(self, answer: list[int]):
+        for end in range(1, len(answer)):
+            for n in range(2, self.max_n + 1):
+                if end - n < 0:
+                    break
+                yield tuple(answer[end - n: end]), answer[end]
+
+    def add(self, answer: list[int]) -> None:
+        if len(answer) < 3:
+            return
+        with self.lock:
+            for gram, token in self._grams(answer):
+                nexts = self.counts.setdefault(gram, {})
+                nexts[token] = nexts.get(token, 0) + 1
+            self.answers.append(list(answer))
+            self.tokens += len(answer)
+            while self.tokens > self.max_tokens:  # the oldest answers go first
+                old = self.answers.popleft()
+                self.tokens -= len(old)
+                for gram, token in self._grams(old):
+                    nexts = self.counts[gram]
+                    nexts[token] -= 1
+                    if not nexts[token]:
+                        del nexts[token]
+                        if not nexts:
+                            del self.counts[gram]
+
+    def next(self, context: list[int]) -> tuple[int, float, int] | None:
+        """(token, its share of what followed, n) for the longest n-gram ending ``context`` that the index holds."""
+        for n in range(min(self.max_n, len(context)), 1, -1):
+            nexts = self.counts.get(tuple(context[-n:]))
+            if nexts:
+                token, count = min(nexts.items(), key=lambda item: (-item[1], item[0]))
+                return token, count / sum(nexts.values()), n
+        return None
+
+    def chain(self, context: list[int], k: int, min_share: float, alpha: float) -> list[int]:
+        """Up to k tokens, each the index's top continuation after the ones before, while its share >= ``min_share``;
+        at most ``alpha`` · n of them after a first match of n tokens."""
+        out: list[int] = []
+        limit = k
+        recent = list(context[-self.max_n:])
+        with self.lock:
+            while len(out) < limit:
+                hit = self.next(recent)
+                if hit is None or hit[1] < min_share:
+                    break
+                if not out:
+                    limit = min(k, max(1, int(alpha * hit[2])))
+                out.append(hit[0])
+                recent = (recent + [hit[0]])[-self.max_n:]
+        return out
+
+
+_INDEXES: dict[tuple, ServedIndex] = {}
+_INDEXES_LOCK = threading.Lock()
+
+
+def served_index(target, scope: str = "", max_tokens: int = 200_000, seed: int = 0) -> ServedIndex:
+    """The process's index for ``target`` (a loaded model) and ``scope``, made on first use (seeded with the first
+    ``seed`` answers of the target's shipped answer store, where one ships)."""
+    key = (id(target.model), scope, max_tokens)
+    with _INDEXES_LOCK:
+        index = _INDEXES.get(key)
+        if index is None:
+            index = _INDEXES[key] = ServedIndex(max_tokens=max_tokens)
+            folder = shipped_store(target) if seed else None
+            for answer in read_answers(Path(folder) / FILE)[0][:seed] if folder is not None else ():
+                index.add(answer)
+        return index
+
+
+class SuffixDrafter(LookupDrafter):
+    name = "suffix"
+    summary = "prompt lookup, then an index of the answers this process has served (learns as it serves)"
+    rank = 5
+    needs = (TARGET,)
+    params = (Param("min_context", 2, "the shortest context match that lookup drafts from instead of the index"),
+              Param("min_share", 0.3, "the index drafts a token that followed its n-gram at least this often (0-1)"),
+              Param("alpha", 2.0, "a match of n tokens drafts at most alpha * n tokens from the index"),
+              Param("share", True, "read and feed the process's index (false: this generation stays out of it)"),
+              Param("max_tokens", 200_000, "answer tokens the index keeps (the oldest answers go first)"),
+              Param("seed", 0, "answers of the target's shipped answer store the index starts with"),
+              *LookupDrafter.params)
+
+    def __init__(self, target, min_context: int = 2, min_share: float = 0.3, alpha: float = 2.0, share: bool = True,
+                 max_tokens: int = 200_000, seed: int = 0, max_ngram: int = 3, min_ngram: int = 1,
+                 max_copy: int = MAX_COPY):
+        super().__init__(max_ngram=max_ngram, min_ngram=min_ngram, max_copy=max_copy)
+        if target is None:
+            raise SpeculateError("drafter 'suffix' needs the target model (its index is the target's answers)")
+        if not 0.0 <= min_share <= 1.0 or alpha <= 0 or seed < 0:
+            raise SpeculateError(f"suffix: need 0 <= min_share <= 1, alpha > 0, seed >= 0; got {min_share}, "
+                                 f"{alpha}, {seed}")
+        self.min_context, self.min_share, self.alpha = min_context, min_share, alpha
+        self.served = served_index(target, "", max_tokens, seed) if share else None
+        self.from_index = 0  # rounds the index drafted in the last generation
+
+    def begin(self, prompt_ids, sampling, generator):
+        super().begin(prompt_ids, sampling, generator)
+        self.prompt_tokens, self.from_index = len(prompt_ids), 0
+
+    def propose(self, tokens, k):
+        self.copied = 0
+        found = self.match(tokens)
+        if k and self.served is not None and (found is None or found[0] < self.min_context):
+            chain = self.served.chain(tokens, k, self.min_share, self.alpha)
+            if chain:
+                self.from_index += 1
+                return Draft(torch.tensor(chain, dtype=torch.long))
+        return self.from_match(tokens, k, found)
+
+    def end(self, tokens: list[int]) -> None:
+        """The generation's answer (``tokens`` after the prompt) goes into the index."""
+        if self.served is not None:
+            self.served.add(tokens[self.prompt_tokens:])

@@ -1,0 +1,101 @@
+"""The drafter that learns from served answers (drafters/suffix.py): its index against a brute-force reference, the
+memory bound, greedy exactness as it learns, the share switch, and lossless sampling."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from speculate import SamplingParams, SpeculativeDecoder
+from speculate.drafters import get_drafter, suffix
+from speculate.drafters.suffix import ServedIndex
+
+from test_tree_engine import sampled_prefix_pvalue
+
+
+@pytest.fixture(autouse=True)
+def fresh_indexes():
+    suffix._INDEXES.clear()
+    yield
+    suffix._INDEXES.clear()
+
+
+def brute_next(answers, context, max_n):
+    """The longest n-gram (2..max_n) ending ``context`` that occurs in some answer followed by a token: the most
+    frequent such token (ties: the smaller id), its share and n — by scanning every answer."""
+    for n in range(min(max_n, len(context)), 1, -1):
+        gram = context[-n:]
+        follows = {}
+        for a in answers:
+            for i in range(len(a) - n):
+                if a[i: i + n] == gram:
+                    follows[a[i + n]] = follows.get(a[i + n], 0) + 1
+        if follows:
+            token, count = min(follows.items(), key=lambda item: (-item[1], item[0]))
+            return token, count / sum(follows.values()), n
+    return None
+
+
+def test_the_index_equals_a_brute_force_scan_and_keeps_its_memory_bound():
+    rng = random.Random(0)
+    index = ServedIndex(max_n=4, max_tokens=300)
+    kept = []
+    for step in range(120):
+        answer = [rng.randrange(6) for _ in range(rng.randrange(3, 25))]
+        index.add(answer)
+        kept.append(answer)
+        while sum(map(len, kept)) > 300:  # the oldest answers go first
+            kept.pop(0)
+        assert index.tokens == sum(map(len, kept)) <= 300 and list(index.answers) == kept
+        for _ in range(5):
+            context = [rng.randrange(6) for _ in range(rng.randrange(1, 8))]
+            assert index.next(context) == brute_next(kept, context, 4)
+    # Nothing of an evicted answer is left: every n-gram counted is in a kept answer.
+    assert all(brute_next(kept, list(gram), len(gram)) is not None for gram in index.counts)
+
+
+def test_greedy_output_is_the_targets_and_repeats_take_fewer_calls(tiny):
+    target = tiny[0]
+    prompts = [[5, 6, 7, 8, 9], [20, 21, 22], [5, 6, 7, 8, 9]]
+    plain = {tuple(p): SpeculativeDecoder(target, "none").generate(p, max_new_tokens=24).token_ids for p in prompts}
+    calls = []
+    for p in prompts:
+        out = SpeculativeDecoder(target, "suffix", k=6).generate(p, max_new_tokens=24)
+        assert out.token_ids == plain[tuple(p)]
+        calls.append(out.stats.target_calls)
+    # The third request repeats the first: its answer is in the index, drafted in long chains.
+    assert calls[2] < calls[0] and calls[2] <= len(plain[tuple(prompts[0])]) // 2
+
+
+def test_share_false_neither_reads_nor_feeds_the_index(tiny):
+    target = tiny[0]
+    p = [5, 6, 7, 8, 9]
+    first = SpeculativeDecoder(target, get_drafter("suffix", None, target, share=False)).generate(p, max_new_tokens=24)
+    assert not suffix._INDEXES  # no index was made: nothing fed
+    SpeculativeDecoder(target, "suffix").generate(p, max_new_tokens=24)  # this one feeds it
+    private = SpeculativeDecoder(target, get_drafter("suffix", None, target, share=False))
+    again = private.generate(p, max_new_tokens=24)
+    assert again.token_ids == first.token_ids and again.stats.target_calls == first.stats.target_calls
+    assert private.drafter.from_index == 0
+
+
+def test_sampling_stays_lossless_while_the_index_learns(tiny):
+    """Every sampled answer feeds the index the next one drafts from: the first three tokens still follow the
+    target's distribution (chi-square against the exact one, 1500 draws)."""
+    target = tiny[0]
+    decoder = SpeculativeDecoder(target, get_drafter("suffix", None, target, min_share=0.0), k=4)
+    prompt = [11, 12, 11, 12]
+    p = sampled_prefix_pvalue(target, prompt, SamplingParams(temperature=1.0, top_k=3), decoder, 1500)
+    assert decoder.drafter.served.tokens > 0 and p > 1e-3
+
+
+def test_the_index_can_start_from_the_shipped_answers(default_model):
+    from speculate.drafters.answer_store import FILE, read_answers, shipped_store
+    from pathlib import Path
+
+    index = suffix.served_index(default_model, seed=50)
+    shipped = read_answers(Path(shipped_store(default_model)) / FILE)[0]
+    assert list(index.answers) == shipped[:50] and index.tokens == sum(map(len, shipped[:50]))
+    drafter = get_drafter("suffix", None, default_model, seed=50)
+    assert drafter.served is index  # one index per model and scope: the same object
