@@ -158,3 +158,15 @@ def test_the_command_line_takes_a_schema(tiny_folders, tmp_path, capsys):
         assert main(["generate", "abc", *model, "--json-schema", bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0]
+
+
+def test_the_bitmask_unpacks_bit_by_bit():
+    """grammar.unpack against a bit-by-bit reading (bit 31 set too: negative int32 words), a padded width."""
+    from speculate.grammar import unpack
+
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32, generator=gen)
+    got = unpack(bits, 140)
+    want = [[bool((int(bits[r, t // 32]) >> (t % 32)) & 1) if t < 128 else False for t in range(140)]
+            for r in range(3)]
+    assert got.tolist() == want

@@ -51,6 +51,20 @@ def json_schema_grammar(schema: dict | None) -> str:
     return grammar
 
 
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack(bits: torch.Tensor, width: int) -> torch.Tensor:
+    """llguidance's bitmask rows ([rows, words] int32, bit j of word w allowing token 32·w + j) as [rows, width]
+    booleans; tokens past the words (a padded LM head) are not allowed. Plain eager ops: llguidance's own
+    ``apply_token_bitmask_inplace`` is a torch.compile kernel, which needs a C++ compiler at first use and masked
+    wrongly under ATEN_CPU_CAPABILITY=avx2 (128 tokens allowed of 1) on torch 2.13."""
+    allowed = ((bits.unsqueeze(-1) >> _SHIFTS) & 1).bool().flatten(1)[:, :width]
+    if allowed.shape[1] < width:
+        allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], width - allowed.shape[1])], dim=1)
+    return allowed
+
+
 class Constraint:
     """One generation's place in its grammar (see the module's docstring)."""
 
@@ -86,10 +100,8 @@ class Constraint:
             used.append(r)
         if used:
             rows = torch.tensor(used)
-            masked = logits[rows, : self.vocab].contiguous()
-            lt.apply_token_bitmask_inplace(masked, bits[rows])
-            logits[rows, : self.vocab] = masked
-            logits[rows, self.vocab:] = float("-inf")
+            allowed = unpack(bits[rows], logits.shape[-1])
+            logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
     def consume(self, token: int) -> None:
         """Advance by a committed token (the verifier's rows were masked: it is allowed)."""

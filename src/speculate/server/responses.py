@@ -117,8 +117,8 @@ def completion_logprobs(tokenizer, entries: list[TokenLogprob | None], first: in
         else:
             text, value = _text(tokenizer, entry.token), entry.logprob
             top = {}
-            for t, v in ((entry.token, entry.logprob), *entry.top):  # (two tokens of one text: the likelier's value)
-                top[_text(tokenizer, t)] = max(v, top.get(_text(tokenizer, t), v))
+            for t, v in sorted(((entry.token, entry.logprob), *entry.top), key=lambda tv: -tv[1]):
+                top.setdefault(_text(tokenizer, t), v)  # (two tokens of one text: the likelier's value)
         tokens.append(text), values.append(value), tops.append(top), offsets.append(at)
         at += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
