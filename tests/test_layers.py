@@ -21,6 +21,7 @@ LAYERS = [
     ("tools", ["speculate.heads.command", "speculate.heads.train", "speculate.heads.data", "speculate.answers",
                "speculate.calc"]),
     ("cli", ["speculate.cli", "speculate.__main__"]),
+    ("deploy", ["speculate.serve_ray"]),  # Ray Serve's application builder: settings through the CLI's parser
 ]
 
 

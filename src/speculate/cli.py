@@ -264,6 +264,23 @@ def _parser() -> argparse.ArgumentParser:
                         "(GiB; the least recently used go first; default 1)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server's log messages shown, from this level up")
+    r = s.add_argument_group("Ray Serve (pip install -e '.[ray]'; docs/server.md, \"Beyond one machine\")")
+    r.add_argument("--ray", action="store_true",
+                   help="serve through Ray Serve: the same API from several replicas, each one engine with its own "
+                        "generation thread, behind Ray's HTTP proxy on --host:--port")
+    r.add_argument("--replicas", type=_count_arg, default=2, help="engine replicas (default 2)")
+    r.add_argument("--min-replicas", type=int, help="with --max-replicas: let Ray's autoscaler choose the count")
+    r.add_argument("--max-replicas", type=int, help="with --min-replicas: the autoscaler's upper bound")
+    r.add_argument("--target-ongoing", type=float,
+                   help="requests per replica the autoscaler aims at (default: --max-batch)")
+    r.add_argument("--replica-threads", type=_count_arg, default=1,
+                   help="torch threads of each replica, and the Ray CPUs it reserves (default 1)")
+    r.add_argument("--ray-address", metavar="ADDR",
+                   help="join this Ray cluster ('auto': the one `ray start` made on this machine); default: start "
+                        "a local Ray instance and stop it on exit")
+    r.add_argument("--router", choices=["affinity", "default"], default="affinity",
+                   help="affinity: a request goes to the replica that served its prompt's longest known prefix "
+                        "unless that one is saturated; default: Ray's power of two choices (default affinity)")
 
     from .calc.command import add_arguments as add_calc_arguments
 
@@ -399,7 +416,15 @@ def compare_line(gen, base, greedy: bool) -> str:
 def _serve(args) -> int:
     from .server import ServerConfig, serve
 
-    serve(ServerConfig.from_cli(args), log_level=args.log_level)
+    config = ServerConfig.from_cli(args)
+    if not args.ray:
+        serve(config, log_level=args.log_level)
+        return 0
+    try:
+        from .server.ray_serve import RayOptions, serve_on_ray
+    except ImportError as e:
+        raise SpeculateError(f"--ray needs Ray Serve ({e}): pip install -e '.[ray]'") from None
+    serve_on_ray(config, RayOptions.from_cli(args), log_level=args.log_level)
     return 0
 
 

@@ -71,6 +71,12 @@ def add_arguments(p) -> None:
                    help="each method's decoder keeps the KV of the prompt prefix it shares with its last "
                         "generation (e.g. GSM8K's 8-shot examples), for every method alike")
     p.add_argument("--out", help="output folder (default bench-runs/<model>); rerun to resume")
+    p.add_argument("--ray", nargs="?", const="local", metavar="ADDR",
+                   help="shard the samples over Ray workers (pip install -e '.[ray]'): alone, a local Ray instance; "
+                        "with ADDR ('auto' or host:port), that cluster, whose nodes must all see --out")
+    p.add_argument("--ray-workers", type=int, default=2, help="with --ray: workers, each a shard (default 2)")
+    p.add_argument("--ray-threads", type=int, default=1, help="with --ray: torch threads (and Ray CPUs) per worker "
+                                                              "(default 1)")
 
 
 def _convert(key: str, value):
@@ -189,7 +195,13 @@ def build_config(args):
 def run(args) -> int:
     from .runner import run_bench
 
-    out = run_bench(build_config(args))
+    if getattr(args, "ray", None) is not None:
+        from .sharded import run_sharded
+
+        out = run_sharded(build_config(args), None if args.ray == "local" else args.ray, args.ray_workers,
+                          args.ray_threads)
+    else:
+        out = run_bench(build_config(args))
     summary = (out / "summary.md").read_text()
     if getattr(args, "quick", False):  # the two tables; the wide table of every measure stays in the file
         summary = summary.split("\n## Every measure")[0] + "\n"

@@ -74,6 +74,8 @@ class BenchConfig:
     prefix_cache: bool = False  # each decoder keeps the prompt prefix it shares with its last generation
     # the per-dataset cost calibrations that calc --from-results reads (off: a quick look, half the generations)
     calibrate: bool = True
+    # (i, n): run only every n-th sample from the i-th (bench/sharded.py: one worker's share of a run on Ray)
+    shard: tuple[int, int] | None = None
 
     def fixed(self) -> dict:
         return {key: getattr(self, key) for key in FIXED}
@@ -285,20 +287,13 @@ def calibration_prompt(sample: Sample) -> list[dict]:
         [{"role": "user", "content": user}]
 
 
-def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
-    """Run (or resume) ``cfg``; returns the output folder, with samples.jsonl, run.json and the report."""
-    from tqdm import tqdm
-
-    from .report import write_report
-
+def check_config(cfg: BenchConfig) -> list:
+    """What a run needs before any model loads (the extras installed, each method's drafter and baseline usable);
+    returns the methods, plain decoding first."""
     missing = missing_extras(cfg.datasets)
     if missing:  # (before the run, not at its plots)
         raise SpeculateError(f"speculate bench needs {' and '.join(EXTRAS[m] for m in missing)}: "
                              f"pip install -e '.[bench]'")
-    out = Path(cfg.out)
-    previous = _check_run_file(out, cfg)
-    end = None if cfg.limit is None else cfg.skip + cfg.limit
-    samples = [s for name in cfg.datasets for s in load_dataset(name, end, cfg.shots, cfg.data_dir)[cfg.skip:]]
     methods = [baseline("plain")] + [m for m in cfg.methods if m.kind != "plain"]
     for m in methods:  # (the engine methods' drafters: the spec's check and text)
         if m.kind == "engine":
@@ -309,6 +304,22 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
             from .llama_cpp import check_usable
 
             check_usable(cfg.model)
+    return methods
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
+    """Run (or resume) ``cfg``; returns the output folder, with samples.jsonl, run.json and the report."""
+    from tqdm import tqdm
+
+    from .report import write_report
+
+    methods = check_config(cfg)
+    out = Path(cfg.out)
+    previous = _check_run_file(out, cfg)
+    end = None if cfg.limit is None else cfg.skip + cfg.limit
+    samples = [s for name in cfg.datasets for s in load_dataset(name, end, cfg.shots, cfg.data_dir)[cfg.skip:]]
+    if cfg.shard is not None:
+        samples = samples[cfg.shard[0]::cfg.shard[1]]
     make_folder(out, "--out")  # after the checks above (a refused run leaves no empty folder), before loading
     if progress:  # (after the checks: a refused run prints its one error line only)
         print(f"speculate bench: {len(methods)} methods (plain included) × {', '.join(cfg.datasets)} → {out}",
@@ -320,6 +331,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> Path:
     profile = profile_for(target, draft, progress=progress)
 
     started = time.strftime("%Y-%m-%d %H:%M:%S")  # this start's: each record names it (records.timed_together)
+    if cfg.shard is not None:  # shards start in the same second: each its own start, its seconds its own
+        started += f" shard {cfg.shard[0] + 1}/{cfg.shard[1]}"
     run_info = {"settings": {**cfg.fixed(), "datasets": cfg.datasets, "limit": cfg.limit, "skip": cfg.skip,
                              "turns": cfg.turns, "prefix_cache": cfg.prefix_cache},
                 **machine_header(),

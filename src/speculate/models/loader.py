@@ -115,15 +115,11 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = AUTO, progress: b
     dtype = resolve_dtype(name_or_path, dtype)
     warn_if_slow(dtype)
     sweep(cache_root())  # what killed builds left (a first conversion's ~0.5 GB): the cache holds only what it lists
+    check_model_name(name_or_path)
     if name_or_path in ALIASES:
         folder = ensure_converted(ALIASES[name_or_path], progress=progress)
     else:
         folder = Path(name_or_path).expanduser()
-        if not folder.exists():
-            raise SpeculateError(
-                f"unknown model '{name_or_path}': not an alias ({', '.join(ALIASES)}) nor an existing folder")
-        if not (folder / "config.json").is_file():
-            raise SpeculateError(f"'{name_or_path}' is not a Hugging Face model folder (no config.json)")
         _check_own_manifest(folder, name_or_path)
     loaded = _load_folder(folder, name_or_path, DTYPES[dtype])
     loaded.dtype = dtype
@@ -133,6 +129,19 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = AUTO, progress: b
 
 
 DIGEST = "tensors_sha256"  # the quantized cache's metadata key for cache.tensors_digest
+
+
+def check_model_name(name_or_path: str) -> None:
+    """An alias or a local Hugging Face folder, or the one-line error :func:`load_model` gives; also for a check
+    before the models load elsewhere (``serve --ray``: in the replicas)."""
+    if name_or_path in ALIASES:
+        return
+    folder = Path(name_or_path).expanduser()
+    if not folder.exists():
+        raise SpeculateError(
+            f"unknown model '{name_or_path}': not an alias ({', '.join(ALIASES)}) nor an existing folder")
+    if not (folder / "config.json").is_file():
+        raise SpeculateError(f"'{name_or_path}' is not a Hugging Face model folder (no config.json)")
 
 
 def _to_quantized(loaded: LoadedModel, name: str, kind: str) -> None:

@@ -23,6 +23,25 @@ async def read_json(request: Request, limit: int, timeout: float = 30.0) -> dict
                                                   media_type.endswith("+json")):
         raise APIError(415, f"the request body must be JSON, sent with 'Content-Type: application/json' "
                             f"(got {media_type or 'no Content-Type'})", code="unsupported_media_type")
+    body = await read_body(request, limit, timeout)
+    if not body.strip():
+        raise APIError(400, "the request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        # UTF-8 only (RFC 8259): json.loads would also guess UTF-16 and UTF-32 from bytes.
+        data = json.loads(body.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:  # arrays or objects nested deeper than the parser goes
+        raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return data
+
+
+async def read_body(request: Request, limit: int, timeout: float = 30.0) -> bytes:
+    """The body's bytes, or an :class:`APIError` (400 the client left or sent a bad Content-Length, 408 not all
+    there within ``timeout`` seconds, 413 larger than ``limit`` bytes, which is never held in memory). Also the
+    Ray front's (serve_ray.py), which hands the bytes to a replica's app."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -46,19 +65,7 @@ async def read_json(request: Request, limit: int, timeout: float = 30.0) -> dict
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout",
                        headers={"Connection": "close"}) from None
-    body = b"".join(chunks)
-    if not body.strip():
-        raise APIError(400, "the request body is empty; expected a JSON object", code="invalid_json")
-    try:
-        # UTF-8 only (RFC 8259): json.loads would also guess UTF-16 and UTF-32 from bytes.
-        data = json.loads(body.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    except RecursionError:  # arrays or objects nested deeper than the parser goes
-        raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    return data
+    return b"".join(chunks)
 
 
 def _too_large(limit: int) -> APIError:
