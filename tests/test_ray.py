@@ -100,16 +100,29 @@ def test_the_serve_config_builder_parses_as_the_command_line_does(tiny_folders):
 
 # --- the command, as a user runs it (its own local Ray instance) -------------------------------------------------
 def test_serve_ray_command_answers_and_stops_cleanly_on_sigterm(tiny_folders):
-    with serve_subprocess(["--ray", "--model", str(tiny_folders[0]), "--replicas", "1"], dict(os.environ),
-                          seconds=120) as (proc, url):
+    with serve_subprocess(["--ray", "--model", str(tiny_folders[0]), "--replicas", "1", "--shutdown-grace", "1"],
+                          dict(os.environ), seconds=120) as (proc, url):
         r = httpx.post(url + "/v1/completions", json={"model": str(tiny_folders[0]), "prompt": "hello",
                                                       "max_tokens": 4, "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         assert r.headers["x-speculate-replica"]
+        # a stream running when the stop comes ends cleanly: its whole answer, or (past --shutdown-grace) the
+        # plain server's shutting_down error event; then [DONE], not a cut connection
+        first, streamed = threading.Event(), {}
+        body = {"model": str(tiny_folders[0]), "messages": [{"role": "user", "content": "count"}],
+                "max_tokens": 900, "temperature": 0}
+        stream = threading.Thread(target=_stream_chat, args=(url, body, first, streamed, {}))
+        stream.start()
+        assert first.wait(60)
         proc.send_signal(signal.SIGTERM)
+        stream.join(90)
         out, _ = proc.communicate(timeout=90)
         assert proc.returncode == 0, out[-3000:]
         assert "Traceback" not in out, out[-3000:]
+    assert streamed["events"][-1] == "[DONE]", streamed["events"][-3:]
+    last = json.loads(streamed["events"][-2])
+    assert ("error" in last and last["error"]["code"] == "shutting_down"
+            or last["choices"][0]["finish_reason"] == "length"), last
 
 
 def test_serve_ray_without_ray_address_refuses_a_taken_port(tiny_folders):
@@ -222,8 +235,10 @@ def test_two_replicas_answer_exactly_as_the_plain_server(ray_url, tiny_folders, 
 
 
 def _affinity_hits(url: str, router: str, tiny_folders) -> float:
-    """Share of requests, after one warm-up request per system prompt, whose whole system prompt was cached."""
-    config = ServerConfig(model=str(tiny_folders[0]), api_key=KEY, max_batch=4, spec=SpeculativeSpec(k=3))
+    """Share of requests, after one warm-up request per system prompt, whose whole system prompt was cached.
+    (--max-batch 8 for 8 clients: affinity yields to load only past --max-batch requests of imbalance, and the
+    warm-ups may put all 4 prompts on one replica.)"""
+    config = ServerConfig(model=str(tiny_folders[0]), api_key=KEY, max_batch=8, spec=SpeculativeSpec(k=3))
     _deploy(config, RayOptions(replicas=2, router=router))
     for system in SYSTEMS:
         assert _post_all(url, [_chat(config.model, system, "warm up")])[0].status_code == 200
@@ -241,8 +256,8 @@ def test_affinity_routing_sends_a_shared_prefix_where_it_is_cached(ray_url, tiny
     assert baseline < hits, (baseline, hits)  # Ray's default router: where the two replicas happen to fall
 
 
-def _stream_chat(url: str, body: dict, first: threading.Event, out: dict) -> None:
-    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, headers=AUTH,
+def _stream_chat(url: str, body: dict, first: threading.Event, out: dict, headers: dict = AUTH) -> None:
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, headers=headers,
                       timeout=120) as r:
         out["replica"] = r.headers.get("x-speculate-replica")
         out["events"] = []

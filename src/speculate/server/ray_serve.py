@@ -15,6 +15,8 @@ here (:class:`HTTPCall` carries the prompt's block keys) and sends a request to 
 longest known prefix, whose prefix store (models/prefix_store.py) then holds its KV; a saturated owner, or no
 owner, falls back to the power of two choices, as Ray's default router does.
 
+A stop (``serve_on_ray``) is the plain server's: ``Front.drain`` answers new requests 503, gives the answers in
+flight ``--shutdown-grace`` seconds and ends the rest with the plain server's error; only then does Serve stop.
 A replica that dies is restarted by Ray. A request that had begun its answer there ends with a clear error (a
 stream's error event, then ``[DONE]``); one whose answer had not begun is sent once more, to another replica (a
 generation has no side effects, and the client has seen nothing), and only then is a 503.
@@ -250,6 +252,11 @@ class Engine:
             await self._lifespan.__aexit__(None, None, None)
 
 
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", code="shutting_down")  # (the plain server's words)
+
+
+
 # What ends a replica's answer from outside it: the replica died or cannot be reached.
 _REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
@@ -261,6 +268,22 @@ class Front:
     def __init__(self, engine, max_body_bytes: int, body_timeout: float):
         self.engine = engine.options(stream=True)
         self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
+        self.closing = False  # drain(): new requests get 503
+        self.running: set[asyncio.Task] = set()  # the relays in flight
+
+    async def drain(self, grace: float) -> int:
+        """A graceful stop, called by ``serve_on_ray`` before Serve stops: answer new requests 503, give the
+        answers in flight ``grace`` seconds, then end the rest as the plain server does (a stream: an error
+        event, then ``[DONE]``; ended relays cancel their replica's generation). Returns how many were ended."""
+        self.closing = True
+        if self.running:
+            await asyncio.wait(set(self.running), timeout=grace)
+        late = set(self.running)
+        for task in late:
+            task.cancel()
+        if late:
+            await asyncio.wait(late, timeout=5.0)
+        return len(late)
 
     def __serve_build_asgi_app__(self):
         async def asgi(scope, receive, send) -> None:  # (a plain function: uvicorn took the bound method for ASGI2)
@@ -280,11 +303,18 @@ class Front:
         from .body import read_body
 
         try:
+            if self.closing:
+                raise _shutting_down()
             body = await read_body(Request(scope, receive), self.max_body_bytes, self.body_timeout)
         except APIError as e:
             await e.response()(scope, receive, send)
             return
-        await self.relay(HTTPCall.of(scope, body), scope, receive, send)
+        task = asyncio.current_task()
+        self.running.add(task)
+        try:
+            await self.relay(HTTPCall.of(scope, body), scope, receive, send)
+        finally:
+            self.running.discard(task)
 
     async def relay(self, call: HTTPCall, scope, receive, send) -> None:
         for attempt in (1, 2):
@@ -304,6 +334,10 @@ class Front:
                     continue
                 error = APIError(503, "the replica serving this request stopped; try again",
                                  code="replica_failed")
+            except asyncio.CancelledError:
+                if not self.closing:  # the client left: Ray cancels this relay, and the replica's generation
+                    raise
+                error = _shutting_down()  # drain()'s grace ran out
             except Exception:
                 log.exception("relaying a replica's answer failed")
                 error = APIError(500, "the server failed while answering this request", code="internal_error")
@@ -389,7 +423,11 @@ def serve_on_ray(config: ServerConfig, options: RayOptions, log_level: str = "in
                  else f"{options.replicas} replicas")
         while not stop.wait(1.0):
             pass
-        log.info("stopping: draining the replicas")
+        log.info("stopping: new requests get 503; running ones get %g s to finish", config.shutdown_grace)
+        ended = serve.get_app_handle(APP_NAME).drain.remote(config.shutdown_grace).result(
+            timeout_s=config.shutdown_grace + 30)
+        if ended:
+            log.warning("%d requests did not finish within --shutdown-grace and were ended", ended)
     finally:
         if options.address is None:
             serve.shutdown()
