@@ -197,7 +197,8 @@ def test_http_details(keyed):
 @pytest.fixture(scope="module")
 def strict(tiny_folders):
     """A server with short limits, so that slow clients are dropped within a test's patience."""
-    server = start(tiny_folders, header_timeout=0.6, body_timeout=0.6, keep_alive_timeout=0.6, max_connections=6)
+    server = start(tiny_folders, header_timeout=0.6, body_timeout=0.6, keep_alive_timeout=0.6, max_connections=6,
+                   max_connections_per_client=0)  # (the global cap alone: every test socket has one address)
     yield server
     server.stop()
 
@@ -283,6 +284,40 @@ def test_open_connections_are_capped_and_the_server_stays_up(strict):
             time.sleep(0.1)
     else:
         pytest.fail("the server did not answer after the idle connections closed")
+
+
+def connect_from(server, address: str) -> socket.socket:
+    """A connection from another loopback address (all of 127/8 is this machine): another client to the server."""
+    host, port = server.url.removeprefix("http://").split(":")
+    s = socket.socket()
+    s.settimeout(10)
+    s.bind((address, 0))
+    s.connect((host, int(port)))
+    return s
+
+
+def test_one_address_cannot_take_the_whole_connection_cap(tiny_folders):
+    """Before: one client holding idle sockets (reopening any that drop) filled the cap, and the idle-first rule
+    then closed other clients' connections in turn. Now an address past its own limit loses its own idle ones."""
+    server = start(tiny_folders, header_timeout=30.0, max_connections=6, max_connections_per_client=3)
+    held = []
+    try:
+        a = [connect_from(server, "127.0.0.1") for _ in range(3)]
+        a.append(connect_from(server, "127.0.0.1"))  # its 4th: its own oldest idle connection goes
+        assert closed_within(a[0], 2) is not None and closed_within(a[3], 0.3) is None
+        b = [connect_from(server, "127.0.0.2") for _ in range(3)]  # another client: its 3, nobody closed
+        held = a + b
+        assert [closed_within(s, 0.2) for s in a[1:] + b] == [None] * 6
+        c = connect_from(server, "127.0.0.3")  # a third, past the global cap (6): the longest idle goes, not it
+        held.append(c)
+        c.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        answer = closed_within(c, 10)
+        assert answer is not None and answer.startswith(b"HTTP/1.1 200"), answer
+        assert closed_within(a[1], 1) is not None  # the longest idle of all: the first client's oldest
+    finally:
+        for s in held:
+            s.close()
+        server.stop()
 
 
 # ------------------------------------------------------------------------------------------------ stopping

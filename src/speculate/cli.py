@@ -252,7 +252,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--keep-alive-timeout", type=float, default=5.0,
                    help="seconds an idle connection is kept open after a response (default 5)")
     s.add_argument("--max-connections", type=int, default=100,
-                   help="open connections at most; past it a new one is closed at once (default 100)")
+                   help="open connections at most; past it the one idle the longest is closed, or the new one where "
+                        "none is idle (default 100)")
+    s.add_argument("--max-connections-per-client", type=int,
+                   help="open connections from one address at most, its own idle ones closed first (default: half "
+                        "of --max-connections; 0: no limit, e.g. behind a proxy)")
     s.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="on SIGTERM or Ctrl-C: seconds running generations get to finish before they end with an "
                         "error (a stream: an error event, then [DONE]); queued requests get 503 at once (default 10)")

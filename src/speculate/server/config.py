@@ -42,6 +42,9 @@ class ServerConfig:
     body_timeout: float = 30.0
     keep_alive_timeout: float = 5.0
     max_connections: int = 100
+    # --max-connections-per-client: open connections from one address at most; None: half of max_connections;
+    # 0: no limit per address (behind a proxy every client has the proxy's address)
+    max_connections_per_client: int | None = None
     # On SIGTERM / Ctrl-C: seconds that running generations get to finish before they are ended cleanly.
     shutdown_grace: float = 10.0
     def __post_init__(self):
@@ -67,6 +70,11 @@ class ServerConfig:
                 raise SpeculateError(f"--{name.replace('_', '-')} must be a number of seconds > 0, got {value}")
         if self.max_connections < 1:
             raise SpeculateError(f"--max-connections must be >= 1, got {self.max_connections}")
+        if self.max_connections_per_client is None:
+            object.__setattr__(self, "max_connections_per_client", max(1, self.max_connections // 2))
+        if self.max_connections_per_client < 0:
+            raise SpeculateError(f"--max-connections-per-client must be >= 0 (0: no limit), got "
+                                 f"{self.max_connections_per_client}")
         if self.api_key is not None and not self.api_key:
             raise SpeculateError("--api-key must not be empty")
 
@@ -81,5 +89,6 @@ class ServerConfig:
                    prefix_cache=not args.no_prefix_cache, prefix_cache_gib=args.prefix_cache_gib,
                    allowed_hosts=tuple(args.allowed_host or ()), header_timeout=args.header_timeout,
                    body_timeout=args.body_timeout, keep_alive_timeout=args.keep_alive_timeout,
-                   max_connections=args.max_connections, shutdown_grace=args.shutdown_grace,
+                   max_connections=args.max_connections,
+                   max_connections_per_client=args.max_connections_per_client, shutdown_grace=args.shutdown_grace,
                    max_tokens=args.max_tokens)

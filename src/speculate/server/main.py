@@ -95,7 +95,8 @@ def uvicorn_server(app, config: ServerConfig, **options):
     # uvicorn's default takes uvloop wherever it is installed (ray[serve] installs it), and under uvloop the
     # connection cap closed a new connection instead of the oldest idle one in 2 of 4 runs of its test.
     options.setdefault("loop", "asyncio")
-    settings = uvicorn.Config(app, http=guarded_protocol(config.header_timeout, config.max_connections),
+    settings = uvicorn.Config(app, http=guarded_protocol(config.header_timeout, config.max_connections,
+                                                         config.max_connections_per_client),
                               timeout_keep_alive=config.keep_alive_timeout,
                               # after the grace period generations end themselves; this is the backstop
                               timeout_graceful_shutdown=config.shutdown_grace + 5, **options)

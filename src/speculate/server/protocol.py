@@ -6,7 +6,9 @@ that never sends a request, sends half a request line, or trickles headers at a 
 forever (seen: 300 such sockets under ``ulimit -n 256`` made /health time out and the accept loop fail with
 "Too many open files"). Here every connection must complete its request headers within ``header_timeout``
 seconds of opening (and of its previous response); past ``max_connections`` (kept below the open-file limit) the
-connection idle the longest is closed, or the new one where none is idle.
+connection idle the longest is closed, or the new one where none is idle; and past ``per_client`` connections
+from one address, that address's connection idle the longest (or the new one), so that one client cannot take the
+whole cap from the others.
 A body that stops arriving is the request handler's to time out (server/body.py).
 """
 
@@ -35,9 +37,9 @@ def connection_cap(max_connections: int) -> int:
     return max(1, min(max_connections, soft - FD_RESERVE))
 
 
-def guarded_protocol(header_timeout: float, max_connections: int) -> type[H11Protocol]:
+def guarded_protocol(header_timeout: float, max_connections: int, per_client: int = 0) -> type[H11Protocol]:
     """The protocol class to hand uvicorn (``Config(http=...)``), with these limits (``max_connections`` as
-    :func:`connection_cap` lowers it)."""
+    :func:`connection_cap` lowers it; ``per_client`` 0: no limit per address)."""
     cap = connection_cap(max_connections)
 
     class GuardedH11Protocol(H11Protocol):
@@ -49,14 +51,24 @@ def guarded_protocol(header_timeout: float, max_connections: int) -> type[H11Pro
             self.idle_since = self.loop.time()  # (before uvicorn counts it among the connections _idle reads)
             super().connection_made(transport)
             self._headers_timer = None
-            if len(self.connections) > cap:  # (this one is counted already)
-                # Past the cap, the connection that has waited longest without a request goes, not the new
-                # one: a client holding idle sockets (reopening any that drop) locked everyone out, /health too.
-                idle = [c for c in self.connections if c is not self and _idle(c)]
-                if not idle:
-                    transport.close()
-                    return
-                min(idle, key=lambda c: c.idle_since).transport.close()
+            peer = transport.get_extra_info("peername")
+            self.client_host = peer[0] if isinstance(peer, (tuple, list)) and peer else None
+            others = [c for c in self.connections if c is not self]  # (this one is counted already)
+            own = [c for c in others if getattr(c, "client_host", None) == self.client_host]
+            # Past a limit, the connection that has waited longest without a request goes, not the new one: a
+            # client holding idle sockets (reopening any that drop) locked everyone out, /health too. One address
+            # first: its own idle connections, so it cannot crowd the others out of the global cap.
+            for pool, limit in ((own, per_client), (others, cap)):
+                if limit and len(pool) + 1 > limit:  # (+ 1: this connection)
+                    idle = [c for c in pool if _idle(c)]
+                    if not idle:
+                        transport.close()
+                        return
+                    oldest = min(idle, key=lambda c: c.idle_since)
+                    oldest.transport.close()
+                    others.remove(oldest)
+                    if oldest in own:
+                        own.remove(oldest)
             self._arm()
 
         def _arm(self) -> None:
