@@ -7,6 +7,7 @@ Each test fails without its fix. A keyless server and a keyed one run in backgro
 from __future__ import annotations
 
 import json
+import time
 import socket
 
 import httpx
@@ -515,3 +516,47 @@ def test_max_tokens_caps_a_request_and_defaults_a_chat(tiny_folders):
         assert "--max-tokens" in over.json()["error"]["message"]
     finally:
         server.stop()
+
+
+# ------------------------------------------------------------------------------------------------ long prompts
+def test_a_short_request_is_not_starved_by_long_prompts(tiny):
+    """Issue 42, point 8: two 600-token prompts and then a 10-token one, all waiting when the generation thread
+    starts, 2 places in the batch. Before, both long prompts took the places and the short request waited for one
+    of them to finish; now at most one long prompt prefills at a time (max_batch // 2), the short one is admitted
+    past the other, and the prompts share a budget of 32 prompt tokens a round, the shortest first."""
+    import threading
+
+    from speculate import SamplingParams, SpeculativeDecoder
+    from speculate.server.scheduler import Job, Scheduler
+
+    events, lock = [], threading.Lock()
+
+    class Recorded(Job):
+        def __init__(self, name, ids, max_new):
+            decoder = SpeculativeDecoder(tiny[0], "none", "greedy")
+            super().__init__(lambda: (decoder.start(ids, SamplingParams(max_new_tokens=max_new, temperature=0),
+                                                    prefill_chunk=16), lambda: None), loop=None,
+                             prompt_tokens=len(ids))
+            self.name = name
+
+        def emit(self, kind, value=None):
+            with lock:
+                events.append((self.name, kind))
+
+    sched = Scheduler(max_batch=2, max_queue=8, prefill_chunk=16, prefill_budget=32)
+    rows = []
+    sched.on_round = lambda n, r, seconds: rows.append(r)
+    jobs = [Recorded("long1", [3 + i % 200 for i in range(600)], 2), Recorded("long2", [5 + i % 190 for i in range(600)], 2),
+            Recorded("short", list(range(7, 17)), 4)]
+    sched.submit(*jobs)
+    sched.start()
+    try:
+        deadline = time.monotonic() + 120
+        while sum(kind == "done" for _, kind in events) < 3:
+            assert time.monotonic() < deadline and not any(kind == "error" for _, kind in events), events
+            time.sleep(0.01)
+    finally:
+        sched.stop()
+    done = [name for name, kind in events if kind == "done"]
+    assert done[0] == "short", done
+    assert max(rows) <= 32 + 2, max(rows)  # the budget, and one decode row for each of 2 places

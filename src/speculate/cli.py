@@ -239,6 +239,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-chunk", type=int, default=128,
                    help="prompt tokens a joining request feeds per round, so that a long prompt does not stall the "
                         "others (default 128)")
+    s.add_argument("--prefill-budget", type=int,
+                   help="prompt tokens all joining requests feed per round together, the shortest remaining prompt "
+                        "first; at most half of --max-batch prompts longer than this prefill at once, shorter ones "
+                        "admitted past them (default: 2 x --prefill-chunk)")
     s.add_argument("--max-tokens", type=int, default=2048,
                    help="a request's new tokens at most, and the default where it asks for none (a completion's "
                         "default stays OpenAI's 16); 0: the context window (default 2048)")

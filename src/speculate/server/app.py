@@ -198,7 +198,8 @@ class Routes:
     def submit(self, prepared: list) -> list[Job]:
         """A job per choice, admitted together or not at all (a 429 takes none of them)."""
         loop = asyncio.get_running_loop()
-        jobs = [Job(partial(open_run, p, self.decoders, self.scheduler.prefill_chunk), loop) for p in prepared]
+        jobs = [Job(partial(open_run, p, self.decoders, self.scheduler.prefill_chunk), loop, p.prompt_tokens)
+                for p in prepared]
         try:
             self.scheduler.submit(*jobs)
         except Closed:
@@ -315,8 +316,10 @@ def client_gone(jobs: list[Job], outcome: dict) -> Response:
 
 
 def new_scheduler(config: ServerConfig) -> Scheduler:
-    """The generation thread for ``config``: batches of ``--max-batch``, prompts fed ``--prefill-chunk`` at a time."""
-    return Scheduler(config.max_batch, config.max_queue, prefill_chunk=config.prefill_chunk)
+    """The generation thread for ``config``: batches of ``--max-batch``, prompts fed ``--prefill-chunk`` at a time,
+    ``--prefill-budget`` prompt tokens a round for all of them."""
+    return Scheduler(config.max_batch, config.max_queue, prefill_chunk=config.prefill_chunk,
+                     prefill_budget=config.prefill_budget)
 
 
 def as_api_error(value) -> APIError:

@@ -25,6 +25,7 @@ class ServerConfig:
     max_batch: int = 8  # generations that share a forward (server/scheduler.py: continuous batching)
     max_queue: int = 16  # admitted requests waiting for a place in the batch; beyond that: 429
     prefill_chunk: int = 128  # prompt tokens a joining request feeds per round
+    prefill_budget: int | None = None  # prompt tokens all joining requests feed per round together (2 chunks)
     max_body_bytes: int = MiB
     # --max-tokens: a request's new tokens at most, and the default where it gives none (a chat's default was the
     # rest of the context window: 8,126 tokens held a place in the batch ~90 s); 0: the context window
@@ -54,6 +55,10 @@ class ServerConfig:
             raise SpeculateError(f"--max-batch must be >= 1, got {self.max_batch}")
         if self.prefill_chunk < 1:
             raise SpeculateError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
+        if self.prefill_budget is None:
+            object.__setattr__(self, "prefill_budget", 2 * self.prefill_chunk)
+        if self.prefill_budget < 1:
+            raise SpeculateError(f"--prefill-budget must be >= 1, got {self.prefill_budget}")
         if self.max_queue < 0:
             raise SpeculateError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.max_tokens < 0:
@@ -85,7 +90,7 @@ class ServerConfig:
         api_key = args.api_key if args.api_key is not None else (os.environ.get("SPECULATE_API_KEY") or None)
         return cls(model=args.model, spec=SpeculativeSpec.from_cli(args), draft_model=args.draft_model,
                    dtype=args.dtype, host=args.host, port=args.port, api_key=api_key, max_batch=args.max_batch,
-                   max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, max_body_bytes=args.max_body_bytes,
+                   max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget, max_body_bytes=args.max_body_bytes,
                    prefix_cache=not args.no_prefix_cache, prefix_cache_gib=args.prefix_cache_gib,
                    allowed_hosts=tuple(args.allowed_host or ()), header_timeout=args.header_timeout,
                    body_timeout=args.body_timeout, keep_alive_timeout=args.keep_alive_timeout,
