@@ -256,7 +256,6 @@ def _shutting_down() -> APIError:
     return APIError(503, "the server is shutting down", code="shutting_down")  # (the plain server's words)
 
 
-
 # What ends a replica's answer from outside it: the replica died or cannot be reached.
 _REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
