@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import pytest
 import torch
@@ -136,6 +137,23 @@ def test_the_openai_client_gets_json_that_follows_its_schema(target):
                 assert c.finish_reason == "stop"
                 jsonschema.validate(json.loads(c.message.content), schema or {"type": "object"})
             assert texts[0] == texts[1]
+        # /v1/completions takes response_format too (vLLM's server does): the same constraint on a plain prompt
+        schema = SCHEMAS[0]
+        fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+        texts = []
+        for drafter in ("none", "lookup"):
+            c = client.completions.create(model=config.model, prompt="JSON: ", max_tokens=64, temperature=0,
+                                          extra_body={"response_format": fmt, "speculative": {"drafter": drafter}}
+                                          ).choices[0]
+            assert c.finish_reason == "stop"
+            jsonschema.validate(json.loads(c.text), schema)
+            texts.append(c.text)
+        assert texts[0] == texts[1]
+        plain = client.completions.create(model=config.model, prompt="JSON: ", max_tokens=64, temperature=0).choices[0]
+        assert plain.text != texts[0]  # (unconstrained, this random model writes no such JSON)
+        bad = httpx.post(server.url + "/v1/completions", json={"model": config.model, "prompt": "x",
+                                                              "response_format": {"type": "yaml"}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
     finally:
         server.stop()
 

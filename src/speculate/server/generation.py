@@ -74,14 +74,14 @@ def prepare(config: ServerConfig, target: LoadedModel,
         raise APIError(400, f"speculative: {e}", "speculative", "invalid_value") from None
     seeds = [None if req.seed is None else (req.seed + j) % 2**63 for j in range(req.n)]
     grammar = None
+    structured, schema = req.json_schema()
+    if structured:
+        try:
+            grammar = json_schema_grammar(schema)
+        except SpeculateError as e:
+            raise APIError(400, f"response_format: {e}", "response_format", "invalid_value") from None
     if isinstance(req, ChatCompletionRequest):
         logprobs, prompt_logprobs, echoes = (req.top_logprobs or 0) if req.logprobs else None, None, [None]
-        structured, schema = req.json_schema()
-        if structured:
-            try:
-                grammar = json_schema_grammar(schema)
-            except SpeculateError as e:
-                raise APIError(400, f"response_format: {e}", "response_format", "invalid_value") from None
     else:  # (echo: the prompt as sent; token ids as their text)
         logprobs, prompt_logprobs = req.logprobs, req.logprobs if req.echo else None
         echoes = [(p if isinstance(p, str) else target.tokenizer.decode(ids)) if req.echo else None

@@ -95,6 +95,26 @@ class _Common(BaseModel):
     logit_bias: dict | None = None
     user: str | None = None
     speculative: SpeculativeSettings | None = None
+    # Structured output: OpenAI's on chats; on completions as vLLM's server takes it too (speculate/grammar.py)
+    response_format: dict | None = None
+
+    def json_schema(self) -> tuple[bool, dict | None]:
+        """(structured, schema): ``response_format`` ``json_schema`` gives its schema, ``json_object`` any JSON object
+        (schema None), ``text`` or none no structure."""
+        rf = self.response_format
+        kind = "text" if rf is None else rf.get("type")
+        if kind == "text":
+            return False, None
+        if kind == "json_object":
+            return True, None
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise APIError(400, "response_format.json_schema: an object with a \"schema\" object (and a \"name\")",
+                               "response_format", "invalid_value")
+            return True, spec.get("schema", {})
+        raise APIError(400, "response_format.type: one of \"text\", \"json_object\", \"json_schema\"",
+                       "response_format", "invalid_value")
 
     @model_validator(mode="before")
     @classmethod
@@ -195,26 +215,7 @@ class ChatCompletionRequest(_Common):
     tool_choice: str | dict | None = None
     functions: list | None = None
     function_call: str | dict | None = None
-    response_format: dict | None = None
     modalities: list[str] | None = None
-
-    def json_schema(self) -> tuple[bool, dict | None]:
-        """(structured, schema): ``response_format`` ``json_schema`` gives its schema, ``json_object`` any JSON object
-        (schema None), ``text`` or none no structure."""
-        rf = self.response_format
-        kind = "text" if rf is None else rf.get("type")
-        if kind == "text":
-            return False, None
-        if kind == "json_object":
-            return True, None
-        if kind == "json_schema":
-            spec = rf.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-                raise APIError(400, "response_format.json_schema: an object with a \"schema\" object (and a \"name\")",
-                               "response_format", "invalid_value")
-            return True, spec.get("schema", {})
-        raise APIError(400, "response_format.type: one of \"text\", \"json_object\", \"json_schema\"",
-                       "response_format", "invalid_value")
 
     def check_supported(self) -> None:
         super().check_supported()
