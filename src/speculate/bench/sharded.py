@@ -51,11 +51,9 @@ def run_sharded(cfg: BenchConfig, address: str | None, workers: int, threads: in
         raise SpeculateError(f"--ray needs Ray ({e}): pip install -e '.[ray]'") from None
     check_config(cfg)  # here, once, not as n workers' tracebacks
     out = Path(cfg.out)
-    if address is None:
-        ray.init(address="local", num_cpus=workers * threads, include_dashboard=False, log_to_driver=False,
-                 logging_level="warning")
-    else:
-        ray.init(address=address, log_to_driver=False, logging_level="warning")
+    from ..server.ray_serve import RayOptions, start_ray
+
+    start_ray(RayOptions(replicas=workers, replica_threads=threads, address=address))  # (serve --ray's one start)
     try:
         task = ray.remote(_run_shard).options(num_cpus=threads, max_retries=0,
                                               runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})

@@ -111,7 +111,6 @@ class _Running:
     release: Callable[[], None]
     first: float | None = None  # when its first text piece went out
     scored: int = 0  # its new tokens' log-probabilities sent so far (a stream that asked for them)
-    long: bool = False  # its prompt takes more than one round's prefill budget
 
 
 class Scheduler:
@@ -248,11 +247,11 @@ class Scheduler:
             r.job.stopped()
 
     def _admit(self) -> None:
-        long_prefills = sum(r.long and r.run.prefilling for r in self._running)
+        long_prefills = sum(self._long(r.job) and r.run.prefilling for r in self._running)
         i = 0
         while i < len(self._waiting) and len(self._running) < self.max_batch:
             job = self._waiting[i]
-            long = job.prompt_tokens > self.prefill_budget
+            long = self._long(job)
             if long and long_prefills >= self.max_long_prefills and not job.cancelled.is_set():
                 i += 1  # it waits for a long prefill to end; a shorter request behind it may go first
                 continue
@@ -275,11 +274,15 @@ class Scheduler:
                 self._forget(job)
                 continue
             job.emit("ready")
-            self._running.append(_Running(job, run, release, long=long))
+            self._running.append(_Running(job, run, release))
             long_prefills += long
             with self._lock:
                 self.running += 1
                 self._changed()
+
+    def _long(self, job: Job) -> bool:
+        """Whether ``job``'s prompt takes more than one round's prefill budget."""
+        return job.prompt_tokens > self.prefill_budget
 
     def _round(self) -> None:
         """One speculative round of every running request (engine.step), then each one's text to its handler.
