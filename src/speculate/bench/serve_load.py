@@ -4,14 +4,17 @@ and speculative, batched against one generation at a time, against a real `specu
 
     python -m speculate.bench.serve_load [--model M] [--draft-model D] [--dtype int8] [--clients 1 4 8 16]
                                          [--requests 16] [--max-tokens 64] [--drafters none lookup retrieval]
-                                         [--k auto] [--prompts copy] [--no-prefix-cache] [--out FILE.json]
+                                         [--k auto] [--prompts copy|paraphrase|mt_bench] [--modes one batched]
+                                         [--no-prefix-cache] [--out FILE.json]
 
 One server, one generation thread: each cell (clients, drafter) runs twice, interleaved, in an order that
 alternates from cell to cell — ``one``: ``max_batch`` 1, one generation at a time (the server before batching,
 ``--max-concurrency 1``), and ``batched``: ``max_batch`` = the number of clients. Each client sends greedy chat
 requests one after another. Every answer is compared with the same prompt's answer alone (plain decoding, one at
 a time): at int8 and q4 they must all be identical; at fp32 a row's last bits may depend on its batch.
-Each cell records tokens/s, requests/s, mean latency, the mean generations and rows per forward, and each
+``--modes batched`` runs the batched mode alone (issue 41's question: does speculation ever cost against plain decoding
+at the same load?). ``--prompts mt_bench``: the first 16 shipped MT-Bench first turns, where lookup finds little to
+copy. Each cell records tokens/s, requests/s, mean latency, the mean generations and rows per forward, and each
 speculative cell the ratio to plain decoding in the same mode.
 """
 
@@ -32,6 +35,15 @@ from . import emit, machine_header, script
 from .speed import PROMPT_SETS
 
 MODES = ("one", "batched")
+PROMPTS = (*PROMPT_SETS, "mt_bench")
+
+
+def prompt_texts(name: str) -> list[str]:
+    """The prompts of a set: speed.py's copy / paraphrase sets, or the first 16 MT-Bench first turns."""
+    if name == "mt_bench":
+        from .datasets import load_dataset
+        return [s.turns[0] for s in load_dataset("mt_bench", limit=16, shots=0)]
+    return PROMPT_SETS[name]
 
 
 def _chat(client, url, model, prompt, speculative, max_tokens):
@@ -53,7 +65,7 @@ def _speculative(drafter: str, k) -> dict:
 
 def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters: list[str] = ("none", "lookup"),
         dtype: str = "int8", prefix_cache: bool = True, k: str | int = "auto", prompts: str = "copy",
-        draft_model: str | None = None) -> dict:
+        draft_model: str | None = None, modes: tuple[str, ...] = MODES) -> dict:
     machine = machine_header()  # at the start: the threads and load as the run begins
     import httpx
 
@@ -66,9 +78,9 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
     scheduler = app.state.scheduler
     rounds = []
     record_round = scheduler.on_round
-    scheduler.on_round = lambda n, rows, seconds: (rounds.append((n, rows)), record_round(n, rows, seconds))
+    scheduler.on_round = lambda n, rows, seconds: (rounds.append((n, rows, seconds)), record_round(n, rows, seconds))
     server = BackgroundServer(app)
-    texts = PROMPT_SETS[prompts]
+    texts = prompt_texts(prompts)
     rows = []
     try:
         with httpx.Client() as http:
@@ -87,7 +99,7 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
                 for drafter in drafters:
                     speculative = _speculative(drafter, k)
                     jobs = [texts[i % len(texts)] for i in range(max(requests, n_clients))]
-                    for mode in (MODES if cell % 2 == 0 else MODES[::-1]):
+                    for mode in (modes if cell % 2 == 0 else modes[::-1]):
                         scheduler.max_batch = 1 if mode == "one" else n_clients
                         del rounds[:]
                         t0 = time.perf_counter()
@@ -105,6 +117,8 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
                             "mean_latency_seconds": round(statistics.fmean(t for _, t in answers), 3),
                             "mean_generations_per_forward": round(statistics.fmean(r[0] for r in rounds), 2),
                             "mean_rows_per_forward": round(statistics.fmean(r[1] for r in rounds), 2),
+                            "rounds": len(rounds), "mean_round_ms": round(1000 * statistics.fmean(r[2] for r in rounds), 2),
+                            "busy_share": round(sum(r[2] for r in rounds) / dt, 3),
                             "identical_answers": f"{same}/{len(jobs)}"})
                         print(f"  {rows[-1]}", file=sys.stderr, flush=True)
                     cell += 1
@@ -112,7 +126,8 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
         server.stop()
     by = {(r["clients"], r["drafter"], r["mode"]): r["tokens_per_second"] for r in rows}
     for r in rows:
-        r["x_one_at_a_time"] = round(r["tokens_per_second"] / by[(r["clients"], r["drafter"], "one")], 3)
+        if (r["clients"], r["drafter"], "one") in by:
+            r["x_one_at_a_time"] = round(r["tokens_per_second"] / by[(r["clients"], r["drafter"], "one")], 3)
         if (r["clients"], "none", r["mode"]) in by:
             r["x_plain_same_mode"] = round(r["tokens_per_second"] / by[(r["clients"], "none", r["mode"])], 3)
     return {"date": date.today().isoformat(), **machine, "model": model, "draft_model": draft_model, "dtype": dtype,
@@ -130,14 +145,16 @@ def main(argv=None) -> int:
     p.add_argument("--drafters", nargs="+", default=["none", "lookup", "retrieval"], choices=list(ALL_DRAFTERS),
                    help="drafters to compare (requests name them; default none lookup retrieval)")
     p.add_argument("--k", default="auto", help="the speculative requests' k (default auto: k by batch size)")
-    p.add_argument("--prompts", default="copy", choices=list(PROMPT_SETS))
+    p.add_argument("--prompts", default="copy", choices=PROMPTS)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                   help="one (max_batch 1) and/or batched (max_batch = the clients); default both, interleaved")
     p.add_argument("--dtype", default="int8", choices=list(DTYPES))
     p.add_argument("--no-prefix-cache", action="store_true", help="as `speculate serve --no-prefix-cache`")
     p.add_argument("--out")
     a = p.parse_args(argv)
     k = parse_k(a.k)
     return emit(run(a.model, a.clients, a.requests, a.max_tokens, a.drafters, a.dtype, not a.no_prefix_cache, k,
-                    a.prompts, a.draft_model), a.out)
+                    a.prompts, a.draft_model, tuple(a.modes)), a.out)
 
 
 if __name__ == "__main__":
