@@ -876,7 +876,7 @@ def test_a_list_of_prompts_and_n_give_a_choice_each_equal_to_the_request_alone(s
 
 def test_openapi_json_describes_the_request_bodies_and_validates(served):
     """/openapi.json (behind the key, as the routes) is a valid OpenAPI 3 document whose request bodies are the
-    models that validate the requests, the `speculative` extension among the fields."""
+    models that validate the requests, the `speculative` extension among the fields, and `model` the served name."""
     from openapi_spec_validator import validate
 
     assert httpx.get(served.url + "/openapi.json", timeout=30).status_code == 401
@@ -886,5 +886,8 @@ def test_openapi_json_describes_the_request_bodies_and_validates(served):
     completion = schema["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]
     assert {"model", "prompt", "max_tokens", "speculative", "n"} <= set(completion["properties"])
     assert "prompt" in completion["required"] and "model" in completion["required"]
+    # the one model name the server answers to (any other is a 404), so a schema-driven client reaches the handlers
+    served_ids = [m["id"] for m in httpx.get(served.url + "/v1/models", headers=AUTH, timeout=30).json()["data"]]
+    assert completion["properties"]["model"]["enum"] == served_ids
     assert "/v1/chat/completions" in schema["paths"] and "/tokenize" in schema["paths"]
     assert schema["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}]

@@ -514,6 +514,15 @@ def test_max_tokens_caps_a_request_and_defaults_a_chat(tiny_folders):
                           json={"model": server.model, "prompt": "abc", "max_tokens": 6})
         assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens"
         assert "--max-tokens" in over.json()["error"]["message"]
+        # a completion that names no max_tokens gets OpenAI's 16 within the cap, not a 400 (schemathesis found it)
+        r = httpx.post(server.url + "/v1/completions", json={"model": server.model, "prompt": "abc abc abc",
+                                                             "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5, r.text
+        assert r.json()["usage"]["completion_tokens"] == 5 or r.json()["choices"][0]["finish_reason"] == "stop"
+        # and the schema says so: the cap is the new-token fields' maximum
+        schema = httpx.get(server.url + "/openapi.json", timeout=60).json()["components"]["schemas"]
+        max_tokens = schema["CompletionRequest"]["properties"]["max_tokens"]
+        assert [k.get("maximum") for k in max_tokens["anyOf"]] == [5, None] and max_tokens["default"] == 5
     finally:
         server.stop()
 

@@ -141,7 +141,8 @@ class Routes:
         that validate them (``speculative`` among their fields). Behind the key, as the routes are."""
         check_api_key(request, self.config.api_key)
         if self._openapi is None:
-            self._openapi = openapi_schema(self.app, self.config.api_key is not None)
+            self._openapi = openapi_schema(self.app, self.config.api_key is not None, self.model_id,
+                                          self.config.max_tokens)
         return self._openapi
 
     async def tokenizer_info(self, request: Request):
@@ -283,8 +284,11 @@ REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": 
                   "/tokenize": tokenizer_api.TokenizeRequest, "/detokenize": tokenizer_api.DetokenizeRequest}
 
 
-def openapi_schema(app: FastAPI, keyed: bool) -> dict:
-    """FastAPI's description of the routes, with each body's model (and the models it uses) in components."""
+def openapi_schema(app: FastAPI, keyed: bool, model_id: str, max_tokens: int = 0) -> dict:
+    """FastAPI's description of the routes, with each body's model (and the models it uses) in components. A body's
+    ``model`` is the one name this server answers to (an enum of one): any other is a 404, so a client generated from
+    the schema, or a schema-driven fuzzer, sends the name that reaches the handlers. ``max_tokens`` (the server's
+    --max-tokens, 0: none) is the ``maximum`` of the new-token fields, which the server enforces."""
     from fastapi.openapi.utils import get_openapi
 
     schema = get_openapi(title="speculate", version=__version__, routes=app.routes,
@@ -294,6 +298,15 @@ def openapi_schema(app: FastAPI, keyed: bool) -> dict:
     for path, model in REQUEST_BODIES.items():
         body = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(body.pop("$defs", {}))
+        served = body["properties"]["model"]
+        served.update({"enum": [model_id] + ([None] if "anyOf" in served else [])})
+        for field in ("max_tokens", "max_completion_tokens"):
+            if max_tokens and field in body["properties"]:
+                for kind in body["properties"][field].get("anyOf", [body["properties"][field]]):
+                    if kind.get("type") == "integer":
+                        kind["maximum"] = max_tokens
+                if isinstance(body["properties"][field].get("default"), int):  # (completions' 16, as the handler caps it)
+                    body["properties"][field]["default"] = min(body["properties"][field]["default"], max_tokens)
         components[model.__name__] = body
         ref = {"$ref": f"#/components/schemas/{model.__name__}"}
         schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref}}}

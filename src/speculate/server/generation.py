@@ -63,7 +63,9 @@ def prepare(config: ServerConfig, target: LoadedModel,
         prompts = [_prompt_ids(target, req.message_dicts(), "messages")]
         checked = [_budget(target, ids, budget, "messages", budget_param, config.max_tokens) for ids in prompts]
     else:
-        budget = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        budget = req.max_tokens if "max_tokens" in req.model_fields_set else None
+        if budget is None:  # OpenAI's default, within the server's cap (a cap below 16 is not the client's error)
+            budget = min(COMPLETIONS_DEFAULT_MAX_TOKENS, config.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
         many = len(req.prompts()) > 1
         prompts = [_prompt_ids(target, p, f"prompt[{i}]" if many else "prompt") for i, p in enumerate(req.prompts())]
         checked = [_budget(target, ids, budget, f"prompt[{i}]" if many else "prompt", "max_tokens",
