@@ -188,3 +188,47 @@ def test_the_bitmask_unpacks_bit_by_bit():
     want = [[bool((int(bits[r, t // 32]) >> (t % 32)) & 1) if t < 128 else False for t in range(140)]
             for r in range(3)]
     assert got.tolist() == want
+
+
+def test_langchain_chat_openai_against_the_server(target):
+    """LangChain's ChatOpenAI, as an agent framework drives an OpenAI-compatible server: invoke, stream (with usage,
+    which LangChain adds up chunk by chunk: it counted a stream's usage twice while the finish chunk carried it too),
+    batch, and with_structured_output through a JSON schema; speculation changes no greedy answer."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+
+    from speculate.server import ServerConfig, create_app
+    from speculate.server.background import BackgroundServer
+    from speculate.spec import SpeculativeSpec
+
+    config = ServerConfig(model=str(target.path), dtype=target.dtype, spec=SpeculativeSpec("lookup", k=4), max_batch=4)
+    server = BackgroundServer(create_app(config, target))
+
+    def chat(drafter: str, max_tokens: int = 24, **kwargs):
+        return langchain_openai.ChatOpenAI(base_url=server.url + "/v1", api_key="none", model=config.model,
+                                           temperature=0, max_tokens=max_tokens, max_retries=0, timeout=60,
+                                           extra_body={"speculative": {"drafter": drafter}}, **kwargs)
+
+    try:
+        prompts = ["abc abc abc", "Name three colours.", "1 2 3 4"]
+        whole = {d: [chat(d).invoke(p) for p in prompts] for d in ("none", "lookup")}
+        assert [m.content for m in whole["none"]] == [m.content for m in whole["lookup"]]
+        for m in whole["lookup"]:
+            usage = m.usage_metadata
+            assert usage["output_tokens"] >= 1 and usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+        # a stream adds up to the whole answer, and its usage (counted once) to the whole answer's usage
+        streamed = None
+        for chunk in chat("lookup", stream_usage=True).stream(prompts[0]):
+            streamed = chunk if streamed is None else streamed + chunk
+        assert streamed.content == whole["lookup"][0].content
+        keys = ("input_tokens", "output_tokens", "total_tokens")
+        assert [streamed.usage_metadata[k] for k in keys] == [whole["lookup"][0].usage_metadata[k] for k in keys]
+        # a batch (concurrent requests, batched by the server) answers each prompt as it is answered alone
+        assert [m.content for m in chat("lookup").batch(prompts)] == [m.content for m in whole["none"]]
+        # structured output: LangChain sends response_format json_schema and parses the answer itself
+        schema = {"title": "answer", "description": "an answer", **SCHEMAS[0]}
+        answers = [chat(d, max_tokens=64).with_structured_output(schema, method="json_schema", strict=True)
+                   .invoke("JSON?") for d in ("none", "lookup")]
+        jsonschema.validate(answers[0], SCHEMAS[0])
+        assert answers[0] == answers[1]
+    finally:
+        server.stop()
