@@ -163,10 +163,29 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(served, target):
     # Scoring only (max_tokens 0, with echo), and what is refused.
     r = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 0}, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"]["token_logprobs"][1:] == lp["token_logprobs"][1:-1]
-    for bad, param in (({"max_tokens": 0, "echo": False}, "max_tokens"), ({"stream": True}, "echo"),
-                       ({"logprobs": 21}, "logprobs")):
+    for bad, param in (({"max_tokens": 0, "echo": False}, "max_tokens"), ({"logprobs": 21}, "logprobs")):
         r = httpx.post(server.url + "/v1/completions", json={**body, **bad}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    # Streamed with echo (as vLLM streams it): the prompt first, with its values, then the answer's, the same lists
+    # as the whole answer's; without logprobs the echo is the first chunk's text. Several prompts: each its own echo.
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    for extra in ({"logprobs": 1}, {}):
+        kwargs = {"model": model, "prompt": ids, "max_tokens": 3, "echo": True, "temperature": 0, **extra}
+        whole = client.completions.create(**kwargs).choices[0]
+        chunks = [ch.choices[0] for ch in client.completions.create(stream=True, **kwargs) if ch.choices]
+        assert chunks[0].text == target.tokenizer.decode(ids) and "".join(c.text for c in chunks) == whole.text
+        if extra:
+            streamed = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+            assert streamed == whole.logprobs.token_logprobs and streamed[0] is None
+            assert chunks[0].logprobs.tokens == whole.logprobs.tokens[: len(ids)]
+        else:
+            assert all(c.logprobs is None for c in chunks)
+    texts = ["abc abc", "x y z"]
+    chunks = [ch.choices[0] for ch in client.completions.create(model=model, prompt=texts, max_tokens=2, echo=True,
+                                                                 temperature=0, stream=True) if ch.choices]
+    assert [c.text for c in chunks[:2]] == texts and [c.index for c in chunks[:2]] == [0, 1]
     chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}
     r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"

@@ -263,7 +263,7 @@ BAD = [  # (body for /v1/completions unless "path" is given, status, param, code
     ({"path": "/v1/chat/completions", "model": "M", "messages": MESSAGES, "max_completion_tokens": 5000}, 400,
      "max_completion_tokens", "invalid_value"),
     # What the engine cannot honour is refused, not ignored:
-    ({"model": "M", "prompt": "hi", "echo": True, "stream": True}, 400, "echo", "unsupported_parameter"),
+    ({"model": "M", "prompt": "hi", "suffix": "bye"}, 400, "suffix", "unsupported_parameter"),
     ({"path": "/v1/chat/completions", "model": "M", "messages": MESSAGES, "response_format": {"type": "yaml"}},
      400, "response_format", "invalid_value"),
     ({"path": "/v1/chat/completions", "model": "M", "messages": MESSAGES,

@@ -167,8 +167,11 @@ class Routes:
         prompts = len(prepared) // req.n
         shaper = Shaper(kind, self.model_id, prepared[0].settings, len(prepared), prompts, self.target.tokenizer)
         outcome = request.scope.get(OUTCOME_KEY, {})
+        echoes = [(p.echo, p.ids[0]) if p.echo is not None else None for p in prepared]
         if req.stream:
-            return await self.stream(request, jobs, shaper, kind, req.include_usage, outcome)
+            scored = [p.sampling.prompt_logprobs is not None for p in prepared]  # (their echo waits for its values)
+            return await self.stream(request, jobs, shaper, kind, req.include_usage, outcome,
+                                     [e if e and not s else None for e, s in zip(echoes, scored)], echoes)
         gens = []
         for job in jobs:
             event, value = await wait_or_disconnect(job, request)
@@ -182,7 +185,7 @@ class Routes:
             if event == "error":
                 raise as_api_error(value)
             return client_gone(jobs, outcome)
-        return shaper.whole(gens, [(p.echo, p.ids[0]) if p.echo is not None else None for p in prepared])
+        return shaper.whole(gens, echoes)
 
     async def validated(self, request: Request, schema):
         check_api_key(request, self.config.api_key)
@@ -212,7 +215,7 @@ class Routes:
         return jobs
 
     async def stream(self, request: Request, jobs: list[Job], shaper: Shaper, kind: str, include_usage: bool,
-                     outcome: dict):
+                     outcome: dict, echo_now: list, echoes: list):
         # Wait for the generation thread to open every choice's stream: settings the engine refuses are still a
         # 400, not an error event inside a 200 stream.
         for job in jobs:
@@ -229,14 +232,20 @@ class Routes:
         def on_close():
             if not all(job.finished for job in jobs):
                 client_gone(jobs, outcome)
-        return EventStream(self.events(jobs, shaper, kind, include_usage, outcome), on_close)
+        return EventStream(self.events(jobs, shaper, kind, include_usage, outcome, echo_now, echoes), on_close)
 
-    async def events(self, jobs: list[Job], shaper: Shaper, kind: str, include_usage: bool, outcome: dict):
+    async def events(self, jobs: list[Job], shaper: Shaper, kind: str, include_usage: bool, outcome: dict,
+                     echo_now: list, echoes: list):
         """The choices' chunks as their pieces arrive (each with its index), each choice's finish chunk as it ends,
-        then (include_usage) the usage chunk and [DONE]. A choice's error ends the stream (the others stop)."""
+        then (include_usage) the usage chunk and [DONE]. A choice's error ends the stream (the others stop). A
+        completion's ``echo`` is its choice's first chunk: at once (``echo_now``), or with the prompt's
+        log-probabilities once its prefill has computed them (``echoes``: each choice's prompt text and first token)."""
         if kind == "chat":
             for i in range(len(jobs)):
                 yield sse(shaper.chunk(text="", first=True, index=i))
+        for i, echo in enumerate(echo_now):
+            if echo is not None:
+                yield sse(shaper.echo_chunk(*echo, index=i))
         waiting = {asyncio.ensure_future(job.events.get()): i for i, job in enumerate(jobs)}
         gens: dict[int, object] = {}
         try:
@@ -245,7 +254,10 @@ class Routes:
                 for future in sorted(done, key=waiting.get):  # (the lower index first where both are ready)
                     i = waiting.pop(future)
                     event, value = future.result()
-                    if event in ("piece", "logprobs"):
+                    if event == "prompt_logprobs":
+                        yield sse(shaper.echo_chunk(*echoes[i], entries=value, index=i))
+                        waiting[asyncio.ensure_future(jobs[i].events.get())] = i
+                    elif event in ("piece", "logprobs"):
                         text, scored = (value, None) if event == "piece" else ("", value)
                         yield sse(shaper.chunk(text=text, index=i, logprobs=scored))
                         waiting[asyncio.ensure_future(jobs[i].events.get())] = i
@@ -349,7 +361,7 @@ def as_api_error(value) -> APIError:
 async def wait_or_disconnect(job: Job, request: Request, until_ready: bool = False):
     """The job's final event ('done', 'error', 'cancelled') — or, ``until_ready``, its first one ('ready' when
     its stream is open) — or ('disconnected', None) if the client left."""
-    passing = ("piece", "logprobs") if until_ready else ("piece", "logprobs", "ready")
+    passing = ("piece", "logprobs", "prompt_logprobs") + (() if until_ready else ("ready",))
 
     async def final():
         while True:

@@ -89,6 +89,14 @@ class Shaper:
         choice = {"index": index, "text": text or "", "logprobs": shaped, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
+    def echo_chunk(self, echo: str, first: int, entries: list[TokenLogprob | None] | None = None,
+                   index: int = 0) -> dict:
+        """A streamed completion's first chunk with ``echo``: the prompt's text, and (``entries``, where logprobs were
+        asked) its tokens' log-probabilities, the first token's None as in a whole answer."""
+        shaped = None if entries is None else completion_logprobs(self.tokenizer, entries, first)
+        return {**self._head("text_completion"), "choices": [{"index": index, "text": echo, "logprobs": shaped,
+                                                              "finish_reason": None}]}
+
     def finish_chunk(self, gen: Generation, index: int = 0) -> dict:
         """A choice's chunk with its finish_reason (and our speculative_stats)."""
         return {**self.chunk(finish_reason=gen.finish_reason, index=index),

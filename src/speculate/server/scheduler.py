@@ -111,6 +111,7 @@ class _Running:
     release: Callable[[], None]
     first: float | None = None  # when its first text piece went out
     scored: int = 0  # its new tokens' log-probabilities sent so far (a stream that asked for them)
+    prompt_scored: bool = False  # its prompt's log-probabilities sent (echo with logprobs), once its prefill is done
 
 
 class Scheduler:
@@ -301,6 +302,10 @@ class Scheduler:
         now = time.perf_counter()
         self.on_round(len(runs), sum(r.rows_last for r in runs), now - t0)
         for r, out in zip(running, pieces):
+            prompt_scored = r.run.prompt_logprobs
+            if prompt_scored is not None and not r.prompt_scored and not r.run.prefilling and not r.job.cancelled.is_set():
+                r.job.emit("prompt_logprobs", list(prompt_scored))  # (before the first text: the echo comes first)
+                r.prompt_scored = True
             if out and not r.job.cancelled.is_set():
                 r.first = r.first or now
                 for piece in out:

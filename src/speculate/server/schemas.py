@@ -172,9 +172,6 @@ class CompletionRequest(_Common):
         if self.max_tokens == 0 and not self.echo:
             raise APIError(400, "max_tokens: 0 generates nothing; it is only for scoring a prompt (with echo)",
                            "max_tokens", "invalid_value")
-        if self.stream and self.echo:
-            raise APIError(400, "echo with stream is not supported (ask without stream)", "echo",
-                           "unsupported_parameter")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of: only 1 is supported", "best_of", "unsupported_parameter")
         if self.suffix:
