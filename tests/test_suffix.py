@@ -99,3 +99,50 @@ def test_the_index_can_start_from_the_shipped_answers(default_model):
     assert list(index.answers) == shipped[:50] and index.tokens == sum(map(len, shipped[:50]))
     drafter = get_drafter("suffix", None, default_model, seed=50)
     assert drafter.served is index  # one index per model and scope: the same object
+
+
+def test_the_server_reports_the_index_and_honours_share_false(tiny_folders):
+    """Through the server: a request with ``speculative.share: false`` leaves the index empty; a shared one feeds it,
+    and the same prompt again drafts from it. /metrics reports the index's answers, tokens and hit rate (the index's
+    own counts), and τ by drafter (the requests' tokens over their target passes)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from speculate.server import ServerConfig, create_app, load_models
+    from speculate.server.background import BackgroundServer
+    from speculate.spec import SpeculativeSpec
+
+    config = ServerConfig(model=str(tiny_folders[0]), max_batch=2, spec=SpeculativeSpec("lookup", k=4))
+    target, draft = load_models(config)
+    server = BackgroundServer(create_app(config, target, draft))
+
+    def ask(**speculative):
+        body = {"model": config.model, "prompt": [5, 6, 7, 8, 9], "max_tokens": 24, "temperature": 0,
+                "speculative": {"drafter": "suffix", **speculative}}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def metrics() -> dict:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        return {(s.name, s.labels.get("drafter")): s.value for f in text_string_to_metric_families(text)
+                for s in f.samples}
+
+    try:
+        private = ask(share=False)
+        m = metrics()
+        assert m[("speculate_suffix_index_answers", None)] == 0 and m[("speculate_suffix_index_tokens", None)] == 0
+        shared = [ask(), ask()]
+        assert [a["choices"][0]["text"] for a in shared] == [private["choices"][0]["text"]] * 2
+        m = metrics()
+        (index,) = suffix.indexes(target)
+        assert m[("speculate_suffix_index_answers", None)] == len(index.answers) == 2
+        assert m[("speculate_suffix_index_tokens", None)] == index.tokens == 2 * shared[0]["usage"]["completion_tokens"]
+        assert index.hits >= 1 and m[("speculate_suffix_index_hit_rate", None)] == pytest.approx(index.hits / index.lookups)
+        # the repeat drafted from the first answer: fewer target passes than the private request
+        stats = [a["speculative_stats"] for a in (private, *shared)]
+        assert stats[2]["target_calls"] < stats[0]["target_calls"]
+        tau = sum(s["new_tokens"] for s in stats) / sum(s["target_calls"] for s in stats)
+        assert m[("speculate_mean_accepted_length_by_drafter", "suffix")] == pytest.approx(tau)
+    finally:
+        server.stop()

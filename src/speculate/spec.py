@@ -36,6 +36,11 @@ def _variants(drafter: str) -> tuple:
     return DRAFTERS[drafter].cls.variants if drafter in DRAFTERS else ()
 
 
+def _takes(drafter: str, option: str) -> bool:
+    """Whether ``drafter`` (a canonical name) declares ``option``."""
+    return drafter in DRAFTERS and any(param.name == option for param in DRAFTERS[drafter].cls.params)
+
+
 def _pairs(items) -> dict:
     """Options as a dict, from a dict, (key, value) pairs or ``KEY=VALUE`` strings."""
     if items is None:
@@ -189,6 +194,7 @@ class SpeculativeSpec:
         verifier = given.pop("verifier", None)
         drafter = given.pop("drafter", None)
         k = given.pop("k", None)
+        share = given.pop("share", None)
         if given:
             raise SpeculateError(f"unknown speculative settings: {', '.join(sorted(given))}")
         if verifier is None or verifier == defaults.verifier:
@@ -198,6 +204,8 @@ class SpeculativeSpec:
             asked = cls(resolve(drafter, model))  # the named drafter with its own defaults
             if asked.registry_name != defaults.registry_name:
                 drafter_spec = (asked.drafter, asked.options)
+        if share is not None and _takes(drafter_spec[0], "share"):  # (a drafter that shares nothing ignores it)
+            drafter_spec = (drafter_spec[0], {**dict(drafter_spec[1]), "share": share})
         return cls(*drafter_spec, verifier if verifier is not None else defaults.verifier, params,
                    k if k is not None else defaults.k, defaults.dtype)
 

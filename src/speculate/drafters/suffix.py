@@ -48,6 +48,7 @@ class ServedIndex:
         self.counts: dict[tuple[int, ...], dict[int, int]] = {}
         self.answers: deque[list[int]] = deque()
         self.tokens = 0
+        self.lookups = self.hits = 0  # chain() calls, and those that drafted (the server's /metrics)
         self.lock = threading.Lock()
 
     def _grams(self, answer: list[int]):
@@ -101,6 +102,8 @@ class ServedIndex:
                     limit = min(k, max(1, int(alpha * hit[2])))
                 out.append(hit[0])
                 recent = (recent + [hit[0]])[-self.max_n:]
+            self.lookups += 1
+            self.hits += bool(out)
         return out
 
 
@@ -120,6 +123,12 @@ def served_index(target, scope: str = "", max_tokens: int = 200_000, seed: int =
             for answer in read_answers(Path(folder) / FILE)[0][:seed] if folder is not None else ():
                 index.add(answer)
         return index
+
+
+def indexes(target) -> list[ServedIndex]:
+    """Every index this process holds for ``target`` (one per scope and size): what the server's /metrics reports."""
+    with _INDEXES_LOCK:
+        return [index for key, index in _INDEXES.items() if key[0] == id(target.model)]
 
 
 class SuffixDrafter(LookupDrafter):

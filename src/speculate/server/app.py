@@ -22,6 +22,7 @@ from .. import __version__
 from ..policy.batch import BatchPlanner
 from ..errors import SpeculateError
 from ..models.loader import LoadedModel
+from ..drafters.suffix import indexes as suffix_indexes
 from ..models.prefix_store import PrefixStore
 from .auth import check_api_key
 from .body import read_json
@@ -100,6 +101,7 @@ class Routes:
         # Prompts' KV blocks for every request, whatever its settings (models/prefix_store.py).
         self.prefix_store = PrefixStore(int(config.prefix_cache_gib * 2**30)) if config.prefix_cache else None
         metrics.store = self.prefix_store
+        metrics.indexes = partial(suffix_indexes, target)
         self.decoders = Decoders(lambda s: build_decoder(target, draft, s, config.prefix_cache, self.prefix_store),
                                  keep=config.max_batch)
         self.model_id = config.model
@@ -202,8 +204,8 @@ class Routes:
     def submit(self, prepared: list) -> list[Job]:
         """A job per choice, admitted together or not at all (a 429 takes none of them)."""
         loop = asyncio.get_running_loop()
-        jobs = [Job(partial(open_run, p, self.decoders, self.scheduler.prefill_chunk), loop, p.prompt_tokens)
-                for p in prepared]
+        jobs = [Job(partial(open_run, p, self.decoders, self.scheduler.prefill_chunk), loop, p.prompt_tokens,
+                    p.settings.registry_name) for p in prepared]
         try:
             self.scheduler.submit(*jobs)
         except Closed:
@@ -287,7 +289,7 @@ class Routes:
     def record(self, job: Job, result: Outcome) -> None:
         now = time.perf_counter()
         ttft = result.first_piece_at - job.submitted_at if result.first_piece_at is not None else None
-        self.metrics.record_generation(result.generation, ttft, now - job.submitted_at)
+        self.metrics.record_generation(result.generation, ttft, now - job.submitted_at, job.drafter)
 
 
 # The routes whose bodies the handlers read themselves (for the size limit and the one-line errors) and validate with

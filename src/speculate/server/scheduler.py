@@ -56,9 +56,10 @@ class Job:
     error."""
 
     def __init__(self, open: Callable[[], tuple[Run, Callable[[], None]]], loop: asyncio.AbstractEventLoop,
-                 prompt_tokens: int = 0):
+                 prompt_tokens: int = 0, drafter: str = ""):
         self.open = open
         self.prompt_tokens = prompt_tokens  # (admission: a long prompt may wait while shorter ones pass it)
+        self.drafter = drafter  # its drafter's name, for the metrics' τ by drafter
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()

@@ -29,6 +29,8 @@ class _Speculative(BaseModel):
     drafter: str | None = Field(None, description="one of: " + ", ".join(ALL_DRAFTERS))
     verifier: Literal[tuple(VERIFIERS)] | None = None
     k: int | Literal["auto"] | None = None  # auto: sized per round (speculate/policy/auto.py); 1..64: spec.parse_k
+    share: bool | None = Field(None, description="false: this request's answer neither feeds nor drafts from the "
+                                                 "answers the server has served (drafter suffix); others ignore it")
 
     @field_validator("drafter", "k")
     @classmethod
