@@ -569,3 +569,97 @@ def test_a_short_request_is_not_starved_by_long_prompts(tiny):
     done = [name for name, kind in events if kind == "done"]
     assert done[0] == "short", done
     assert max(rows) <= 32 + 2, max(rows)  # the budget, and one decode row for each of 2 places
+
+
+# ------------------------------------------------------------------------------------------------ KV memory
+def test_admission_by_kv_memory(tiny):
+    """--kv-memory: with room for the KV of two requests at once, four requests in a batch of four run two at a time
+    (never more reserved than the budget), first come first served, idle caches are trimmed to what is left, and all
+    four finish with plain decoding's tokens."""
+    import threading
+
+    from speculate import SamplingParams, SpeculativeDecoder
+    from speculate.server.scheduler import Job, Scheduler
+
+    events, lock, trims = [], threading.Lock(), []
+    params = SamplingParams(max_new_tokens=6, temperature=0)
+    prompts = [[3 + i, 4, 5, 6, 7 + i] for i in range(4)]
+    plain = [SpeculativeDecoder(tiny[0], "none").generate(p, params).token_ids for p in prompts]
+
+    class Recorded(Job):
+        def __init__(self, name, ids):
+            decoder = SpeculativeDecoder(tiny[0], "lookup", "greedy", k=3)
+            super().__init__(lambda: (decoder.start(ids, params), lambda: None), loop=None, prompt_tokens=len(ids),
+                             kv_bytes=100)
+            self.name = name
+
+        def emit(self, kind, value=None):
+            with lock:
+                events.append((self.name, kind, value))
+
+    sched = Scheduler(max_batch=4, max_queue=8, kv_budget=250, make_room=trims.append)
+    most = []
+    sched.on_round = lambda n, rows, seconds: most.append((n, sched.kv_reserved))
+    jobs = [Recorded(f"r{i}", p) for i, p in enumerate(prompts)]
+    assert not sched.too_large(jobs[0]) and sched.too_large(Job(lambda: None, None, kv_bytes=251))
+    sched.submit(*jobs)
+    sched.start()
+    try:
+        deadline = time.monotonic() + 60
+        while sum(kind == "done" for _, kind, _ in events) < 4:
+            assert time.monotonic() < deadline and not any(kind == "error" for _, kind, _ in events), events
+            time.sleep(0.01)
+    finally:
+        sched.stop()
+    assert max(n for n, _ in most) == 2 and max(r for _, r in most) == 200  # two at a time: 200 of 250 bytes
+    assert [name for name, kind, _ in events if kind == "ready"] == ["r0", "r1", "r2", "r3"]
+    assert trims[:2] == [150, 50] and sched.kv_reserved == 0  # room left for the idle caches; all returned
+    done = {name: value.generation.token_ids for name, kind, value in events if kind == "done"}
+    assert [done[f"r{i}"] for i in range(4)] == plain
+
+
+def test_a_request_that_never_fits_the_kv_memory_is_refused(tiny_folders):
+    """A request whose prompt and max tokens alone exceed --kv-memory gets a 400 naming the flag, before it queues;
+    a smaller one is answered; the budget and the reserved bytes are in /metrics."""
+    from speculate.models import load_model
+    from speculate.models.kv import position_bytes
+
+    per_token = position_bytes(load_model(str(tiny_folders[0]), dtype="auto"))
+    gib = (5 + 40 + 65) * per_token / 2**30  # room for a 5-token prompt and 40 new tokens, with the draft's slack
+    server = start(tiny_folders, max_tokens=0, kv_memory_gib=gib)
+    try:
+        body = {"model": server.model, "prompt": [3, 4, 5, 6, 7], "temperature": 0}
+        big = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 41}, timeout=60)
+        assert big.status_code == 400 and big.json()["error"]["code"] == "kv_memory_exceeded", big.text
+        assert "--kv-memory" in big.json()["error"]["message"]
+        ok = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 40}, timeout=60)
+        assert ok.status_code == 200, ok.text
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        assert f"speculate_kv_budget_bytes {float(int(gib * 2**30))}" in metrics
+        assert "speculate_kv_reserved_bytes 0.0" in metrics
+    finally:
+        server.stop()
+
+
+def test_idle_decoders_are_trimmed_to_the_room_left(tiny):
+    """Decoders.trim (the scheduler's make_room): idle decoders go, the least recently returned first, until their
+    caches hold at most the bytes asked."""
+    from speculate import SpeculativeDecoder
+    from speculate.server.decoders import Decoders, _kv_bytes
+    from speculate.spec import SpeculativeSpec
+
+    decoders = Decoders(lambda spec: SpeculativeDecoder(tiny[0], "none"), keep=8)
+    spec = SpeculativeSpec("none")
+    made = []
+    for i in range(3):
+        d = decoders.take(spec, [1, 2, 3])
+        d.generate([3 + i, 4, 5], max_new_tokens=4)
+        made.append(d)
+    for d in made:
+        decoders.give_back(spec, d)
+    each = _kv_bytes(made[0])
+    assert each > 0 and all(_kv_bytes(d) == each for d in made)
+    decoders.trim(2 * each)
+    assert [d for _, d in decoders._idle] == made[1:]
+    decoders.trim(each - 1)
+    assert decoders._idle == []

@@ -108,6 +108,17 @@ def _residual(module: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch
     return lambda residual, x: residual + module(x)
 
 
+def cache_layout(model: nn.Module, exact: bool | None = None) -> tuple[bool, object, str, torch.dtype]:
+    """(invariant, the attention kernel or None, the attention: "kernel" / "integer" / "fused", the cache's dtype) of
+    a lean model (FastKVModel.__init__ explains each); the cache of "integer" attention is float64 with one more
+    column a head (a scale)."""
+    dtype = model.model.embed_tokens.weight.dtype
+    invariant = any(is_quantized(m) for m in model.modules()) if exact is None else exact
+    kern = kernel.load() if invariant or (exact is None and dtype == torch.float32) else None
+    attention = "kernel" if kern else "integer" if invariant else "fused"
+    return invariant, kern, attention, torch.float64 if attention == "integer" else dtype
+
+
 class FastKVModel:
     def __init__(self, loaded: LoadedModel, exact: bool | None = None):
         """``exact``: batch-invariant attention (default: for int8 and q4 models, whose other ops are row-independent
@@ -147,11 +158,8 @@ class FastKVModel:
         # bf16 (and any model without a C compiler): PyTorch's fused attention. fp32 uses the kernel too where it
         # builds, not for exactness (its matmuls are not row-independent) but because it takes every generation of a
         # batched forward in one call a layer, where PyTorch's takes one call each.
-        self.invariant = any(is_quantized(m) for m in model.modules()) if exact is None else exact
-        self.kernel = kernel.load() if self.invariant or (exact is None and self.dtype == torch.float32) else None
-        self.attention = "kernel" if self.kernel else "integer" if self.invariant else "fused"
+        self.invariant, self.kernel, self.attention, self.cache_dtype = cache_layout(model, exact)
         self.exact_bits = exact_attention.budgets(self.head_dim, loaded.context_window)
-        self.cache_dtype = torch.float64 if self.attention == "integer" else self.dtype
         self.k_slot_dim = 3 if self.attention == "kernel" else 2  # the kernel's keys are stored transposed
         # q4: each layer in five kernel calls (norms, rotary, cache writes and SiLU inside them; _block_layers).
         self.blocks = None
@@ -176,6 +184,11 @@ class FastKVModel:
         """Start a new generation; ``keep``: the cached positions to keep (a shared prompt prefix)."""
         self.length = min(self.length, keep)
         self._ensure(capacity)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cache buffers held (the server's --kv-memory counts idle decoders by it)."""
+        return 0 if self.k_cache is None else self.k_cache.nbytes + self.v_cache.nbytes
 
     def _ensure(self, needed: int) -> None:
         """Grow the cache buffers (doubling) so that positions < needed fit; keeps what is cached."""

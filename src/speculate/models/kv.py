@@ -44,6 +44,22 @@ def forward_many(items: list[Rows]) -> list[torch.Tensor | None]:
     return out
 
 
+def position_bytes(loaded: LoadedModel) -> int:
+    """Bytes of KV cache one position takes in :func:`KVModel`'s cache for ``loaded`` (keys and values, every layer):
+    what the server's --kv-memory admission counts per token."""
+    from . import fast as fast_path
+
+    model, cfg = loaded.model, loaded.model.config
+    layers, n_kv = cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if fast_path.supports(model):
+        _, _, attention, dtype = fast_path.cache_layout(model)
+        head_dim += attention == "integer"  # (its scale column)
+    else:
+        dtype = model.dtype
+    return layers * n_kv * head_dim * 2 * torch.empty((), dtype=dtype).element_size()
+
+
 class HFKVModel:
     shares_prefixes = False  # (models/prefix_store.py: only the lean caches copy rows in and out)
 
@@ -57,6 +73,12 @@ class HFKVModel:
         self.hidden = None  # after each forward: final-normed hidden rows [n_new, H] (the LM head's input)
         self.taps: tuple[int, ...] = ()  # decoder layers whose outputs follow them in ``hidden`` (EAGLE-3)
         self._mask_min = torch.finfo(self.model.dtype).min
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cache held."""
+        layers = self.cache.layers if self.cache is not None else ()
+        return sum(t.nbytes for layer in layers for t in (layer.keys, layer.values) if t is not None)
 
     def reset(self, capacity: int = 0, keep: int = 0) -> None:
         """Start a new generation; ``keep``: the cached positions to keep (a shared prompt prefix)."""

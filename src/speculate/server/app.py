@@ -23,6 +23,7 @@ from ..policy.batch import BatchPlanner
 from ..errors import SpeculateError
 from ..models.loader import LoadedModel
 from ..drafters.suffix import indexes as suffix_indexes
+from ..models.kv import position_bytes
 from ..models.prefix_store import PrefixStore
 from .auth import check_api_key
 from .body import read_json
@@ -40,6 +41,7 @@ from . import tokenizer_api
 
 log = logging.getLogger("speculate.server")
 RETRY_AFTER_SECONDS = 1
+KV_SLACK = 65  # positions a draft may take past the last token (a tree's nodes), reserved with each request
 
 
 def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | None = None,
@@ -104,6 +106,13 @@ class Routes:
         metrics.indexes = partial(suffix_indexes, target)
         self.decoders = Decoders(lambda s: build_decoder(target, draft, s, config.prefix_cache, self.prefix_store),
                                  keep=config.max_batch)
+        scheduler.make_room = self.decoders.trim  # --kv-memory: idle caches go first
+        # KV bytes a token may take: the target's cache and (for the drafters that run it) the draft model's; a
+        # request reserves its prompt, max tokens and a draft's rows of them (over-counting the draft model's for
+        # requests that do not use it).
+        self.kv_per_token = position_bytes(target) + (position_bytes(draft) if draft is not None else 0)
+        metrics.kv_budget.set(scheduler.kv_budget)
+        metrics.kv_reserved = lambda: scheduler.kv_reserved
         self.model_id = config.model
         self.public_name = Path(target.name).name  # an alias, or a local folder's last component: never its path
         self.created = int(time.time())
@@ -205,7 +214,14 @@ class Routes:
         """A job per choice, admitted together or not at all (a 429 takes none of them)."""
         loop = asyncio.get_running_loop()
         jobs = [Job(partial(open_run, p, self.decoders, self.scheduler.prefill_chunk), loop, p.prompt_tokens,
-                    p.settings.registry_name) for p in prepared]
+                    p.settings.registry_name, self.kv_per_token * (p.prompt_tokens + p.sampling.max_new_tokens + KV_SLACK))
+                for p in prepared]
+        for job in jobs:
+            if self.scheduler.too_large(job):
+                gib = 2**30
+                raise APIError(400, f"this request needs {job.kv_bytes / gib:.2f} GiB of KV cache (its prompt and "
+                                    f"max tokens); this server runs {self.scheduler.kv_budget / gib:.2f} GiB "
+                                    f"(--kv-memory): ask for fewer tokens", "max_tokens", "kv_memory_exceeded")
         try:
             self.scheduler.submit(*jobs)
         except Closed:
@@ -346,7 +362,7 @@ def new_scheduler(config: ServerConfig) -> Scheduler:
     """The generation thread for ``config``: batches of ``--max-batch``, prompts fed ``--prefill-chunk`` at a time,
     ``--prefill-budget`` prompt tokens a round for all of them."""
     return Scheduler(config.max_batch, config.max_queue, prefill_chunk=config.prefill_chunk,
-                     prefill_budget=config.prefill_budget)
+                     prefill_budget=config.prefill_budget, kv_budget=config.kv_budget())
 
 
 def as_api_error(value) -> APIError:

@@ -35,6 +35,10 @@ class ServerConfig:
     # at most; --no-prefix-cache: every request prefills its whole prompt in a fresh decoder.
     prefix_cache: bool = True
     prefix_cache_gib: float = 1.0
+    # --kv-memory: GiB of KV cache the running generations may fill together (server/scheduler.py admits a request
+    # only while its share fits; one that could never fit is a 400); None: half the memory available at start;
+    # 0: no limit (the behaviour before it).
+    kv_memory_gib: float | None = None
     # --allowed-host: Host (and Origin) names served besides loopback ones (server/guard.py: DNS rebinding)
     allowed_hosts: tuple[str, ...] = ()
     # Slow and idle clients (server/protocol.py, body.py): seconds to send a request's headers (from connecting, or
@@ -65,6 +69,8 @@ class ServerConfig:
             raise SpeculateError(f"--max-tokens must be >= 0 (0: the context window), got {self.max_tokens}")
         if not 0 <= self.prefix_cache_gib < float("inf"):
             raise SpeculateError(f"--prefix-cache-gib must be a number >= 0, got {self.prefix_cache_gib}")
+        if self.kv_memory_gib is not None and not 0 <= self.kv_memory_gib < float("inf"):
+            raise SpeculateError(f"--kv-memory must be a number of GiB >= 0 (0: no limit), got {self.kv_memory_gib}")
         if self.max_body_bytes < 1:
             raise SpeculateError(f"the body size limit must be >= 1 byte, got {self.max_body_bytes}")
         if not 0 <= self.port <= 65535:
@@ -96,4 +102,22 @@ class ServerConfig:
                    body_timeout=args.body_timeout, keep_alive_timeout=args.keep_alive_timeout,
                    max_connections=args.max_connections,
                    max_connections_per_client=args.max_connections_per_client, shutdown_grace=args.shutdown_grace,
-                   max_tokens=args.max_tokens)
+                   max_tokens=args.max_tokens, kv_memory_gib=args.kv_memory)
+
+    def kv_budget(self) -> int:
+        """--kv-memory in bytes (0: no limit); by default half the memory available now."""
+        if self.kv_memory_gib is not None:
+            return int(self.kv_memory_gib * 2**30)
+        return available_memory() // 2
+
+
+def available_memory() -> int:
+    """Bytes of memory available to new allocations (Linux: MemAvailable; elsewhere the physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

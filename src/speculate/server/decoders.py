@@ -35,7 +35,20 @@ class Decoders:
                 return self._idle.pop(best)[1]
         return self.build(settings)
 
+    def trim(self, most: int) -> None:
+        """Drop idle decoders, the least recently returned first, until their KV caches hold at most ``most`` bytes
+        (the scheduler's --kv-memory admission makes room so)."""
+        with self._lock:
+            while self._idle and sum(_kv_bytes(d) for _, d in self._idle) > max(most, 0):
+                del self._idle[0]
+
     def give_back(self, settings: SpeculativeSpec, decoder: SpeculativeDecoder) -> None:
         with self._lock:
             self._idle.append((settings, decoder))
             del self._idle[: max(0, len(self._idle) - self.keep)]
+
+
+def _kv_bytes(decoder: SpeculativeDecoder) -> int:
+    """The KV bytes a decoder holds: the target's cache and a draft model's."""
+    draft = getattr(decoder.drafter, "kv", None)
+    return decoder.kv.nbytes + (draft.nbytes if draft is not None else 0)

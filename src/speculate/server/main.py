@@ -139,4 +139,7 @@ def serve(config: ServerConfig, log_level: str = "info") -> None:
         logging.getLogger("speculate.server").warning(
             "--max-connections %d lowered to %d: this process may open few files (ulimit -n)",
             config.max_connections, cap)
+    budget = app.state.scheduler.kv_budget
+    logging.getLogger("speculate.server").info(
+        "KV cache for running requests: %s (--kv-memory)", f"{budget / 2**30:.2f} GiB" if budget else "no limit")
     uvicorn_server(app, config, host=config.host, port=config.port, log_level=log_level).run()

@@ -94,6 +94,11 @@ class Metrics:
         self.accepted_length_by_drafter = Gauge("speculate_mean_accepted_length_by_drafter", "Generated tokens per "
                                                 "target forward pass (τ), by drafter", ["drafter"], registry=r)
         self.indexes = lambda: []  # the target's suffix indexes (set by the app)
+        self.kv_budget = Gauge("speculate_kv_budget_bytes", "KV cache the running generations may fill together "
+                               "(--kv-memory; 0: no limit)", registry=r)
+        self.kv_reserved_bytes = Gauge("speculate_kv_reserved_bytes", "KV cache reserved by the running generations "
+                                       "(their prompts and max tokens)", registry=r)
+        self.kv_reserved = lambda: 0
         self.store = None  # the server's PrefixStore, if any
         self._tokens = 0
         self._calls = 0
@@ -145,6 +150,7 @@ class Metrics:
             self.prefix_store_bytes.set(self.store.bytes)
             self.prefix_store_blocks.set(self.store.blocks)
             self.prefix_hit_rate.set(self.store.hit_rate)
+        self.kv_reserved_bytes.set(self.kv_reserved())
         indexes = self.indexes()
         self.index_tokens.set(sum(i.tokens for i in indexes))
         self.index_answers.set(sum(len(i.answers) for i in indexes))

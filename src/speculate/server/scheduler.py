@@ -56,10 +56,11 @@ class Job:
     error."""
 
     def __init__(self, open: Callable[[], tuple[Run, Callable[[], None]]], loop: asyncio.AbstractEventLoop,
-                 prompt_tokens: int = 0, drafter: str = ""):
+                 prompt_tokens: int = 0, drafter: str = "", kv_bytes: int = 0):
         self.open = open
         self.prompt_tokens = prompt_tokens  # (admission: a long prompt may wait while shorter ones pass it)
         self.drafter = drafter  # its drafter's name, for the metrics' τ by drafter
+        self.kv_bytes = kv_bytes  # the KV cache its generation may fill: what --kv-memory admission reserves
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -123,7 +124,8 @@ class Scheduler:
 
     def __init__(self, max_batch: int, max_queue: int, on_change: Callable[[int, int], None] | None = None,
                  plan: Callable[[list[Run]], list[int] | None] | None = None, prefill_chunk: int = 128,
-                 prefill_budget: int | None = None):
+                 prefill_budget: int | None = None, kv_budget: int = 0,
+                 make_room: Callable[[int], None] | None = None):
         prefill_budget = prefill_budget or 2 * prefill_chunk
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or prefill_budget < 1:
             raise ValueError("need max_batch >= 1, max_queue >= 0, prefill_chunk >= 1 and prefill_budget >= 1")
@@ -134,6 +136,11 @@ class Scheduler:
         # its chunk every round: a 16-token request beside them took 45 s, against 0.16 s alone (issue 42).
         self.prefill_budget = prefill_budget
         self.max_long_prefills = max(1, max_batch // 2)
+        # Admission by memory (--kv-memory): a request joins the batch only while the KV its running generations may
+        # fill (kv_reserved) leaves room for its own; make_room(bytes) then frees idle caches beyond what is left.
+        # A request that needs more than the whole budget never joins (the handler refuses it: too_large).
+        self.kv_budget, self.kv_reserved = kv_budget, 0
+        self.make_room = make_room or (lambda most: None)
         self.on_change = on_change or (lambda running, queued: None)
         self.on_round: Callable[[int, int, float], None] = lambda generations, rows, seconds: None
         self.on_admit: Callable[[float], None] = lambda queued_seconds: None
@@ -179,6 +186,10 @@ class Scheduler:
         call = _Call(fn)
         self._inbox.put(call)
         return call.future.result()
+
+    def too_large(self, job: Job) -> bool:
+        """Whether ``job`` needs more KV memory than the whole --kv-memory budget (it could never join the batch)."""
+        return bool(self.kv_budget) and job.kv_bytes > self.kv_budget
 
     def submit(self, *jobs: Job) -> None:
         """Admit ``jobs`` (a request's choices) together, or none of them (QueueFull, Closed)."""
@@ -257,11 +268,16 @@ class Scheduler:
             if long and long_prefills >= self.max_long_prefills and not job.cancelled.is_set():
                 i += 1  # it waits for a long prefill to end; a shorter request behind it may go first
                 continue
-            del self._waiting[i]
             if job.cancelled.is_set():
+                del self._waiting[i]
                 job.stopped()
                 self._forget(job)
                 continue
+            if self.kv_budget and self._running and self.kv_reserved + job.kv_bytes > self.kv_budget:
+                break  # it waits for memory, and those behind it with it (first come, first served)
+            del self._waiting[i]
+            if self.kv_budget:
+                self.make_room(self.kv_budget - self.kv_reserved - job.kv_bytes)
             job.started_at = time.perf_counter()
             self.on_admit(job.started_at - job.submitted_at)
             try:
@@ -277,6 +293,7 @@ class Scheduler:
                 continue
             job.emit("ready")
             self._running.append(_Running(job, run, release))
+            self.kv_reserved += job.kv_bytes
             long_prefills += long
             with self._lock:
                 self.running += 1
@@ -325,6 +342,7 @@ class Scheduler:
         """Take ``r`` out of the batch; give its decoder back (``release``) or report ``error`` (the decoder of a
         failed run is dropped: its state is undefined)."""
         self._running.remove(r)
+        self.kv_reserved -= r.job.kv_bytes
         if release:
             r.release()
         if error is not None:  # (the handler tells the client: server/app.py, as_api_error)
