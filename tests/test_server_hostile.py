@@ -12,6 +12,7 @@ import socket
 
 import httpx
 import pytest
+import torch
 
 from speculate.server import ServerConfig, create_app, load_models
 from speculate.server.background import BackgroundServer
@@ -663,3 +664,17 @@ def test_idle_decoders_are_trimmed_to_the_room_left(tiny):
     assert [d for _, d in decoders._idle] == made[1:]
     decoders.trim(each - 1)
     assert decoders._idle == []
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8", "q4"])
+def test_a_positions_kv_bytes_are_what_the_cache_allocates(tiny_folders, dtype):
+    """--kv-memory counts a token as models/kv.position_bytes: the bytes per position of the cache KVModel builds."""
+    from speculate.models import load_model
+    from speculate.models.kv import KVModel, position_bytes
+
+    loaded = load_model(str(tiny_folders[2 if dtype == "q4" else 0]), dtype=dtype)
+    kv = KVModel(loaded)
+    kv.reset(300)
+    kv.forward(torch.tensor([3, 4, 5]))
+    positions = kv.k_cache.shape[kv.k_slot_dim] if hasattr(kv, "k_cache") else kv.length
+    assert kv.nbytes == position_bytes(loaded) * positions
