@@ -1,6 +1,6 @@
 """Structured output (speculate/grammar.py, llguidance): every answer parses and follows its JSON schema, and greedy
-constrained answers are token-identical with and without speculation (chain and tree drafts, drafts all accepted or
-mostly rejected; a draft model drafting under the grammar too); sampling stays lossless with respect to the
+constrained answers are token-identical with and without speculation (20 schemas of different shapes; chain and tree
+drafts, drafts all accepted or mostly rejected; a draft model drafting under the grammar too); sampling stays lossless with respect to the
 constrained distribution."""
 
 from __future__ import annotations
@@ -30,6 +30,29 @@ SCHEMAS = [
     {**OBJ, "properties": {"c": {"const": "fixed"}, "d": {"type": "number", "minimum": 0, "maximum": 1}},
      "required": ["c"]},
     {**OBJ, "properties": {"t": {"type": "string", "pattern": "^[a-c]{2,4}$"}}, "required": ["t"]},
+    {**OBJ, "properties": {"i": {"type": "integer", "minimum": -5, "maximum": 5}}, "required": ["i"]},
+    {**OBJ, "properties": {"rows": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
+        **OBJ, "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["id"]}}},
+     "required": ["rows"]},
+    {**OBJ, "properties": {"month": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}$"}}, "required": ["month"]},
+    {**OBJ, "properties": {"flags": {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 2}},
+     "required": ["flags"]},
+    {**OBJ, "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "b": {"type": "string", "maxLength": 3}},
+     "required": ["a"]},
+    {**OBJ, "properties": {"x": {**OBJ, "properties": {"y": {**OBJ, "properties": {"z": {"enum": ["u", "w"]}},
+                                                             "required": ["z"]}}, "required": ["y"]}},
+     "required": ["x"]},
+    {**OBJ, "properties": {"v": {"enum": ["a", 1, True, None]}}, "required": ["v"]},
+    {**OBJ, "properties": {"pair": {"type": "array", "prefixItems": [{"type": "integer", "minimum": 0, "maximum": 9},
+                                                                     {"enum": ["p", "q"]}], "items": False}},
+     "required": ["pair"]},
+    {"type": "array", "items": {"enum": ["r", "g", "b"]}, "minItems": 1, "maxItems": 3},
+    {"enum": ["yes", "no"]},
+    {"$defs": {"d": {"type": "integer", "minimum": 0, "maximum": 3}}, **OBJ,
+     "properties": {"m": {"$ref": "#/$defs/d"}, "n": {"$ref": "#/$defs/d"}}, "required": ["m", "n"]},
+    {**OBJ, "properties": {"tag": {"type": "string", "enum": ["alpha", "beta", "gamma"]},
+                           "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 10, "maximum": 12}},
+     "required": ["tag", "ok", "n"]},
 ]
 
 

@@ -176,7 +176,7 @@ def test_cli_flags_and_request_fields_follow_the_declarations():
     flags = {a.dest for a in _parser()._subparsers._group_actions[0].choices["generate"]._actions}
     assert set(PARAMS) <= flags
     fields = set(SpeculativeSettings.model_fields)
-    assert fields == {"drafter", "verifier", "k"} | set(PARAMS)
+    assert fields == {"drafter", "verifier", "k", "share"} | set(PARAMS)  # (share: the suffix index, issue 40)
     assert set(PARAMS) == {"eps", "beta", "argmax", "delta", "D", "tol", "theta", "rho"}  # (greedy is the engine's)
     # Every declared parameter can be set both ways.
     for name, declared in PARAMS.items():

@@ -214,8 +214,8 @@ class Routes:
         """A job per choice, admitted together or not at all (a 429 takes none of them)."""
         loop = asyncio.get_running_loop()
         jobs = [Job(partial(open_run, p, self.decoders, self.scheduler.prefill_chunk), loop, p.prompt_tokens,
-                    p.settings.registry_name, self.kv_per_token * (p.prompt_tokens + p.sampling.max_new_tokens + KV_SLACK))
-                for p in prepared]
+                    p.settings.registry_name,
+                    self.kv_per_token * (p.prompt_tokens + p.sampling.max_new_tokens + KV_SLACK)) for p in prepared]
         for job in jobs:
             if self.scheduler.too_large(job):
                 gib = 2**30
@@ -331,12 +331,13 @@ def openapi_schema(app: FastAPI, keyed: bool, model_id: str, max_tokens: int = 0
         served = body["properties"]["model"]
         served.update({"enum": [model_id] + ([None] if "anyOf" in served else [])})
         for field in ("max_tokens", "max_completion_tokens"):
-            if max_tokens and field in body["properties"]:
-                for kind in body["properties"][field].get("anyOf", [body["properties"][field]]):
+            prop = body["properties"].get(field)
+            if max_tokens and prop is not None:
+                for kind in prop.get("anyOf", [prop]):
                     if kind.get("type") == "integer":
                         kind["maximum"] = max_tokens
-                if isinstance(body["properties"][field].get("default"), int):  # (completions' 16, as the handler caps it)
-                    body["properties"][field]["default"] = min(body["properties"][field]["default"], max_tokens)
+                if isinstance(prop.get("default"), int):  # (completions' 16, as the handler caps it)
+                    prop["default"] = min(prop["default"], max_tokens)
         components[model.__name__] = body
         ref = {"$ref": f"#/components/schemas/{model.__name__}"}
         schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref}}}

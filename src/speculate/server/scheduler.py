@@ -321,7 +321,7 @@ class Scheduler:
         self.on_round(len(runs), sum(r.rows_last for r in runs), now - t0)
         for r, out in zip(running, pieces):
             prompt_scored = r.run.prompt_logprobs
-            if prompt_scored is not None and not r.prompt_scored and not r.run.prefilling and not r.job.cancelled.is_set():
+            if prompt_scored is not None and not (r.prompt_scored or r.run.prefilling or r.job.cancelled.is_set()):
                 r.job.emit("prompt_logprobs", list(prompt_scored))  # (before the first text: the echo comes first)
                 r.prompt_scored = True
             if out and not r.job.cancelled.is_set():
