@@ -678,3 +678,16 @@ def test_a_positions_kv_bytes_are_what_the_cache_allocates(tiny_folders, dtype):
     kv.forward(torch.tensor([3, 4, 5]))
     positions = kv.k_cache.shape[kv.k_slot_dim] if hasattr(kv, "k_cache") else kv.length
     assert kv.nbytes == position_bytes(loaded) * positions
+
+
+def test_a_decoders_kv_bytes_count_a_draft_models_cache_however_it_is_held(tiny):
+    """Decoders.trim counts a decoder's target cache and its draft model's: held by the drafter itself (model) or by
+    the drafter it wraps (model+lookup)."""
+    from speculate import SpeculativeDecoder
+    from speculate.server.decoders import _kv_bytes
+
+    for name in ("model", "model+lookup"):
+        d = SpeculativeDecoder(tiny[0], name, k=3, draft_model=tiny[0])
+        d.generate([3, 4, 5, 3, 4], max_new_tokens=6)
+        draft = d.drafter.kv if name == "model" else d.drafter.drafter.kv
+        assert draft.nbytes > 0 and _kv_bytes(d) == d.kv.nbytes + draft.nbytes, name

@@ -150,6 +150,11 @@ class Drafter:
         ``--k auto``'s c; None: measure it (a draft model's cost profile). Lookup and plain: 0."""
         return 0.0
 
+    def cache_bytes(self) -> int:
+        """Bytes of KV cache this drafter holds (a draft model's; the server's --kv-memory counts idle decoders by
+        it). 0 for drafters without a model of their own."""
+        return 0
+
     def update(self, n_accepted: int, next_token: int, path: list[int] | None = None) -> None:
         """The verdict on the last proposal: ``n_accepted`` drafts were kept, then ``next_token`` was
         appended by the target. For a chain they are its first ``n_accepted`` tokens and ``path`` is

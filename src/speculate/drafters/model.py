@@ -43,6 +43,9 @@ class ModelDrafter(Drafter):
     def relative_cost(self):
         return None  # measured with the target: the draft model's forwards have their own fixed costs
 
+    def cache_bytes(self) -> int:
+        return self.kv.nbytes
+
     def propose(self, tokens, k):
         return self.propose_many([self], [tokens], [k])[0]
 

@@ -73,6 +73,9 @@ class ModelWithLookup(Drafter):
     def relative_cost(self):
         return None  # the draft model's, measured with the target (lookup's rounds cost nothing to draft)
 
+    def cache_bytes(self) -> int:
+        return self.drafter.cache_bytes()
+
     def max_nodes(self, k):
         return max(k, self.lookup.max_nodes(self.lookup_k or k))
 

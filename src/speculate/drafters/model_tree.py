@@ -58,6 +58,9 @@ class ModelTreeDrafter(Drafter):
     def max_nodes(self, k: int) -> int:
         return sum(self.branch ** min(d, self.spread) for d in range(1, k + 1))
 
+    def cache_bytes(self) -> int:
+        return self.kv.nbytes
+
     def begin(self, prompt_ids, sampling, generator):
         super().begin(prompt_ids, sampling, generator)
         self.prefix_reuse.start(self.kv, prompt_ids, len(prompt_ids) + 256, self.reuse_prefix)

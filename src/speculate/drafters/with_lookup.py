@@ -78,6 +78,9 @@ class WithLookup(Drafter):
     def relative_cost(self):
         return self.base.relative_cost()  # lookup drafts for free
 
+    def cache_bytes(self) -> int:
+        return self.base.cache_bytes()
+
     def _base_k(self, k: int) -> int:
         return k if self.base_k is None else min(k, self.base_k)
 

@@ -49,6 +49,5 @@ class Decoders:
 
 
 def _kv_bytes(decoder: SpeculativeDecoder) -> int:
-    """The KV bytes a decoder holds: the target's cache and a draft model's."""
-    draft = getattr(decoder.drafter, "kv", None)
-    return decoder.kv.nbytes + (draft.nbytes if draft is not None else 0)
+    """The KV bytes a decoder holds: the target's cache and its drafter's (a draft model's, Drafter.cache_bytes)."""
+    return decoder.kv.nbytes + decoder.drafter.cache_bytes()
