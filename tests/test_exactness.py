@@ -61,7 +61,7 @@ def attend_fn(kind, heads, kv_heads, d, capacity, keys, values):
     return lambda q, allowed, n_keys: exact_attention.attend(q, kc[:, :n_keys], vc[:, :n_keys], allowed, 0.125, bits)
 
 
-@pytest.mark.parametrize("d", [32, 64])  # the kernel's generic loop and its specialised one
+@pytest.mark.parametrize("d", [32, 64, 128])  # the kernel's generic loop and its two specialised ones
 def test_attention_rows_do_not_depend_on_the_other_rows_or_the_key_layout(attention, d):
     """Each row of a batched call equals the row computed alone (same visible keys), for chains and random
     masks; and a row over keys with masked slots between them (a tree node and its siblings) equals the same

@@ -44,6 +44,12 @@ _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
 
+def source_digest() -> str:
+    """A short digest of the kernels' sources: what a measurement of their speed (a cached cost profile) was taken
+    with, so that a new kernel is measured afresh."""
+    return hashlib.sha256(b"".join((KERNELS / name).read_bytes() for name in SOURCES)).hexdigest()[:12]
+
+
 def _cpu() -> str:
     """What the compiled code depends on (-march=native): the CPU's model and flags."""
     info = cpu_info()

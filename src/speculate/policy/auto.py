@@ -60,16 +60,17 @@ TRAINING_TOKENS = {
 def profile_path(target, draft=None) -> Path:
     """Where the cached profile of ``target`` (and ``draft``) at their precisions lives.
 
-    Keyed by model names, precisions and torch's thread count: a curve measured with other threads or
-    another precision says nothing about this one."""
+    Keyed by model names, precisions, torch's thread count and the compiled kernels' sources: a curve measured
+    with other threads, another precision or other kernels says nothing about this one."""
     import torch
 
+    from ..models import kernel
     from ..models.cache import cache_root
 
     parts = [f"{target.name}@{target.dtype}"]
     if draft is not None:
         parts.append(f"{draft.name}@{draft.dtype}")
-    key = "+".join(parts) + f"-{torch.get_num_threads()}t"
+    key = "+".join(parts) + f"-{torch.get_num_threads()}t-k{kernel.source_digest()}"
     # Local folders are named by their path: keep the file name short and filesystem-safe.
     slug = re.sub(r"[^A-Za-z0-9_.@+-]+", "_", key)[-80:]
     digest = hashlib.sha1(key.encode()).hexdigest()[:8]

@@ -4,7 +4,9 @@
  * keys in slot order, and every dot product over the head dimension is the same fixed sequence of fused
  * multiply-adds for every (row, key); keys a row may not see contribute nothing. So a row's result depends on
  * its own query and visible keys only: not on the number of rows, on which other rows share the call, or (for
- * a tree) on the masked siblings between its ancestors. The max is exact in any order. Loops over lanes have
+ * a tree) on the masked siblings between its ancestors. Rows are scored and weighed a few at a time (TILE: each key
+ * read once for all of them, their independent chains interleaved), each row by its own operations, the same as
+ * alone. The max is exact in any order. Loops over lanes have
  * fixed trip counts (no scalar remainders) and multiply-adds are explicit fmaf, so vector and scalar code
  * compute every element alike; compiled without fast-math (models/kernel.py).
  *
@@ -47,18 +49,73 @@ static void exp_block(float *restrict b, float m) {
     for (int t = 0; t < KEYS; t++) b[t] = b[t] - m < -87.f ? 0.f : p[t] * scale.f[t];
 }
 
-/* o = inv * sum over l of e[l] * values[l] (a left fold, keys of zero weight skipped). Inlined with a constant d,
- * the accumulator stays in registers. */
-static inline __attribute__((always_inline)) void weigh(const float *restrict e, const float *restrict values,
-                                                        int64_t padded, int d, float inv, float *restrict o) {
-    float acc[MAX_D];
-    for (int i = 0; i < d; i++) acc[i] = 0.f;
-    for (int64_t l = 0; l < padded; l++) {
-        if (e[l] == 0.f) continue;
-        const float w = e[l], *vl = values + l * d;
-        for (int i = 0; i < d; i++) acc[i] = fmaf(w, vl[i], acc[i]);
+/* Query rows scored and weighed together: each key read once for all of them, their chains interleaved. AVX-512's 32
+ * vector registers hold 4 rows' accumulators (d = 64); AVX2's 16 hold 2. */
+#ifdef __AVX512F__
+#define TILE 4
+#else
+#define TILE 2
+#endif
+
+/* acc[j][t] = the dot product of row j's query qs[j] with key l0 + t: for every (row, key) the same sequence of fused
+ * multiply-adds over i = 0..d-1 as for that row alone; TILE rows at a time, so the keys are read once and the rows'
+ * independent chains fill the multiply-add units. Inlined with a constant d. */
+static inline __attribute__((always_inline)) void score_tile(const float *const qs[TILE], const float *restrict keys,
+                                                             int64_t capacity, int d, int nr, float acc[TILE][KEYS]) {
+    for (int j = 0; j < nr; j++)
+        for (int t = 0; t < KEYS; t++) acc[j][t] = 0.f;
+    for (int i = 0; i < d; i++) {
+        const float *ki = keys + (int64_t)i * capacity;
+        for (int j = 0; j < nr; j++) {
+            const float qi = qs[j][i];
+            for (int t = 0; t < KEYS; t++) acc[j][t] = fmaf(qi, ki[t], acc[j][t]);
+        }
     }
-    for (int i = 0; i < d; i++) o[i] = acc[i] * inv;
+}
+
+/* o[j] = inv[j] * sum over l of e[j][l] * values[l], for TILE rows: each a left fold of fused multiply-adds over
+ * keys, a key of zero weight skipped for that row (its value may be anything: a masked sibling's), as alone.
+ * Inlined with a constant d, the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void weigh(const float *const e[TILE], const float *restrict values,
+                                                        int64_t padded, int d, int nr, const float inv[TILE],
+                                                        float *const o[TILE]) {
+    float acc[TILE][MAX_D];
+    for (int j = 0; j < nr; j++)
+        for (int i = 0; i < d; i++) acc[j][i] = 0.f;
+    for (int64_t l = 0; l < padded; l++) {
+        const float *vl = values + l * d;
+        for (int j = 0; j < nr; j++) {
+            const float w = e[j][l];
+            if (w == 0.f) continue;
+            for (int i = 0; i < d; i++) acc[j][i] = fmaf(w, vl[i], acc[j][i]);
+        }
+    }
+    for (int j = 0; j < nr; j++)
+        for (int i = 0; i < d; i++) o[j][i] = acc[j][i] * inv[j];
+}
+
+/* score_tile and weigh with constant row counts and head dimensions (64 and 128 specialised): one copy each.
+ * CALL(D, N): the call with head dimension D and N rows. */
+#define BY_D(CALL, N) do { if (d == 64) CALL(64, N); else if (d == 128) CALL(128, N); else CALL(d, N); } while (0)
+#if TILE == 4
+#define BY_ROWS(CALL) switch (nr) { case 1: BY_D(CALL, 1); break; case 2: BY_D(CALL, 2); break; \
+                                    case 3: BY_D(CALL, 3); break; default: BY_D(CALL, 4); }
+#else
+#define BY_ROWS(CALL) switch (nr) { case 1: BY_D(CALL, 1); break; default: BY_D(CALL, 2); }
+#endif
+
+static void score_rows(const float *const qs[TILE], const float *restrict keys, int64_t capacity, int d, int nr,
+                       float acc[TILE][KEYS]) {
+#define SCORE(D, N) score_tile(qs, keys, capacity, D, N, acc)
+    BY_ROWS(SCORE);
+#undef SCORE
+}
+
+static void weigh_rows(const float *const e[TILE], const float *restrict values, int64_t padded, int d, int nr,
+                       const float inv[TILE], float *const o[TILE]) {
+#define WEIGH(D, N) weigh(e, values, padded, D, N, inv, o)
+    BY_ROWS(WEIGH);
+#undef WEIGH
 }
 
 /* Rotary embedding of the q and k heads of new rows, and their keys and values written into the cache. qkv
@@ -95,6 +152,10 @@ int speculate_attend(const float *restrict q, const float *restrict kt, const fl
     const int rep = heads / kv_heads, rows = n * rep;
     const int64_t padded = ((int64_t)length + KEYS - 1) / KEYS * KEYS;
     if (padded > capacity || capacity % KEYS || d > MAX_D || length < 1) return -1;
+    /* Work items: a KV head and a stretch of its rows (several stretches when there are threads to spare). */
+    const int tiles = (rows + TILE - 1) / TILE;
+    const int parts = threads > 1 && tiles > 1 ? (tiles < 2 * threads ? tiles : 2 * threads) : 1;
+    const int span = (tiles + parts - 1) / parts * TILE; /* rows a part, a multiple of TILE */
     float *all_scores = malloc(sizeof(float) * kv_heads * rows * padded);
     float *all_sums = malloc(sizeof(float) * kv_heads * rows);
     int64_t *last = malloc(sizeof(int64_t) * n);
@@ -104,57 +165,69 @@ int speculate_attend(const float *restrict q, const float *restrict kt, const fl
         last[r] = length - 1;
         while (allowed && last[r] > 0 && !allowed[(int64_t)r * padded + last[r]]) last[r]--;
     }
-    /* KV heads in parallel (OpenMP, PyTorch's runtime): each has its own buffers and its own rows of out, and every
-     * value is computed by the same operations whichever thread runs it. */
-#pragma omp parallel for num_threads(threads) schedule(static) \
-    if (threads > 1 && kv_heads > 1 && (int64_t)rows * padded >= 512)
-    for (int g = 0; g < kv_heads; g++) {
-        float *scores = all_scores + (int64_t)g * rows * padded, *sums = all_sums + (int64_t)g * rows;
-        const float *keys = kt + (int64_t)g * d * capacity, *values = v + (int64_t)g * capacity * d;
-        /* Scores, masked: -inf where a row may not look. */
-        for (int64_t l0 = 0; l0 < padded; l0 += KEYS)
-            for (int r = 0; r < rows; r++) {
-                const float *qr = q + ((int64_t)(r / rep) * heads + g * rep + r % rep) * d;
-                float *s = scores + (int64_t)r * padded + l0;
-                if (l0 > last[r / rep]) {
-                    for (int t = 0; t < KEYS; t++) s[t] = -INFINITY;
-                    continue;
+    /* Items in parallel (OpenMP, PyTorch's runtime): each has its own rows of the buffers and of out, and every
+     * value is computed by the same operations whichever thread runs it and whichever rows share its tile. */
+#pragma omp parallel for num_threads(threads) schedule(static) collapse(2) \
+    if (threads > 1 && kv_heads * parts > 1 && (int64_t)rows * padded >= 512)
+    for (int g = 0; g < kv_heads; g++)
+        for (int part = 0; part < parts; part++) {
+            const int r_lo = part * span, r_hi = r_lo + span < rows ? r_lo + span : rows;
+            float *scores = all_scores + (int64_t)g * rows * padded, *sums = all_sums + (int64_t)g * rows;
+            const float *keys = kt + (int64_t)g * d * capacity, *values = v + (int64_t)g * capacity * d;
+            /* Scores, masked: -inf where a row may not look. */
+            for (int r0 = r_lo; r0 < r_hi; r0 += TILE) {
+                const int nr = r_hi - r0 < TILE ? r_hi - r0 : TILE;
+                const float *qs[TILE];
+                for (int j = 0; j < nr; j++) {
+                    const int r = r0 + j;
+                    qs[j] = q + ((int64_t)(r / rep) * heads + g * rep + r % rep) * d;
                 }
-                float acc[KEYS];
-                for (int t = 0; t < KEYS; t++) acc[t] = 0.f;
-                for (int i = 0; i < d; i++) {
-                    const float qi = qr[i], *ki = keys + (int64_t)i * capacity + l0;
-                    for (int t = 0; t < KEYS; t++) acc[t] = fmaf(qi, ki[t], acc[t]);
-                }
-                if (allowed) {
-                    const uint8_t *ok = allowed + (int64_t)(r / rep) * padded + l0;
-                    for (int t = 0; t < KEYS; t++) s[t] = ok[t] ? acc[t] * scaling : -INFINITY;
-                } else {
-                    for (int t = 0; t < KEYS; t++) s[t] = l0 + t < length ? acc[t] * scaling : -INFINITY;
+                for (int64_t l0 = 0; l0 < padded; l0 += KEYS) {
+                    int seen = 0; /* whether any row of the tile may look at this block */
+                    for (int j = 0; j < nr; j++) seen |= l0 <= last[(r0 + j) / rep];
+                    float acc[TILE][KEYS];
+                    if (seen) score_rows(qs, keys + l0, capacity, d, nr, acc);
+                    for (int j = 0; j < nr; j++) {
+                        const int r = r0 + j;
+                        float *s = scores + (int64_t)r * padded + l0;
+                        if (l0 > last[r / rep]) {
+                            for (int t = 0; t < KEYS; t++) s[t] = -INFINITY;
+                        } else if (allowed) {
+                            const uint8_t *ok = allowed + (int64_t)(r / rep) * padded + l0;
+                            for (int t = 0; t < KEYS; t++) s[t] = ok[t] ? acc[j][t] * scaling : -INFINITY;
+                        } else {
+                            for (int t = 0; t < KEYS; t++) s[t] = l0 + t < length ? acc[j][t] * scaling : -INFINITY;
+                        }
+                    }
                 }
             }
-        /* Softmax numerators e = exp(s - max) (the max of 8 lanes: exact in any order), then each row's sum. */
-        for (int r = 0; r < rows; r++) {
-            float *s = scores + (int64_t)r * padded, lane[8], m = -INFINITY;
-            for (int t = 0; t < 8; t++) lane[t] = -INFINITY;
-            for (int64_t l0 = 0; l0 < padded; l0 += 8)
-                for (int t = 0; t < 8; t++) lane[t] = s[l0 + t] > lane[t] ? s[l0 + t] : lane[t];
-            for (int t = 0; t < 8; t++) m = lane[t] > m ? lane[t] : m;
-            for (int64_t l0 = 0; l0 < padded; l0 += KEYS) exp_block(s + l0, m);
+            /* Softmax numerators e = exp(s - max) (the max of 8 lanes: exact in any order), then each row's sum. */
+            for (int r = r_lo; r < r_hi; r++) {
+                float *s = scores + (int64_t)r * padded, lane[8], m = -INFINITY;
+                for (int t = 0; t < 8; t++) lane[t] = -INFINITY;
+                for (int64_t l0 = 0; l0 < padded; l0 += 8)
+                    for (int t = 0; t < 8; t++) lane[t] = s[l0 + t] > lane[t] ? s[l0 + t] : lane[t];
+                for (int t = 0; t < 8; t++) m = lane[t] > m ? lane[t] : m;
+                for (int64_t l0 = 0; l0 < padded; l0 += KEYS) exp_block(s + l0, m);
+            }
+            /* Sums left to right, the rows' independent chains interleaved. */
+            for (int r = r_lo; r < r_hi; r++) sums[r] = 0.f;
+            for (int64_t l = 0; l < padded; l++)
+                for (int r = r_lo; r < r_hi; r++) sums[r] += scores[(int64_t)r * padded + l];
+            /* Weighted values: each output element a left fold of fused multiply-adds over keys of non-zero weight. */
+            for (int r0 = r_lo; r0 < r_hi; r0 += TILE) {
+                const int nr = r_hi - r0 < TILE ? r_hi - r0 : TILE;
+                const float *e[TILE];
+                float inv[TILE], *o[TILE];
+                for (int j = 0; j < nr; j++) {
+                    const int r = r0 + j;
+                    e[j] = scores + (int64_t)r * padded;
+                    inv[j] = 1.f / sums[r];
+                    o[j] = out + ((int64_t)(r / rep) * heads + g * rep + r % rep) * d;
+                }
+                weigh_rows(e, values, padded, d, nr, inv, o);
+            }
         }
-        /* Sums left to right, the rows' independent chains interleaved. */
-        for (int r = 0; r < rows; r++) sums[r] = 0.f;
-        for (int64_t l = 0; l < padded; l++)
-            for (int r = 0; r < rows; r++) sums[r] += scores[(int64_t)r * padded + l];
-        /* Weighted values: each output element a left fold of fused multiply-adds over keys of non-zero weight. */
-        for (int r = 0; r < rows; r++) {
-            float *o = out + ((int64_t)(r / rep) * heads + g * rep + r % rep) * d;
-            const float *s = scores + (int64_t)r * padded, inv = 1.f / sums[r];
-            if (d == 64) weigh(s, values, padded, 64, inv, o);
-            else if (d == 128) weigh(s, values, padded, 128, inv, o);
-            else weigh(s, values, padded, d, inv, o);
-        }
-    }
     free(all_scores);
     free(all_sums);
     free(last);
@@ -187,7 +260,8 @@ int speculate_attention_many(const float *restrict qkv, const float *restrict co
         r0 += g->rows;
     }
     /* Several generations: one each per thread (a generation's KV heads alone are too little work to split); one:
-     * its KV heads in parallel inside speculate_attend. Either way each value is computed by the same operations. */
+     * its KV heads and stretches of its rows in parallel inside speculate_attend. Either way each value is computed
+     * by the same operations. */
     int rc = 0;
     if (threads > 1 && n_segs >= threads) {
         /* (Not an `if` clause on one pragma: a region that runs serially would still be a region, and the KV-head

@@ -47,7 +47,7 @@
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml's type numbers */
 #define QK 32
-#define TILE 4  /* rows computed together: a group's block unpacked once, used by each */
+#define TILE 4  /* rows computed together: a group's block unpacked once, used by each (8 measured no faster) */
 
 /* Bytes a block of 32 per output (the K types: a super-block of 256 per output, see "K types" below). */
 static int block_bytes(int type) {
@@ -107,13 +107,34 @@ static void prepare_row(const float *restrict x, int64_t k, const float *restric
     }
 }
 
+/* max |x| over a block of 32: exact in any order (a max rounds nothing), so the vector paths take it in lanes.
+ * (fmaxf's chain does not vectorize: its NaN rule forbids reordering; a NaN activation is a broken model anyway.) */
+static inline float block_amax(const float *restrict xb) {
+#if defined(WIDE)
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    const __m512 a = _mm512_andnot_ps(sign, _mm512_loadu_ps(xb)), b = _mm512_andnot_ps(sign, _mm512_loadu_ps(xb + 16));
+    return _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+#elif defined(VECTOR)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(xb));
+    for (int j = 8; j < QK; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + j)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    return _mm_cvtss_f32(h);
+#else
+    float amax = 0.f;
+    for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+    return amax;
+#endif
+}
+
 /* One row of x: int8 per block, da per block, and the block's Σ qa. */
 static void quantize_row(const float *restrict x, int64_t k, int8_t *restrict q, float *restrict da,
                          int32_t *restrict sums, int32_t *restrict lows) {
     for (int64_t b = 0; b < k / QK; b++) {
         const float *xb = x + b * QK;
-        float amax = 0.f;
-        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float amax = block_amax(xb);
         const float inv = amax != 0.f ? 127.f / amax : 0.f;
         int sum = 0, low = 0;
         for (int j = 0; j < QK; j++) {
@@ -244,19 +265,29 @@ tile_body(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *
         for (int r = 0; r < nr; r++) {
             const int8_t *a = q + r * k + b * QK;
             const int64_t ab = r * nb + b;
-            vi isum = ZEROI();
+            /* Two independent chains of multiply-adds (a block's first and second half), added at the end: integer
+             * sums, so exact in any order, and the chains' latencies overlap. */
+            vi lo = ZEROI(), hi = ZEROI(), isum;
             if (type == Q8_0) {
 #ifdef SIGNED_Q8
-                for (int c = 0; c < 8; c++) isum = DOT(isum, wabs[c], _mm256_sign_epi8(BCAST(a + 4 * c), w[c]));
+                for (int c = 0; c < 4; c++) {
+                    lo = DOT(lo, wabs[c], _mm256_sign_epi8(BCAST(a + 4 * c), w[c]));
+                    hi = DOT(hi, wabs[c + 4], _mm256_sign_epi8(BCAST(a + 16 + 4 * c), w[c + 4]));
+                }
+                isum = ADDI(lo, hi);
 #else
-                for (int c = 0; c < 8; c++) isum = DOT(isum, w[c], BCAST(a + 4 * c));
-                isum = SUBI(isum, INTS(128 * sums[ab]));
+                for (int c = 0; c < 4; c++) {
+                    lo = DOT(lo, w[c], BCAST(a + 4 * c));
+                    hi = DOT(hi, w[c + 4], BCAST(a + 16 + 4 * c));
+                }
+                isum = SUBI(ADDI(lo, hi), INTS(128 * sums[ab]));
 #endif
             } else {
                 for (int c = 0; c < 4; c++) {
-                    isum = DOT(isum, w[c], BCAST(a + 4 * c));
-                    isum = DOT(isum, w[c + 4], BCAST(a + 16 + 4 * c));
+                    lo = DOT(lo, w[c], BCAST(a + 4 * c));
+                    hi = DOT(hi, w[c + 4], BCAST(a + 16 + 4 * c));
                 }
+                isum = ADDI(lo, hi);
                 if (type == Q4_0) isum = SUBI(isum, INTS(8 * sums[ab]));
             }
             acc[r] = ADD(acc[r], MUL(TOF(isum), MUL(dw, FLOATS(da[ab]))));
@@ -423,17 +454,25 @@ k_vec(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *rest
 static void group_tile(int type, const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q,
                        const float *restrict da, const int32_t *restrict sums, const int32_t *restrict lows,
                        int64_t k, int nr, float *out) {
-#define CASE(T, N) case T * 8 + N: tile_body(T, wg, nb, q, da, sums, k, N, out); break;
+#define CASE(T, N) case T * 16 + N: tile_body(T, wg, nb, q, da, sums, k, N, out); break;
+#if TILE == 8
+#define ROWS(T) CASE(T, 1) CASE(T, 2) CASE(T, 3) CASE(T, 4) CASE(T, 5) CASE(T, 6) CASE(T, 7) CASE(T, 8)
+#else
 #define ROWS(T) CASE(T, 1) CASE(T, 2) CASE(T, 3) CASE(T, 4)
+#endif
 #if defined(WIDE) || defined(VECTOR)
-#define KCASE(T, N) case T * 8 + N: k_vec(T, wg, nb, q, da, sums, lows, k, N, out); break;
+#define KCASE(T, N) case T * 16 + N: k_vec(T, wg, nb, q, da, sums, lows, k, N, out); break;
+#if TILE == 8
+#define KROWS(T) KCASE(T, 1) KCASE(T, 2) KCASE(T, 3) KCASE(T, 4) KCASE(T, 5) KCASE(T, 6) KCASE(T, 7) KCASE(T, 8)
+#else
 #define KROWS(T) KCASE(T, 1) KCASE(T, 2) KCASE(T, 3) KCASE(T, 4)
-    switch (type * 8 + nr) { ROWS(Q4_0) ROWS(Q4_1) ROWS(Q8_0) KROWS(Q4_K) KROWS(Q6_K) default: break; }
+#endif
+    switch (type * 16 + nr) { ROWS(Q4_0) ROWS(Q4_1) ROWS(Q8_0) KROWS(Q4_K) KROWS(Q6_K) default: break; }
 #undef KROWS
 #undef KCASE
 #else
     if (is_k(type)) { k_scalar(type, wg, nb, q, da, sums, lows, k, nr, out); return; }
-    switch (type * 8 + nr) { ROWS(Q4_0) ROWS(Q4_1) ROWS(Q8_0) default: break; }
+    switch (type * 16 + nr) { ROWS(Q4_0) ROWS(Q4_1) ROWS(Q8_0) default: break; }
 #endif
 #undef ROWS
 #undef CASE
