@@ -1,0 +1,207 @@
+"""Probe: the compiled kernels of another git revision against the working tree's, bit for bit and in time
+(docs/benchmarks.md, "Verification cost T(n)").
+
+    python benchmarks/probes/kernel_ab.py [--base HEAD~1] [--threads 2] [--flags "-mno-avx512f"] [--model 3]
+
+1. Attention (kernels/attention.c, speculate_attend): both builds on one grid of calls (head layouts of the default
+   model, the Qwen pair and others; 1-33 new rows; no mask, causal and random masks; NaNs past the cache's length;
+   1 and 2 threads): every output must be the same bits. Then their time, interleaved call by call.
+2. q4's matmul (kernels/blocks.c, speculate_block_matmul) on the default model's layer shapes, Q4_1 and Q8_0: the
+   same bits, and the time, interleaved.
+3. With --model N: the default model at q4 through the lean decoder, N processes of each build alternating,
+   T(1), T(8), T(16) after 200 and 800 tokens of context (the medians of 15 forwards).
+
+--flags: more compiler flags for both builds (``-mno-avx512f``: an AVX2 machine's code; add ``-mno-avx2 -mno-avx
+-mno-fma`` for the scalar loops).
+"""
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from speculate.models import kernel
+from speculate.models.blocks import TYPES, BlockLinear
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = "src/speculate/models/kernels"
+
+
+def build(folder: Path, flags: list[str]) -> ctypes.CDLL:
+    out = folder / "kernels.so"
+    sources = [str(folder / name) for name in kernel.SOURCES]
+    subprocess.run(["cc", *kernel.FLAGS, "-fopenmp", *flags, "-o", str(out), *sources, "-lm"], check=True)
+    lib = ctypes.CDLL(str(out))
+    for name in ("speculate_attend", "speculate_block_matmul"):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = kernel.SIGNATURES[name]
+    return lib
+
+
+def sources(base: str, root: Path) -> tuple[Path, Path]:
+    """The base revision's kernel sources and the working tree's, each in a folder of its own."""
+    old, new = root / "base", root / "tree"
+    for folder in (old, new):
+        folder.mkdir()
+    for name in kernel.SOURCES:
+        text = subprocess.run(["git", "show", f"{base}:{KERNELS}/{name}"], cwd=ROOT, check=True,
+                              capture_output=True).stdout
+        (old / name).write_bytes(text)
+        (new / name).write_bytes((ROOT / KERNELS / name).read_bytes())
+    return old, new
+
+
+def attention(libs) -> None:
+    g = torch.Generator().manual_seed(0)
+    cases = differ = 0
+    for heads, kv_heads, d in ((9, 3, 64), (12, 2, 128), (14, 2, 64), (6, 2, 32), (8, 8, 128), (4, 1, 48)):
+        for capacity in (64, 256, 1024):
+            kt, v = torch.randn(kv_heads, d, capacity, generator=g), torch.randn(kv_heads, capacity, d, generator=g)
+            for length in sorted({1, 5, 63, 64, 65, 150, capacity} & set(range(1, capacity + 1))):
+                kt[..., length:], v[:, length:] = float("nan"), float("nan")  # never seen: must never count
+                for n in (1, 2, 3, 5, 9, 16, 33):
+                    q = torch.randn(n, heads, d, generator=g) * 2
+                    for kind in ("none", "causal", "random"):
+                        mask = None
+                        if kind != "none":
+                            allowed = (torch.ones(n, length, dtype=torch.bool).tril_(length - n) if kind == "causal"
+                                       else torch.rand(n, length, generator=g) < 0.5)
+                            allowed[:, 0] = True
+                            mask = kernel.mask(allowed)
+                        for threads in (1, 2):
+                            outs = []
+                            for lib in libs:
+                                out = torch.full((n, heads, d), 7.0)
+                                rc = lib.speculate_attend(q.data_ptr(), kt.data_ptr(), v.data_ptr(), capacity,
+                                                          None if mask is None else mask.data_ptr(), n, heads,
+                                                          kv_heads, d, length, 0.125, out.data_ptr(), threads)
+                                assert rc == 0, rc
+                                outs.append(out.view(torch.int32))
+                            cases += 1
+                            differ += not torch.equal(*outs)
+    print(f"attention: {cases} calls, {differ} with different bits")
+
+
+def attention_time(libs, threads: int) -> None:
+    capacity = 2048
+    kt, v = torch.randn(3, 64, capacity), torch.randn(3, capacity, 64)
+    print(f"attention, the default model's heads (9 / 3 KV, d 64), {threads} threads, base / tree µs:")
+    for context in (200, 800, 1500):
+        cells = []
+        for n in (1, 4, 8, 16, 64):
+            length = context + n
+            mask = kernel.mask(torch.ones(n, length, dtype=torch.bool).tril(context)) if n > 1 else None
+            q, out = torch.randn(n, 9, 64), torch.empty(n, 9, 64)
+            times = [[], []]
+            for _ in range(20):
+                for lib, ts in zip(libs, times):
+                    t = time.perf_counter()
+                    lib.speculate_attend(q.data_ptr(), kt.data_ptr(), v.data_ptr(), capacity,
+                                         None if mask is None else mask.data_ptr(), n, 9, 3, 64, length, 0.125,
+                                         out.data_ptr(), threads)
+                    ts.append(time.perf_counter() - t)
+            a, b = (statistics.median(ts) * 1e6 for ts in times)
+            cells.append(f"{n} rows {a:.0f} / {b:.0f} ({a / b:.2f}x)")
+        print(f"  context {context}: " + " | ".join(cells))
+
+
+def random_layer(kind: str, out: int, k: int) -> BlockLinear:
+    number, elems, size = TYPES[kind]
+    blocks = torch.randint(0, 256, (out, k // elems, size), dtype=torch.uint8)
+    blocks[..., 0:2] = torch.tensor([0x00, 0x20], dtype=torch.uint8)  # d = fp16 0x2000 (~0.008)
+    if kind == "Q4_1":
+        blocks[..., 2:4] = torch.tensor([0x00, 0xa0], dtype=torch.uint8)  # m = fp16 0xa000 (~-0.008)
+    return BlockLinear(blocks.reshape(out, -1), kind, k)
+
+
+def matmul(libs, threads: int) -> None:
+    print(f"q4 matmul (two activation rows a row), {threads} threads, base / tree µs:")
+    torch.manual_seed(0)
+    for kind, out, k in (("Q4_1", 960, 576), ("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576)):
+        layer, number = random_layer(kind, out, k), TYPES[kind][0]
+        cells = []
+        for rows in (1, 2, 8, 16):
+            x = torch.randn(rows, k)
+            ys = [torch.empty(rows, out) for _ in libs]
+            times = [[], []]
+            for _ in range(15):
+                for lib, y, ts in zip(libs, ys, times):
+                    t = time.perf_counter()
+                    lib.speculate_block_matmul(number, layer.packed0.data_ptr(), out, k, x.data_ptr(), rows, None,
+                                               0.0, 0, None, None, y.data_ptr(), out, threads, 2)
+                    ts.append(time.perf_counter() - t)
+            a, b = (statistics.median(ts) * 1e6 for ts in times)
+            same = "" if torch.equal(ys[0].view(torch.int32), ys[1].view(torch.int32)) else " DIFFERENT BITS"
+            cells.append(f"{rows} rows {a:.0f} / {b:.0f} ({a / b:.2f}x){same}")
+        print(f"  {kind} {out}x{k}: " + " | ".join(cells))
+
+
+MODEL = """
+import sys, time, torch
+from pathlib import Path
+from speculate.models import kernel
+kernel.KERNELS = Path(sys.argv[1])
+from speculate.models.fast import FastKVModel
+from speculate.models.loader import load_model
+torch.set_num_threads(int(sys.argv[2]))
+kv = FastKVModel(load_model("smollm2-135m-instruct", dtype="q4", progress=False))
+out = []
+for c in (200, 800):
+    context = torch.randint(0, 40000, (c,), generator=torch.Generator().manual_seed(0))
+    kv.reset(1024)
+    kv.forward(context)
+    for n in (1, 8, 16):
+        ts = []
+        for _ in range(15):
+            kv.keep(c)
+            t = time.perf_counter()
+            kv.forward(context[:n])
+            ts.append(time.perf_counter() - t)
+        out.append(sorted(ts)[7] * 1e3)
+print(" ".join(f"{t:.2f}" for t in out))
+"""
+
+
+def model(folders, threads: int, rounds: int) -> None:
+    results = {"base": [], "tree": []}
+    for _ in range(rounds):
+        for name, folder in zip(results, folders):
+            line = subprocess.run([sys.executable, "-c", MODEL, str(folder), str(threads)], check=True,
+                                  capture_output=True, text=True).stdout.split()
+            results[name].append([float(x) for x in line])
+    print(f"the default model at q4, {threads} threads, {rounds} processes each alternating; median ms:")
+    print("| build | T(1) @200 | T(8) @200 | T(16) @200 | T(1) @800 | T(8) @800 | T(16) @800 |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    med = {name: [statistics.median(col) for col in zip(*runs)] for name, runs in results.items()}
+    for name, cols in med.items():
+        print(f"| {name} | " + " | ".join(f"{c:.1f}" for c in cols) + " |")
+    print("| base ÷ tree | " + " | ".join(f"{a / b:.2f}x" for a, b in zip(med["base"], med["tree"])) + " |")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--base", default="HEAD~1", help="the git revision to compare with (default HEAD~1)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--flags", default="", help="more compiler flags for both builds")
+    parser.add_argument("--model", type=int, default=0, help="processes of each build for the model's T(n)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = sources(args.base, Path(tmp))
+        libs = [build(folder, args.flags.split()) for folder in folders]
+        print(f"base {args.base} against the working tree; extra flags: {args.flags or 'none'}")
+        attention(libs)
+        attention_time(libs, args.threads)
+        matmul(libs, args.threads)
+        if args.model:
+            model(folders, args.threads, args.model)
+
+
+if __name__ == "__main__":
+    main()
