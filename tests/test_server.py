@@ -891,3 +891,36 @@ def test_openapi_json_describes_the_request_bodies_and_validates(served):
     assert completion["properties"]["model"]["enum"] == served_ids
     assert "/v1/chat/completions" in schema["paths"] and "/tokenize" in schema["paths"]
     assert schema["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}]
+
+
+RELEASE = """
+import os, sys, torch
+torch.set_num_threads(2)
+from speculate.models.kernel import release_openmp_threads
+from speculate.server.scheduler import Scheduler
+tasks = lambda: len(os.listdir("/proc/self/task"))
+before = tasks()
+torch.randn(4_000_000).exp_()  # a parallel op: this thread now holds an OpenMP team (one more thread)
+team = tasks()
+released = release_openmp_threads()
+after = tasks()
+torch.randn(4_000_000).exp_()  # the team again...
+scheduler = Scheduler(max_batch=1, max_queue=0)
+scheduler.start()  # ...given back as the generation thread starts (one thread more: the generation thread)
+started = tasks()
+scheduler.stop()
+print(before, team, released, after, started)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2, reason="Linux, 2+ cores")
+def test_the_thread_that_starts_generation_gives_back_its_openmp_team():
+    """Two threads holding OpenMP teams on a small machine slow every forward ~2x (GNU OpenMP stops spinning between
+    regions once its teams hold more threads than cores): the scheduler's starting thread gives its team back. Counted
+    in threads, in a fresh process: a parallel op adds a worker, releasing it removes it, and Scheduler.start removes
+    it again (its own thread is the one left)."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, check=True).stdout.split()
+    before, team, released, after, started = int(out[0]), int(out[1]), out[2], int(out[3]), int(out[4])
+    assert (team, released, after, started) == (before + 1, "True", before, before + 1)

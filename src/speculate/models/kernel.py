@@ -44,6 +44,22 @@ _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
 
+def release_openmp_threads() -> bool:
+    """Give back this thread's OpenMP workers (OpenMP 5's ``omp_pause_resource_all``, soft: made again if this
+    thread runs a parallel region later). Returns whether the runtime took it (False: no GNU OpenMP here).
+
+    Why: GNU OpenMP keeps a team of workers for every thread that has run a parallel region (a torch op, one of
+    these kernels), and once the process holds more threads in teams than it has cores, every team stops spinning
+    between regions and sleeps: each region then waits for its workers to wake, and a decode step (~150 regions)
+    ran 2x slower (docs/benchmarks.md, "One OpenMP team"). A thread that hands the forwards to another calls
+    this: the server's starting thread (server/scheduler.py, ``Scheduler.start``)."""
+    try:
+        gomp = ctypes.CDLL("libgomp.so.1")  # the one torch loaded (the same soname): its teams are the ones to free
+        return gomp.omp_pause_resource_all(1) == 0  # 1: omp_pause_soft
+    except (OSError, AttributeError):
+        return False
+
+
 def source_digest() -> str:
     """A short digest of the kernels' sources: what a measurement of their speed (a cached cost profile) was taken
     with, so that a new kernel is measured afresh."""

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..engine import Run, step
+from ..models.kernel import release_openmp_threads
 
 log = logging.getLogger("speculate.server")
 
@@ -166,6 +167,10 @@ class Scheduler:
     def start(self) -> None:
         if self._thread is not None:  # (started early by call())
             return
+        # The starting thread hands every forward to the generation thread: it gives back the OpenMP workers it
+        # may hold (a torch op run before, e.g. a benchmark's machine line), or the two teams would slow every
+        # forward ~2x (models/kernel.py, release_openmp_threads).
+        release_openmp_threads()
         self._thread = threading.Thread(target=self._loop, name="speculate-generation", daemon=True)
         self._thread.start()
 
