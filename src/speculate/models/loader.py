@@ -210,8 +210,8 @@ def check_thread(loaded: LoadedModel) -> None:
     """Warn (once per process) when ``loaded`` runs on another thread than the one that loaded it, with more
     than one torch thread: PyTorch's GNU OpenMP keeps a team of threads for every thread that has run a
     parallel op, and once the process holds more of them than cores, all teams sleep between parallel regions
-    instead of spinning (a decode step opens ~250) — every forward measured ~1.5× slower (docs/benchmarks.md,
-    "Server"; benchmarks/probes/omp_teams.py). `speculate serve` builds decoders and runs every forward on its one
+    instead of spinning (a decode step opens ~150) — every forward measured 1.5-2× slower (docs/benchmarks.md,
+    "Server" and "One OpenMP team"; benchmarks/probes/omp_teams.py). `speculate serve` builds decoders and runs every forward on its one
     generation thread for this reason (server/scheduler.py; server/generation.py, open_run)."""
     global _WARNED_THREAD
     loader = loaded.thread()
@@ -220,8 +220,10 @@ def check_thread(loaded: LoadedModel) -> None:
         return
     _WARNED_THREAD = True
     warnings.warn(f"'{loaded.name}' was loaded on another thread than the one generating with it: with several "
-                  f"threads running torch, every forward can be ~1.5x slower; load and generate on one thread, or "
-                  f"set torch.set_num_threads(1) (docs/benchmarks.md, \"Server\")", RuntimeWarning, stacklevel=3)
+                  f"threads running torch, every forward can be 1.5-2x slower; load and generate on one thread, call "
+                  f"speculate.models.kernel.release_openmp_threads() on the loading thread once it is done with "
+                  f"torch, or set torch.set_num_threads(1) (docs/benchmarks.md, \"One OpenMP team\")",
+                  RuntimeWarning, stacklevel=3)
 
 
 def quantized_cache_folder(name: str, path: Path, kind: str = "int8") -> Path:
