@@ -1,7 +1,7 @@
 """Probe: the compiled kernels of another git revision against the working tree's, bit for bit and in time
 (docs/benchmarks.md, "Verification cost T(n)").
 
-    python benchmarks/probes/kernel_ab.py [--base HEAD~1] [--threads 2] [--flags "-mno-avx512f"] [--model 3]
+    python benchmarks/probes/kernel_ab.py [--base HEAD~1] [--threads 2] [--flags=-mno-avx512f] [--model 3]
 
 1. Attention (kernels/attention.c, speculate_attend): both builds on one grid of calls (head layouts of the default
    model, the Qwen pair and others; 1-33 new rows; no mask, causal and random masks; NaNs past the cache's length;
@@ -11,7 +11,7 @@
 3. With --model N: the default model at q4 through the lean decoder, N processes of each build alternating,
    T(1), T(8), T(16) after 200 and 800 tokens of context (the medians of 15 forwards).
 
---flags: more compiler flags for both builds (``-mno-avx512f``: an AVX2 machine's code; add ``-mno-avx2 -mno-avx
+--flags=...: more compiler flags for both builds (``--flags=-mno-avx512f``: an AVX2 machine's code; add ``-mno-avx2 -mno-avx
 -mno-fma`` for the scalar loops).
 """
 
