@@ -92,9 +92,9 @@ def attention_time(libs, threads: int) -> None:
     capacity = 2048
     kt, v = torch.randn(3, 64, capacity), torch.randn(3, capacity, 64)
     print(f"attention, the default model's heads (9 / 3 KV, d 64), {threads} threads, base / tree µs:")
-    for context in (200, 800, 1500):
+    for context in (0, 200, 800, 1500):  # 0: a causal prefill of n rows
         cells = []
-        for n in (1, 4, 8, 16, 64):
+        for n in (1, 4, 8, 16, 64) if context else (128, 512, 1000):
             length = context + n
             mask = kernel.mask(torch.ones(n, length, dtype=torch.bool).tril(context)) if n > 1 else None
             q, out = torch.randn(n, 9, 64), torch.empty(n, 9, 64)

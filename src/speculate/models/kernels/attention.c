@@ -56,6 +56,9 @@ static void exp_block(float *restrict b, float m) {
 #else
 #define TILE 2
 #endif
+/* Query rows a work item takes from scores to output (several tiles): their scores stay in the cache, and as many
+ * rows' softmax sums run side by side (each a left fold of its own). */
+#define BLOCK (4 * TILE)
 
 /* acc[j][t] = the dot product of row j's query qs[j] with key l0 + t: for every (row, key) the same sequence of fused
  * multiply-adds over i = 0..d-1 as for that row alone; TILE rows at a time, so the keys are read once and the rows'
@@ -152,86 +155,98 @@ int speculate_attend(const float *restrict q, const float *restrict kt, const fl
     const int rep = heads / kv_heads, rows = n * rep;
     const int64_t padded = ((int64_t)length + KEYS - 1) / KEYS * KEYS;
     if (padded > capacity || capacity % KEYS || d > MAX_D || length < 1) return -1;
-    /* Work items: a KV head and a stretch of its rows (several stretches when there are threads to spare). */
-    const int tiles = (rows + TILE - 1) / TILE;
-    const int parts = threads > 1 && tiles > 1 ? (tiles < 2 * threads ? tiles : 2 * threads) : 1;
-    const int span = (tiles + parts - 1) / parts * TILE; /* rows a part, a multiple of TILE */
-    float *all_scores = malloc(sizeof(float) * kv_heads * rows * padded);
-    float *all_sums = malloc(sizeof(float) * kv_heads * rows);
     int64_t *last = malloc(sizeof(int64_t) * n);
-    if (!all_scores || !all_sums || !last) { free(all_scores); free(all_sums); free(last); return -2; }
+    if (!last) return -2;
     /* The last slot each row may see: key blocks past it are not scored (a causal prefill's upper half). */
     for (int r = 0; r < n; r++) {
         last[r] = length - 1;
         while (allowed && last[r] > 0 && !allowed[(int64_t)r * padded + last[r]]) last[r]--;
     }
-    /* Items in parallel (OpenMP, PyTorch's runtime): each has its own rows of the buffers and of out, and every
-     * value is computed by the same operations whichever thread runs it and whichever rows share its tile. */
-#pragma omp parallel for num_threads(threads) schedule(static) collapse(2) \
-    if (threads > 1 && kv_heads * parts > 1 && (int64_t)rows * padded >= 512)
-    for (int g = 0; g < kv_heads; g++)
-        for (int part = 0; part < parts; part++) {
-            const int r_lo = part * span, r_hi = r_lo + span < rows ? r_lo + span : rows;
-            float *scores = all_scores + (int64_t)g * rows * padded, *sums = all_sums + (int64_t)g * rows;
+    /* Work items: a KV head and a block of its query rows (BLOCK), each from scores to output on its own, so its
+     * scores stay in the cache. In parallel (OpenMP, PyTorch's runtime), handed out one at a time: a causal prefill's
+     * later rows see more keys. Every value is computed by the same operations whichever thread runs it and
+     * whichever rows share its block. */
+    const int blocks = (rows + BLOCK - 1) / BLOCK, items = kv_heads * blocks;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && items > 1 && (int64_t)rows * padded >= 512)
+    {
+        float *s = malloc(sizeof(float) * BLOCK * padded); /* this thread's scores, one row of the block each */
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < items; item++) {
+            if (!s) continue;
+            const int g = item / blocks, b0 = (item % blocks) * BLOCK, nb = rows - b0 < BLOCK ? rows - b0 : BLOCK;
             const float *keys = kt + (int64_t)g * d * capacity, *values = v + (int64_t)g * capacity * d;
-            /* Scores, masked: -inf where a row may not look. */
-            for (int r0 = r_lo; r0 < r_hi; r0 += TILE) {
-                const int nr = r_hi - r0 < TILE ? r_hi - r0 : TILE;
+            /* Key blocks past the item's last visible one are never touched: their scores would be -inf, their
+             * weights 0, which add nothing to a sum and are skipped by weigh (the same values as over all). */
+            int64_t end = 0;
+            for (int r = b0; r < b0 + nb; r++) {
+                const int64_t block_end = last[r / rep] / KEYS * KEYS + KEYS;
+                end = block_end > end ? block_end : end;
+            }
+            /* Scores, masked: -inf where a row may not look; TILE rows at a time. */
+            for (int r0 = b0; r0 < b0 + nb; r0 += TILE) {
+                const int nr = b0 + nb - r0 < TILE ? b0 + nb - r0 : TILE;
                 const float *qs[TILE];
                 for (int j = 0; j < nr; j++) {
                     const int r = r0 + j;
                     qs[j] = q + ((int64_t)(r / rep) * heads + g * rep + r % rep) * d;
                 }
-                for (int64_t l0 = 0; l0 < padded; l0 += KEYS) {
+                for (int64_t l0 = 0; l0 < end; l0 += KEYS) {
                     int seen = 0; /* whether any row of the tile may look at this block */
                     for (int j = 0; j < nr; j++) seen |= l0 <= last[(r0 + j) / rep];
                     float acc[TILE][KEYS];
                     if (seen) score_rows(qs, keys + l0, capacity, d, nr, acc);
                     for (int j = 0; j < nr; j++) {
                         const int r = r0 + j;
-                        float *s = scores + (int64_t)r * padded + l0;
+                        float *sj = s + (int64_t)(r - b0) * padded + l0;
                         if (l0 > last[r / rep]) {
-                            for (int t = 0; t < KEYS; t++) s[t] = -INFINITY;
+                            for (int t = 0; t < KEYS; t++) sj[t] = -INFINITY;
                         } else if (allowed) {
                             const uint8_t *ok = allowed + (int64_t)(r / rep) * padded + l0;
-                            for (int t = 0; t < KEYS; t++) s[t] = ok[t] ? acc[j][t] * scaling : -INFINITY;
+                            for (int t = 0; t < KEYS; t++) sj[t] = ok[t] ? acc[j][t] * scaling : -INFINITY;
                         } else {
-                            for (int t = 0; t < KEYS; t++) s[t] = l0 + t < length ? acc[j][t] * scaling : -INFINITY;
+                            for (int t = 0; t < KEYS; t++) sj[t] = l0 + t < length ? acc[j][t] * scaling : -INFINITY;
                         }
                     }
                 }
             }
-            /* Softmax numerators e = exp(s - max) (the max of 8 lanes: exact in any order), then each row's sum. */
-            for (int r = r_lo; r < r_hi; r++) {
-                float *s = scores + (int64_t)r * padded, lane[8], m = -INFINITY;
+            /* Softmax numerators e = exp(s - max) (the max of 8 lanes: exact in any order), then each row's sum, a
+             * left fold (the block's rows' independent chains interleaved). */
+            float sums[BLOCK];
+            for (int j = 0; j < nb; j++) {
+                float *sj = s + (int64_t)j * padded, lane[8], m = -INFINITY;
                 for (int t = 0; t < 8; t++) lane[t] = -INFINITY;
-                for (int64_t l0 = 0; l0 < padded; l0 += 8)
-                    for (int t = 0; t < 8; t++) lane[t] = s[l0 + t] > lane[t] ? s[l0 + t] : lane[t];
+                for (int64_t l0 = 0; l0 < end; l0 += 8)
+                    for (int t = 0; t < 8; t++) lane[t] = sj[l0 + t] > lane[t] ? sj[l0 + t] : lane[t];
                 for (int t = 0; t < 8; t++) m = lane[t] > m ? lane[t] : m;
-                for (int64_t l0 = 0; l0 < padded; l0 += KEYS) exp_block(s + l0, m);
+                for (int64_t l0 = 0; l0 < end; l0 += KEYS) exp_block(sj + l0, m);
+                sums[j] = 0.f;
             }
-            /* Sums left to right, the rows' independent chains interleaved. */
-            for (int r = r_lo; r < r_hi; r++) sums[r] = 0.f;
-            for (int64_t l = 0; l < padded; l++)
-                for (int r = r_lo; r < r_hi; r++) sums[r] += scores[(int64_t)r * padded + l];
-            /* Weighted values: each output element a left fold of fused multiply-adds over keys of non-zero weight. */
-            for (int r0 = r_lo; r0 < r_hi; r0 += TILE) {
-                const int nr = r_hi - r0 < TILE ? r_hi - r0 : TILE;
+            for (int64_t l = 0; l < end; l++)
+                for (int j = 0; j < nb; j++) sums[j] += s[(int64_t)j * padded + l];
+            /* Weighted values: each output element a left fold of fused multiply-adds over keys of non-zero weight;
+             * TILE rows at a time. */
+            for (int r0 = b0; r0 < b0 + nb; r0 += TILE) {
+                const int nr = b0 + nb - r0 < TILE ? b0 + nb - r0 : TILE;
                 const float *e[TILE];
                 float inv[TILE], *o[TILE];
                 for (int j = 0; j < nr; j++) {
                     const int r = r0 + j;
-                    e[j] = scores + (int64_t)r * padded;
-                    inv[j] = 1.f / sums[r];
+                    e[j] = s + (int64_t)(r - b0) * padded;
+                    inv[j] = 1.f / sums[r - b0];
                     o[j] = out + ((int64_t)(r / rep) * heads + g * rep + r % rep) * d;
                 }
-                weigh_rows(e, values, padded, d, nr, inv, o);
+                weigh_rows(e, values, end, d, nr, inv, o);
             }
         }
-    free(all_scores);
-    free(all_sums);
+        free(s);
+    }
     free(last);
-    return 0;
+    return failed ? -2 : 0;
 }
 
 /* One generation's part of a batched forward (models/fast.py, _Segment): its new rows, where they go in its own
