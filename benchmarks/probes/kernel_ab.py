@@ -9,7 +9,8 @@
 2. q4's matmul (kernels/blocks.c, speculate_block_matmul) on the default model's layer shapes, Q4_1 and Q8_0: the
    same bits, and the time, interleaved.
 3. With --model N: the default model at q4 through the lean decoder, N processes of each build alternating,
-   T(1), T(8), T(16) after 200 and 800 tokens of context (the medians of 15 forwards).
+   T(1), T(8), T(16) after 200 and 800 tokens of context (the medians of 15 forwards), and a 1,000-token prefill
+   (the median of 3).
 
 --flags=...: more compiler flags for both builds (``--flags=-mno-avx512f``: an AVX2 machine's code; add ``-mno-avx2 -mno-avx
 -mno-fma`` for the scalar loops).
@@ -164,6 +165,14 @@ for c in (200, 800):
             kv.forward(context[:n])
             ts.append(time.perf_counter() - t)
         out.append(sorted(ts)[7] * 1e3)
+prompt = torch.randint(0, 40000, (1000,), generator=torch.Generator().manual_seed(1))
+ts = []
+for _ in range(3):  # a 1,000-token prompt's prefill from an empty cache, in one forward
+    kv.reset(1088)
+    t = time.perf_counter()
+    kv.forward(prompt, last=1)
+    ts.append(time.perf_counter() - t)
+out.append(sorted(ts)[1] * 1e3)
 print(" ".join(f"{t:.2f}" for t in out))
 """
 
@@ -176,8 +185,8 @@ def model(folders, threads: int, rounds: int) -> None:
                                   capture_output=True, text=True).stdout.split()
             results[name].append([float(x) for x in line])
     print(f"the default model at q4, {threads} threads, {rounds} processes each alternating; median ms:")
-    print("| build | T(1) @200 | T(8) @200 | T(16) @200 | T(1) @800 | T(8) @800 | T(16) @800 |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| build | T(1) @200 | T(8) @200 | T(16) @200 | T(1) @800 | T(8) @800 | T(16) @800 | prefill 1000 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     med = {name: [statistics.median(col) for col in zip(*runs)] for name, runs in results.items()}
     for name, cols in med.items():
         print(f"| {name} | " + " | ".join(f"{c:.1f}" for c in cols) + " |")
