@@ -908,19 +908,27 @@ torch.randn(4_000_000).exp_()  # the team again...
 scheduler = Scheduler(max_batch=1, max_queue=0)
 scheduler.start()  # ...given back as the generation thread starts (one thread more: the generation thread)
 started = tasks()
+working = scheduler.call(lambda: (torch.randn(4_000_000).exp_(), tasks())[1])  # its own team: one more...
+import time
+deadline = time.monotonic() + 10
+while tasks() > started and time.monotonic() < deadline:  # ...given back once it waits for work
+    time.sleep(0.01)
+idle = tasks()
 scheduler.stop()
-print(before, team, released, after, started)
+print(before, team, released, after, started, working, idle)
 """
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2, reason="Linux, 2+ cores")
 def test_the_thread_that_starts_generation_gives_back_its_openmp_team():
     """Two threads holding OpenMP teams on a small machine slow every forward ~2x (GNU OpenMP stops spinning between
-    regions once its teams hold more threads than cores): the scheduler's starting thread gives its team back. Counted
-    in threads, in a fresh process: a parallel op adds a worker, releasing it removes it, and Scheduler.start removes
-    it again (its own thread is the one left)."""
+    regions once its teams hold more threads than cores): the scheduler's starting thread gives its team back, and so
+    does the generation thread while it waits for work. Counted in threads, in a fresh process: a parallel op adds a
+    worker, releasing it removes it, Scheduler.start removes it again (its own thread is the one left), and the
+    generation thread's worker goes once it is idle."""
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, check=True).stdout.split()
-    before, team, released, after, started = int(out[0]), int(out[1]), out[2], int(out[3]), int(out[4])
+    before, team, released, after, started, working, idle = (int(x) if x.isdigit() else x for x in out)
     assert (team, released, after, started) == (before + 1, "True", before, before + 1)
+    assert (working, idle) == (before + 2, before + 1)  # the generation thread's team, gone when it waits

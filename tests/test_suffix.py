@@ -98,7 +98,8 @@ def test_the_index_can_start_from_the_shipped_answers(default_model):
     shipped = read_answers(Path(shipped_store(default_model)) / FILE)[0]
     assert list(index.answers) == shipped[:50] and index.tokens == sum(map(len, shipped[:50]))
     drafter = get_drafter("suffix", None, default_model, seed=50)
-    assert drafter.served is index  # one index per model and scope: the same object
+    assert drafter.served is index  # one index per model, scope and seed: the same object
+    assert get_drafter("suffix", None, default_model).served is not index  # an unseeded one starts empty
 
 
 def test_the_server_reports_the_index_and_honours_share_false(tiny_folders):

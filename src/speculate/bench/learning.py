@@ -1,14 +1,16 @@
 """Does a drafter that learns from served answers (``suffix``) get faster as it serves? Its speed on the first and the
 last requests of workloads that repeat and of one that does not, against ``retrieval``, ``lookup`` and plain decoding.
 
-    python -m speculate.bench.learning [--model M] [--dtype q4] [--requests 40] [--max-tokens 64] [--out FILE.json]
+    python -m speculate.bench.learning [--model M] [--dtype q4] [--requests 40] [--max-tokens 64]
+        [--drafters none lookup retrieval suffix suffix:seed=2048] [--out FILE.json]
 
 The engine in this process, one request at a time, every request decoded by each drafter in an order that rotates
 (``suffix``'s index learns from its own answers only; each workload starts it empty). Workloads, from shipped data:
 ``json`` (GSM8K questions, each asked for a JSON record with the same fields: repeats its shape), ``gsm8k-8shot`` (the
 paper's 8-shot prompt: repeats its answer format) and ``mt_bench`` (first turns: little repeats). Per workload and
 drafter: tokens/s and tokens per target call over the first and the last quarter of the requests, the ratio to plain
-decoding over the same requests, and whether every answer equals plain decoding's.
+decoding over the same requests, and whether every answer equals plain decoding's. A drafter may carry options,
+``NAME:KEY=VALUE,...`` (``suffix:seed=2048``: its index starts with the shipped answer store, as ``retrieval``'s).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import argparse
 from datetime import date
 
-from ..drafters import suffix
+from ..drafters import get_drafter, parse_options, suffix
 from ..engine import SpeculativeDecoder
 from ..models import DEFAULT_MODEL, DTYPES, load_model
 from . import emit, machine_header, script
@@ -34,17 +36,24 @@ def workloads(n: int) -> dict[str, list[str]]:
             "mt_bench": [s.turns[0] for s in load_dataset("mt_bench", limit=n, shots=0)]}
 
 
-def run(model: str, dtype: str, requests: int, max_tokens: int) -> dict:
+def drafter(target, label: str):
+    """``NAME`` or ``NAME:KEY=VALUE,...`` → that drafter for ``target``."""
+    name, _, options = label.partition(":")
+    return get_drafter(name, None, target, **parse_options(name, options.split(",") if options else []))
+
+
+def run(model: str, dtype: str, requests: int, max_tokens: int, drafters: list[str] = DRAFTERS) -> dict:
     machine = machine_header()  # at the start: the threads and load as the run begins
     target = load_model(model, dtype=dtype, progress=False)
+    drafters = ["none", *(d for d in drafters if d != "none")]  # plain decoding: every ratio's base
     rows = []
     for name, prompts in workloads(requests).items():
-        suffix._INDEXES.clear()  # each workload starts with an empty index
-        decoders = {d: SpeculativeDecoder(target, d) for d in DRAFTERS}
+        suffix._INDEXES.clear()  # each workload starts with an empty index (or the seed's answers only)
+        decoders = {d: SpeculativeDecoder(target, drafter(target, d)) for d in drafters}
         for d in decoders.values():  # warm-up (not timed; an answer too short for the index)
             d.generate("Hi.", max_new_tokens=2)
         for i, prompt in enumerate(prompts):
-            order = DRAFTERS[i % len(DRAFTERS):] + DRAFTERS[: i % len(DRAFTERS)]
+            order = drafters[i % len(drafters):] + drafters[: i % len(drafters)]
             outs = {d: decoders[d].generate(prompt, max_new_tokens=max_tokens) for d in order}
             for d, out in outs.items():
                 rows.append({"workload": name, "request": i, "drafter": d, "tokens": out.stats.new_tokens,
@@ -56,16 +65,16 @@ def run(model: str, dtype: str, requests: int, max_tokens: int) -> dict:
         summary[name] = {}
         for part, keep in (("first", range(quarter)), ("last", range(requests - quarter, requests))):
             cell = {}
-            for d in DRAFTERS:
+            for d in drafters:
                 mine = [r for r in rows if r["workload"] == name and r["drafter"] == d and r["request"] in keep]
                 tokens = sum(r["tokens"] for r in mine)
                 cell[d] = {"tokens_per_second": round(tokens / sum(r["seconds"] for r in mine), 2),
                            "tokens_per_call": round(tokens / max(1, sum(r["calls"] for r in mine)), 3)}
-            for d in DRAFTERS:
+            for d in drafters:
                 cell[d]["x_plain"] = round(cell[d]["tokens_per_second"] / cell["none"]["tokens_per_second"], 3)
             summary[name][part] = cell
         same = {d: sum(r["same_as_plain"] for r in rows if r["workload"] == name and r["drafter"] == d)
-                for d in DRAFTERS}
+                for d in drafters}
         summary[name]["same_as_plain"] = {d: f"{n}/{requests}" for d, n in same.items()}
     return {"date": date.today().isoformat(), **machine, "model": model, "dtype": dtype, "requests": requests,
             "max_tokens": max_tokens, "summary": summary, "rows": rows}
@@ -77,9 +86,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="q4", choices=list(DTYPES))
     p.add_argument("--requests", type=int, default=40)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--drafters", nargs="+", default=DRAFTERS, help="NAME or NAME:KEY=VALUE,... (plain decoding always)")
     p.add_argument("--out")
     a = p.parse_args(argv)
-    return emit(run(a.model, a.dtype, a.requests, a.max_tokens), a.out)
+    return emit(run(a.model, a.dtype, a.requests, a.max_tokens, a.drafters), a.out)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ with the prefix store (models/prefix_store.py) against the server without it, in
 
     python -m speculate.bench.shared_prefix [--model M] [--dtype q4] [--groups 4] [--system-tokens 1000]
                                             [--max-tokens 32] [--out FILE.json]
+    python -m speculate.bench.shared_prefix --clients 16 [--requests 4] [--rounds 2] [--workload system|gsm8k-8shot]
 
 Two `speculate serve` apps on loopback ports, in this process, with the same model: ``store`` (the default: decoders
 kept between requests, and the prefix store, 1 GiB) and ``decoders only`` (``--prefix-cache-gib 0``: a prompt reuses a
@@ -14,6 +15,13 @@ one after the other, in an order that alternates; each streams, and its time to 
 text chunk. Reported per server: TTFT of the first request of each group (uncached) and of the others, the ratio,
 tokens/s over whole requests, cached prompt tokens (``usage.prompt_tokens_details``) and whether both servers gave the
 same text (they must at int8 and q4).
+
+With ``--clients N``: concurrent clients instead, each server in turn (the order alternating by round), N clients at
+once, client c with the speculative settings ``SETTINGS[c % 4]``, each sending ``--requests`` requests one after the
+other. ``--workload system``: every request carries the same ~``--system-tokens`` system prompt and a question of its
+own; ``gsm8k-8shot``: the paper's 8-shot GSM8K prompt, the same eight examples before each question. Reported per
+server: TTFT of each client's first request (the clients start together: nothing cached yet) and of the later ones,
+aggregate tokens/s, cached prompt tokens over prompt tokens, and whether both servers gave the same text.
 """
 
 from __future__ import annotations
@@ -52,7 +60,8 @@ def _stream(http, url: str, model: str, system: str, question: str, speculative:
     """(seconds to the first text chunk, seconds in all, text, usage) of one streamed chat request."""
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "speculative": speculative,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+            "messages": ([{"role": "system", "content": system}] if system is not None else [])
+            + [{"role": "user", "content": question}]}
     start = time.perf_counter()
     first, text, usage = None, [], None
     with http.stream("POST", url + "/v1/chat/completions", json=body, timeout=900) as r:
@@ -126,6 +135,82 @@ def run(model: str, dtype: str, groups: int, system_tokens: int, max_tokens: int
             "rows": rows}
 
 
+def run_concurrent(model: str, dtype: str, clients: int, requests: int, rounds: int, workload: str,
+                   system_tokens: int, max_tokens: int) -> dict:
+    """The --clients mode (module docstring)."""
+    machine = machine_header()
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from ..server import ServerConfig, build_app
+    from ..server.background import BackgroundServer
+
+    apps = {name: build_app(ServerConfig(model=model, dtype=dtype, spec=SpeculativeSpec("lookup"), max_batch=clients,
+                                         max_queue=2 * clients, prefix_cache_gib=gib, max_connections_per_client=0))
+            for name, gib in SERVERS.items()}  # (every client from one address: no per-address cap)
+    servers = {name: BackgroundServer(app) for name, app in apps.items()}
+    n = clients * requests
+    if workload == "system":
+        system = system_prompts(apps["store"].state.target.tokenizer, 1, system_tokens)[0]
+        questions = [s.turns[0] for s in load_dataset("gsm8k", limit=n * rounds + 4, shots=0)]
+        asks = [(system, q) for q in questions]
+    else:  # gsm8k-8shot: the examples in the user turn, before the question
+        asks = [(None, s.turns[0]) for s in load_dataset("gsm8k", limit=n * rounds + 4, shots=8)]
+    rows = []
+
+    def client(name: str, round_: int, c: int) -> list[dict]:
+        out = []
+        with httpx.Client() as http:
+            for i in range(requests):
+                system, question = asks[round_ * n + c * requests + i]
+                ttft, seconds, text, usage = _stream(http, servers[name].url, model, system, question,
+                                                     SETTINGS[c % len(SETTINGS)], max_tokens)
+                out.append({"server": name, "round": round_, "client": c, "request": i, "ttft_seconds": round(ttft, 4),
+                            "seconds": round(seconds, 4), "completion_tokens": usage["completion_tokens"],
+                            "prompt_tokens": usage["prompt_tokens"],
+                            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "text": text})
+        return out
+
+    try:
+        with httpx.Client() as http:  # warm-up, not timed: each setting's first decoder on each server
+            for server in servers.values():
+                for j, speculative in enumerate(SETTINGS):
+                    system, question = asks[-1 - j]
+                    _stream(http, server.url, model, system, question, speculative, 4)
+        walls = {name: [] for name in servers}
+        for round_ in range(rounds):
+            for name in (list(servers) if round_ % 2 == 0 else list(servers)[::-1]):
+                start = time.perf_counter()
+                with ThreadPoolExecutor(clients) as pool:
+                    for part in pool.map(lambda c: client(name, round_, c), range(clients)):
+                        rows.extend(part)
+                walls[name].append(time.perf_counter() - start)
+    finally:
+        for server in servers.values():
+            server.stop()
+    summary = {}
+    for name in servers:
+        mine = [r for r in rows if r["server"] == name]
+        first = [r["ttft_seconds"] for r in mine if r["request"] == 0]
+        later = [r["ttft_seconds"] for r in mine if r["request"] > 0]
+        summary[name] = {
+            "ttft_first_median": round(statistics.median(first), 4),
+            "ttft_later_median": round(statistics.median(later), 4) if later else None,
+            "ttft_later_p95": round(statistics.quantiles(later, n=20)[-1], 4) if len(later) > 1 else None,
+            "tokens_per_second": round(sum(r["completion_tokens"] for r in mine) / sum(walls[name]), 2),
+            "wall_seconds": [round(w, 2) for w in walls[name]],
+            "cached_prompt_tokens": sum(r["cached_tokens"] for r in mine),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in mine)}
+    texts = {}
+    for r in rows:
+        texts.setdefault((r["round"], r["client"], r["request"]), set()).add(r["text"])
+    summary["same_text_on_both"] = f"{sum(len(t) == 1 for t in texts.values())}/{len(texts)}"
+    return {"date": date.today().isoformat(), **machine, "model": model, "dtype": dtype, "clients": clients,
+            "requests": requests, "rounds": rounds, "workload": workload, "system_tokens": system_tokens,
+            "max_tokens": max_tokens, "settings": SETTINGS, "summary": summary, "rows": rows}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m speculate.bench.shared_prefix", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
@@ -133,8 +218,15 @@ def main(argv=None) -> int:
     p.add_argument("--groups", type=int, default=4, help="system prompts, each sent with four questions")
     p.add_argument("--system-tokens", type=int, default=1000)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--clients", type=int, default=0, help="concurrent clients (0: the sequential groups)")
+    p.add_argument("--requests", type=int, default=4, help="with --clients: requests per client, one after another")
+    p.add_argument("--rounds", type=int, default=2, help="with --clients: rounds, the servers' order alternating")
+    p.add_argument("--workload", default="system", choices=["system", "gsm8k-8shot"])
     p.add_argument("--out")
     a = p.parse_args(argv)
+    if a.clients:
+        return emit(run_concurrent(a.model, a.dtype, a.clients, a.requests, a.rounds, a.workload, a.system_tokens,
+                                   a.max_tokens), a.out)
     return emit(run(a.model, a.dtype, a.groups, a.system_tokens, a.max_tokens), a.out)
 
 

@@ -114,7 +114,7 @@ _INDEXES_LOCK = threading.Lock()
 def served_index(target, scope: str = "", max_tokens: int = 200_000, seed: int = 0) -> ServedIndex:
     """The process's index for ``target`` (a loaded model) and ``scope``, made on first use (seeded with the first
     ``seed`` answers of the target's shipped answer store, where one ships)."""
-    key = (id(target.model), scope, max_tokens)
+    key = (id(target.model), scope, max_tokens, seed)  # (an index seeded otherwise is another index)
     with _INDEXES_LOCK:
         index = _INDEXES.get(key)
         if index is None:

@@ -230,7 +230,13 @@ class Scheduler:
     # --- the generation thread ---------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            if not self._take(block=not self._running and not self._waiting):
+            # Nothing to run: the generation thread gives its OpenMP workers back while it waits, so that another
+            # thread's team (another server in this process, a caller's own forwards) spins alone; the next round
+            # makes them again (models/kernel.py, release_openmp_threads).
+            idle = not self._running and not self._waiting
+            if idle:
+                release_openmp_threads()
+            if not self._take(block=idle):
                 return
             self._drop_cancelled()
             self._admit()
