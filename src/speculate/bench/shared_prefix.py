@@ -80,6 +80,33 @@ def _stream(http, url: str, model: str, system: str, question: str, speculative:
     return first, time.perf_counter() - start, "".join(text), usage
 
 
+def _row(ttft: float, seconds: float, text: str, usage: dict, **where) -> dict:
+    """One request's record: where it ran (server, group or client, request...), its times, tokens and text."""
+    return {**where, "ttft_seconds": round(ttft, 4), "seconds": round(seconds, 4),
+            "completion_tokens": usage["completion_tokens"], "prompt_tokens": usage["prompt_tokens"],
+            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "text": text}
+
+
+def _server_summary(mine: list[dict]) -> dict:
+    """TTFT of the first requests (request 0) and of the later ones, and the prompt tokens a server found cached."""
+    first = [r["ttft_seconds"] for r in mine if r["request"] == 0]
+    later = [r["ttft_seconds"] for r in mine if r["request"] > 0]
+    return {"ttft_first_median": round(statistics.median(first), 4),
+            "ttft_later_median": round(statistics.median(later), 4) if later else None,
+            "ttft_later_p95": round(statistics.quantiles(later, n=20)[-1], 4) if len(later) > 1 else None,
+            "ttft_later_over_first": round(statistics.median(later) / statistics.median(first), 3) if later else None,
+            "cached_prompt_tokens": sum(r["cached_tokens"] for r in mine),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in mine)}
+
+
+def _same_text(rows: list[dict], *keys: str) -> str:
+    """How many requests (by ``keys``) got the same text from both servers."""
+    texts = {}
+    for r in rows:
+        texts.setdefault(tuple(r[k] for k in keys), set()).add(r["text"])
+    return f"{sum(len(t) == 1 for t in texts.values())}/{len(texts)}"
+
+
 def run(model: str, dtype: str, groups: int, system_tokens: int, max_tokens: int) -> dict:
     machine = machine_header()  # at the start: the threads and load as the run begins
     import httpx
@@ -106,30 +133,17 @@ def run(model: str, dtype: str, groups: int, system_tokens: int, max_tokens: int
                     for name in order:
                         ttft, seconds, text, usage = _stream(http, servers[name].url, model, systems[g],
                                                              questions[g * len(SETTINGS) + j], speculative, max_tokens)
-                        rows.append({"server": name, "group": g, "request": j, "speculative": speculative,
-                                     "ttft_seconds": round(ttft, 4), "seconds": round(seconds, 4),
-                                     "completion_tokens": usage["completion_tokens"],
-                                     "prompt_tokens": usage["prompt_tokens"],
-                                     "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "text": text})
+                        rows.append(_row(ttft, seconds, text, usage, server=name, group=g, request=j,
+                                         speculative=speculative))
     finally:
         for server in servers.values():
             server.stop()
     summary = {}
     for name in servers:
         mine = [r for r in rows if r["server"] == name]
-        first = [r["ttft_seconds"] for r in mine if r["request"] == 0]
-        later = [r["ttft_seconds"] for r in mine if r["request"] > 0]
-        summary[name] = {
-            "ttft_first_of_group_median": round(statistics.median(first), 4),
-            "ttft_later_median": round(statistics.median(later), 4),
-            "ttft_later_over_first": round(statistics.median(later) / statistics.median(first), 3),
-            "tokens_per_second": round(sum(r["completion_tokens"] for r in mine) / sum(r["seconds"] for r in mine), 2),
-            "cached_prompt_tokens": sum(r["cached_tokens"] for r in mine),
-            "prompt_tokens": sum(r["prompt_tokens"] for r in mine)}
-    texts = {}
-    for r in rows:
-        texts.setdefault((r["group"], r["request"]), set()).add(r["text"])
-    summary["same_text_on_both"] = f"{sum(len(t) == 1 for t in texts.values())}/{len(texts)}"
+        summary[name] = {**_server_summary(mine), "tokens_per_second": round(
+            sum(r["completion_tokens"] for r in mine) / sum(r["seconds"] for r in mine), 2)}
+    summary["same_text_on_both"] = _same_text(rows, "group", "request")
     return {"date": date.today().isoformat(), **machine, "model": model, "dtype": dtype, "groups": groups,
             "system_tokens": system_tokens, "max_tokens": max_tokens, "settings": SETTINGS, "summary": summary,
             "rows": rows}
@@ -166,10 +180,7 @@ def run_concurrent(model: str, dtype: str, clients: int, requests: int, rounds: 
                 system, question = asks[round_ * n + c * requests + i]
                 ttft, seconds, text, usage = _stream(http, servers[name].url, model, system, question,
                                                      SETTINGS[c % len(SETTINGS)], max_tokens)
-                out.append({"server": name, "round": round_, "client": c, "request": i, "ttft_seconds": round(ttft, 4),
-                            "seconds": round(seconds, 4), "completion_tokens": usage["completion_tokens"],
-                            "prompt_tokens": usage["prompt_tokens"],
-                            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "text": text})
+                out.append(_row(ttft, seconds, text, usage, server=name, round=round_, client=c, request=i))
         return out
 
     try:
@@ -192,20 +203,10 @@ def run_concurrent(model: str, dtype: str, clients: int, requests: int, rounds: 
     summary = {}
     for name in servers:
         mine = [r for r in rows if r["server"] == name]
-        first = [r["ttft_seconds"] for r in mine if r["request"] == 0]
-        later = [r["ttft_seconds"] for r in mine if r["request"] > 0]
-        summary[name] = {
-            "ttft_first_median": round(statistics.median(first), 4),
-            "ttft_later_median": round(statistics.median(later), 4) if later else None,
-            "ttft_later_p95": round(statistics.quantiles(later, n=20)[-1], 4) if len(later) > 1 else None,
-            "tokens_per_second": round(sum(r["completion_tokens"] for r in mine) / sum(walls[name]), 2),
-            "wall_seconds": [round(w, 2) for w in walls[name]],
-            "cached_prompt_tokens": sum(r["cached_tokens"] for r in mine),
-            "prompt_tokens": sum(r["prompt_tokens"] for r in mine)}
-    texts = {}
-    for r in rows:
-        texts.setdefault((r["round"], r["client"], r["request"]), set()).add(r["text"])
-    summary["same_text_on_both"] = f"{sum(len(t) == 1 for t in texts.values())}/{len(texts)}"
+        summary[name] = {**_server_summary(mine),
+                         "tokens_per_second": round(sum(r["completion_tokens"] for r in mine) / sum(walls[name]), 2),
+                         "wall_seconds": [round(w, 2) for w in walls[name]]}
+    summary["same_text_on_both"] = _same_text(rows, "round", "client", "request")
     return {"date": date.today().isoformat(), **machine, "model": model, "dtype": dtype, "clients": clients,
             "requests": requests, "rounds": rounds, "workload": workload, "system_tokens": system_tokens,
             "max_tokens": max_tokens, "settings": SETTINGS, "summary": summary, "rows": rows}
