@@ -4,7 +4,7 @@ and speculative, batched against one generation at a time, against a real `specu
 
     python -m speculate.bench.serve_load [--model M] [--draft-model D] [--dtype int8] [--clients 1 4 8 16]
                                          [--requests 16] [--max-tokens 64] [--drafters none lookup retrieval]
-                                         [--k auto] [--prompts copy|paraphrase|mt_bench] [--modes one batched]
+                                         [--k auto] [--prompts copy|paraphrase|mt_bench|json] [--modes one batched]
                                          [--no-prefix-cache] [--out FILE.json]
 
 One server, one generation thread: each cell (clients, drafter) runs twice, interleaved, in an order that
@@ -14,7 +14,8 @@ requests one after another. Every answer is compared with the same prompt's answ
 a time): at int8 and q4 they must all be identical; at fp32 a row's last bits may depend on its batch.
 ``--modes batched`` runs the batched mode alone (issue 41's question: does speculation ever cost against plain decoding
 at the same load?). ``--prompts mt_bench``: the first 16 shipped MT-Bench first turns, where lookup finds little to
-copy. Each cell records tokens/s, requests/s, mean latency, the mean generations and rows per forward, and each
+copy; ``--prompts json``: GSM8K questions each asked for a JSON record with the same fields (traffic that repeats its
+shape), other questions for each clients count. Each cell records tokens/s, requests/s, mean latency, the mean generations and rows per forward, and each
 speculative cell the ratio to plain decoding in the same mode.
 """
 
@@ -35,14 +36,19 @@ from . import emit, machine_header, script
 from .speed import PROMPT_SETS
 
 MODES = ("one", "batched")
-PROMPTS = (*PROMPT_SETS, "mt_bench")
+PROMPTS = (*PROMPT_SETS, "mt_bench", "json")
 
 
-def prompt_texts(name: str) -> list[str]:
-    """The prompts of a set: speed.py's copy / paraphrase sets, or the first 16 MT-Bench first turns."""
+def prompt_texts(name: str, n: int = 16) -> list[str]:
+    """The prompts of a set: speed.py's copy / paraphrase sets, the first 16 MT-Bench first turns, or (``json``) the
+    first ``n`` GSM8K questions each asked for a JSON record with the same fields (bench/learning.py: traffic that
+    repeats its shape, not its text)."""
+    from .datasets import load_dataset
     if name == "mt_bench":
-        from .datasets import load_dataset
         return [s.turns[0] for s in load_dataset("mt_bench", limit=16, shots=0)]
+    if name == "json":
+        from .learning import JSON_ASK
+        return [JSON_ASK.format(q=s.turns[0]) for s in load_dataset("gsm8k", limit=n, shots=0)]
     return PROMPT_SETS[name]
 
 
@@ -80,7 +86,10 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
     record_round = scheduler.on_round
     scheduler.on_round = lambda n, rows, seconds: (rounds.append((n, rows, seconds)), record_round(n, rows, seconds))
     server = BackgroundServer(app)
-    texts = prompt_texts(prompts)
+    # ``json``: each clients count gets questions of its own, so that `suffix` (which learns from its answers) never
+    # meets a question an earlier cell answered; the other sets repeat their 8-16 prompts in every cell.
+    distinct = prompts == "json"
+    texts = prompt_texts(prompts, max([requests, *clients]) * (len(clients) if distinct else 1))
     rows = []
     try:
         with httpx.Client() as http:
@@ -95,10 +104,12 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
                 with ThreadPoolExecutor(2) as threads:
                     list(threads.map(lambda p: _chat(http, server.url, model, p, speculative, 8), texts[:2]))
             cell = 0
-            for n_clients in clients:
+            for c, n_clients in enumerate(clients):
+                n_jobs = max(requests, n_clients)
+                base = c * max([requests, *clients]) if distinct else 0
                 for drafter in drafters:
                     speculative = _speculative(drafter, k)
-                    jobs = [texts[i % len(texts)] for i in range(max(requests, n_clients))]
+                    jobs = [texts[(base + i) % len(texts)] for i in range(n_jobs)]
                     for mode in (modes if cell % 2 == 0 else modes[::-1]):
                         scheduler.max_batch = 1 if mode == "one" else n_clients
                         del rounds[:]
@@ -117,6 +128,7 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
                             "mean_latency_seconds": round(statistics.fmean(t for _, t in answers), 3),
                             "mean_generations_per_forward": round(statistics.fmean(r[0] for r in rounds), 2),
                             "mean_rows_per_forward": round(statistics.fmean(r[1] for r in rounds), 2),
+                            "tokens_per_call": round(tokens / sum(r[0] for r in rounds), 3),  # τ (its prefill rounds count)
                             "rounds": len(rounds), "mean_round_ms": round(1000 * statistics.fmean(r[2] for r in rounds), 2),
                             "busy_share": round(sum(r[2] for r in rounds) / dt, 3),
                             "identical_answers": f"{same}/{len(jobs)}"})
