@@ -22,6 +22,7 @@ speculative cell the ratio to plain decoding in the same mode.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -52,16 +53,43 @@ def prompt_texts(name: str, n: int = 16) -> list[str]:
     return PROMPT_SETS[name]
 
 
-def _chat(client, url, model, prompt, speculative, max_tokens):
+def _chat(client, url, model, prompt, speculative, max_tokens, stream: bool = False):
+    """(the response, seconds) of one chat request; ``stream``: streamed, the response rebuilt from its chunks, with
+    ``ttft`` (seconds to the first text) and ``gaps`` (seconds between text chunks) added."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "speculative": speculative}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
     start = time.perf_counter()
     while True:
-        r = client.post(url + "/v1/chat/completions", json=body, timeout=900)
-        if r.status_code != 429:  # back-pressure: wait as told, then retry
-            r.raise_for_status()
-            return r.json(), time.perf_counter() - start
+        if stream:
+            with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=900) as r:
+                if r.status_code != 429:
+                    r.raise_for_status()
+                    return _streamed(r, start), time.perf_counter() - start
+        else:
+            r = client.post(url + "/v1/chat/completions", json=body, timeout=900)
+            if r.status_code != 429:  # back-pressure: wait as told, then retry
+                r.raise_for_status()
+                return r.json(), time.perf_counter() - start
         time.sleep(float(r.headers.get("Retry-After", 1)))
+
+
+def _streamed(response, start: float) -> dict:
+    """A streamed chat answer as the whole one (its text and usage), with its text chunks' times."""
+    text, usage, times = [], None, []
+    for line in response.iter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[len("data: "):])
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices", []):
+            piece = choice.get("delta", {}).get("content")
+            if piece:
+                times.append(time.perf_counter() - start)
+                text.append(piece)
+    return {"choices": [{"message": {"content": "".join(text)}}], "usage": usage,
+            "ttft": times[0] if times else None, "gaps": [b - a for a, b in zip(times, times[1:])]}
 
 
 def _speculative(drafter: str, k) -> dict:
@@ -71,7 +99,7 @@ def _speculative(drafter: str, k) -> dict:
 
 def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters: list[str] = ("none", "lookup"),
         dtype: str = "int8", prefix_cache: bool = True, k: str | int = "auto", prompts: str = "copy",
-        draft_model: str | None = None, modes: tuple[str, ...] = MODES) -> dict:
+        draft_model: str | None = None, modes: tuple[str, ...] = MODES, stream: bool = False) -> dict:
     machine = machine_header()  # at the start: the threads and load as the run begins
     import httpx
 
@@ -116,7 +144,7 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
                         t0 = time.perf_counter()
                         with ThreadPoolExecutor(n_clients) as threads:
                             answers = list(threads.map(
-                                lambda p: _chat(http, server.url, model, p, speculative, max_tokens), jobs))
+                                lambda p: _chat(http, server.url, model, p, speculative, max_tokens, stream), jobs))
                         dt = time.perf_counter() - t0
                         tokens = sum(a["usage"]["completion_tokens"] for a, _ in answers)
                         same = sum(a["choices"][0]["message"]["content"] == reference[p]
@@ -132,6 +160,12 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
                             "rounds": len(rounds), "mean_round_ms": round(1000 * statistics.fmean(r[2] for r in rounds), 2),
                             "busy_share": round(sum(r[2] for r in rounds) / dt, 3),
                             "identical_answers": f"{same}/{len(jobs)}"})
+                        if stream:  # time to first text, and between text chunks (one round's tokens a chunk)
+                            ttfts = sorted(a["ttft"] for a, _ in answers if a["ttft"] is not None)
+                            gaps = sorted(g for a, _ in answers for g in a["gaps"])
+                            rows[-1].update(ttft_p50=round(statistics.median(ttfts), 4),
+                                            ttft_p95=round(ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))], 4),
+                                            chunk_gap_p50_ms=round(1000 * statistics.median(gaps), 2) if gaps else None)
                         print(f"  {rows[-1]}", file=sys.stderr, flush=True)
                     cell += 1
     finally:
@@ -162,11 +196,13 @@ def main(argv=None) -> int:
                    help="one (max_batch 1) and/or batched (max_batch = the clients); default both, interleaved")
     p.add_argument("--dtype", default="int8", choices=list(DTYPES))
     p.add_argument("--no-prefix-cache", action="store_true", help="as `speculate serve --no-prefix-cache`")
+    p.add_argument("--stream", action="store_true", help="streamed requests: also TTFT p50 / p95 and the gap between "
+                                                             "text chunks")
     p.add_argument("--out")
     a = p.parse_args(argv)
     k = parse_k(a.k)
     return emit(run(a.model, a.clients, a.requests, a.max_tokens, a.drafters, a.dtype, not a.no_prefix_cache, k,
-                    a.prompts, a.draft_model, tuple(a.modes)), a.out)
+                    a.prompts, a.draft_model, tuple(a.modes), a.stream), a.out)
 
 
 if __name__ == "__main__":
