@@ -99,6 +99,18 @@ def _server_summary(mine: list[dict]) -> dict:
             "prompt_tokens": sum(r["prompt_tokens"] for r in mine)}
 
 
+def _summaries(rows: list[dict], names, seconds, *keys: str) -> dict:
+    """Per server: :func:`_server_summary` and tokens/s over ``seconds(name, its rows)``; and the same-text count of
+    the requests named by ``keys``."""
+    summary = {}
+    for name in names:
+        mine = [r for r in rows if r["server"] == name]
+        summary[name] = {**_server_summary(mine), "tokens_per_second": round(
+            sum(r["completion_tokens"] for r in mine) / seconds(name, mine), 2)}
+    summary["same_text_on_both"] = _same_text(rows, *keys)
+    return summary
+
+
 def _same_text(rows: list[dict], *keys: str) -> str:
     """How many requests (by ``keys``) got the same text from both servers."""
     texts = {}
@@ -138,12 +150,7 @@ def run(model: str, dtype: str, groups: int, system_tokens: int, max_tokens: int
     finally:
         for server in servers.values():
             server.stop()
-    summary = {}
-    for name in servers:
-        mine = [r for r in rows if r["server"] == name]
-        summary[name] = {**_server_summary(mine), "tokens_per_second": round(
-            sum(r["completion_tokens"] for r in mine) / sum(r["seconds"] for r in mine), 2)}
-    summary["same_text_on_both"] = _same_text(rows, "group", "request")
+    summary = _summaries(rows, servers, lambda name, mine: sum(r["seconds"] for r in mine), "group", "request")
     return {"date": date.today().isoformat(), **machine, "model": model, "dtype": dtype, "groups": groups,
             "system_tokens": system_tokens, "max_tokens": max_tokens, "settings": SETTINGS, "summary": summary,
             "rows": rows}
@@ -200,13 +207,9 @@ def run_concurrent(model: str, dtype: str, clients: int, requests: int, rounds: 
     finally:
         for server in servers.values():
             server.stop()
-    summary = {}
+    summary = _summaries(rows, servers, lambda name, mine: sum(walls[name]), "round", "client", "request")
     for name in servers:
-        mine = [r for r in rows if r["server"] == name]
-        summary[name] = {**_server_summary(mine),
-                         "tokens_per_second": round(sum(r["completion_tokens"] for r in mine) / sum(walls[name]), 2),
-                         "wall_seconds": [round(w, 2) for w in walls[name]]}
-    summary["same_text_on_both"] = _same_text(rows, "round", "client", "request")
+        summary[name]["wall_seconds"] = [round(w, 2) for w in walls[name]]
     return {"date": date.today().isoformat(), **machine, "model": model, "dtype": dtype, "clients": clients,
             "requests": requests, "rounds": rounds, "workload": workload, "system_tokens": system_tokens,
             "max_tokens": max_tokens, "settings": SETTINGS, "summary": summary, "rows": rows}
