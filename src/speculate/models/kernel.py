@@ -15,6 +15,7 @@ PyTorch ops (exact as well, ~1.4x slower a step).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -53,13 +54,20 @@ def release_openmp_threads() -> bool:
     between regions and sleeps: each region then waits for its workers to wake, and a decode step (~150 regions)
     ran 2x slower (docs/benchmarks.md, "One OpenMP team"). A thread that hands the forwards to another calls
     this: the server's starting thread (server/scheduler.py, ``Scheduler.start``)."""
+    pause = _omp_pause()
+    return pause is not None and pause(1) == 0  # 1: omp_pause_soft
+
+
+@functools.cache
+def _omp_pause():
+    """libgomp's omp_pause_resource_all (the library torch loaded: the same soname), looked up once; None without."""
     try:
-        gomp = ctypes.CDLL("libgomp.so.1")  # the one torch loaded (the same soname): its teams are the ones to free
-        return gomp.omp_pause_resource_all(1) == 0  # 1: omp_pause_soft
+        return ctypes.CDLL("libgomp.so.1").omp_pause_resource_all
     except (OSError, AttributeError):
-        return False
+        return None
 
 
+@functools.cache
 def source_digest() -> str:
     """A short digest of the kernels' sources: what a measurement of their speed (a cached cost profile) was taken
     with, so that a new kernel is measured afresh."""
