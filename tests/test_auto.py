@@ -75,6 +75,23 @@ def test_k_auto_is_lossless_and_measures_the_curve_once(tiny, cache, monkeypatch
     SpeculativeDecoder(target, get_drafter("model", draft, target), "greedy", k="auto")
 
 
+def test_a_kernel_build_for_other_instructions_has_its_own_profile(tiny, cache, monkeypatch):
+    """SPECULATE_KERNEL_FLAGS builds the kernels for other instructions (AVX2, scalar): a cost profile measured with
+    the native build must not be read for them."""
+    from speculate.models import kernel
+
+    def path(flags):
+        monkeypatch.setenv("SPECULATE_KERNEL_FLAGS", flags)
+        kernel.source_digest.cache_clear()
+        return profile_path(tiny[0])
+
+    try:
+        native, avx2, scalar = path(""), path("-march=x86-64-v3"), path("-march=x86-64-v2")
+        assert len({native, avx2, scalar}) == 3 and path("") == native
+    finally:
+        kernel.source_digest.cache_clear()
+
+
 def test_mean_nll_equals_a_direct_computation(tiny):
     loaded = tiny[1]
     text = "the quick brown fox jumps over the lazy dog " * 3

@@ -122,6 +122,26 @@ def test_health_models_and_auth(served):
             model=served.model, prompt="hi", max_tokens=2)
 
 
+def test_the_benchmarks_chat_client_rebuilds_a_streamed_answer_as_the_whole_one(served, client):
+    """bench/client.py, which serve_load and shared_prefix time the server with: a streamed answer read back is the
+    whole answer's text and usage, with a first-text time and one gap between each two text chunks."""
+    from speculate.bench.client import chat, percentile
+
+    body = {"model": served.model, "messages": MESSAGES, "max_tokens": 24, "temperature": 0}
+    with httpx.Client(headers=AUTH) as http:
+        whole, _ = chat(http, served.url, body)
+        streamed, seconds = chat(http, served.url, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert streamed["choices"][0]["message"]["content"] == whole["choices"][0]["message"]["content"] != ""
+    assert streamed["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+    chunks = [c for c in client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=24,
+                                                        temperature=0, stream=True)
+              if c.choices and c.choices[0].delta.content]
+    assert len(streamed["gaps"]) == len(chunks) - 1 and 0 < streamed["ttft"] <= seconds
+    # the nearest-rank rule: the smallest value with at least the share at or below it
+    assert [percentile(range(1, 21), 0.95), percentile(range(1, 101), 0.95), percentile([4, 1], 0.5)] == [19, 95, 1]
+    assert percentile([], 0.95) is None
+
+
 def test_openai_client_streamed_text_equals_whole_text(served, client):
     whole = client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=24, temperature=0)
     chunks = list(client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=24,

@@ -15,14 +15,13 @@ a time): at int8 and q4 they must all be identical; at fp32 a row's last bits ma
 ``--modes batched`` runs the batched mode alone (issue 41's question: does speculation ever cost against plain decoding
 at the same load?). ``--prompts mt_bench``: the first 16 shipped MT-Bench first turns, where lookup finds little to
 copy; ``--prompts json``: GSM8K questions each asked for a JSON record with the same fields (traffic that repeats its
-shape), other questions for each clients count. Each cell records tokens/s, requests/s, mean latency, the mean generations and rows per forward, and each
-speculative cell the ratio to plain decoding in the same mode.
+shape), other questions for each clients count. Each cell records tokens/s, requests/s, mean latency, the mean
+generations and rows per forward, and each speculative cell the ratio to plain decoding in the same mode.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ from ..drafters import ALL_DRAFTERS
 from ..models import DEFAULT_MODEL, DTYPES
 from ..spec import SpeculativeSpec
 from . import emit, machine_header, script
+from .client import chat, percentile
 from .speed import PROMPT_SETS
 
 MODES = ("one", "batched")
@@ -54,42 +54,13 @@ def prompt_texts(name: str, n: int = 16) -> list[str]:
 
 
 def _chat(client, url, model, prompt, speculative, max_tokens, stream: bool = False):
-    """(the response, seconds) of one chat request; ``stream``: streamed, the response rebuilt from its chunks, with
-    ``ttft`` (seconds to the first text) and ``gaps`` (seconds between text chunks) added."""
+    """(the answer, seconds) of one greedy chat request; ``stream``: streamed, with ``ttft`` and ``gaps``
+    (bench/client.py)."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "speculative": speculative}
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
-    start = time.perf_counter()
-    while True:
-        if stream:
-            with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=900) as r:
-                if r.status_code != 429:
-                    r.raise_for_status()
-                    return _streamed(r, start), time.perf_counter() - start
-        else:
-            r = client.post(url + "/v1/chat/completions", json=body, timeout=900)
-            if r.status_code != 429:  # back-pressure: wait as told, then retry
-                r.raise_for_status()
-                return r.json(), time.perf_counter() - start
-        time.sleep(float(r.headers.get("Retry-After", 1)))
-
-
-def _streamed(response, start: float) -> dict:
-    """A streamed chat answer as the whole one (its text and usage), with its text chunks' times."""
-    text, usage, times = [], None, []
-    for line in response.iter_lines():
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        chunk = json.loads(line[len("data: "):])
-        usage = chunk.get("usage") or usage
-        for choice in chunk.get("choices", []):
-            piece = choice.get("delta", {}).get("content")
-            if piece:
-                times.append(time.perf_counter() - start)
-                text.append(piece)
-    return {"choices": [{"message": {"content": "".join(text)}}], "usage": usage,
-            "ttft": times[0] if times else None, "gaps": [b - a for a, b in zip(times, times[1:])]}
+    return chat(client, url, body)
 
 
 def _speculative(drafter: str, k) -> dict:
@@ -161,10 +132,10 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
                             "busy_share": round(sum(r[2] for r in rounds) / dt, 3),
                             "identical_answers": f"{same}/{len(jobs)}"})
                         if stream:  # time to first text, and between text chunks (one round's tokens a chunk)
-                            ttfts = sorted(a["ttft"] for a, _ in answers if a["ttft"] is not None)
-                            gaps = sorted(g for a, _ in answers for g in a["gaps"])
+                            ttfts = [a["ttft"] for a, _ in answers if a["ttft"] is not None]
+                            gaps = [g for a, _ in answers for g in a["gaps"]]
                             rows[-1].update(ttft_p50=round(statistics.median(ttfts), 4),
-                                            ttft_p95=round(ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))], 4),
+                                            ttft_p95=round(percentile(ttfts, 0.95), 4),
                                             chunk_gap_p50_ms=round(1000 * statistics.median(gaps), 2) if gaps else None)
                         print(f"  {rows[-1]}", file=sys.stderr, flush=True)
                     cell += 1

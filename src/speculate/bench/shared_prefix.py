@@ -27,7 +27,6 @@ aggregate tokens/s, cached prompt tokens over prompt tokens, and whether both se
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from datetime import date
@@ -35,6 +34,7 @@ from datetime import date
 from ..models import DEFAULT_MODEL, DTYPES
 from ..spec import SpeculativeSpec
 from . import emit, machine_header, script
+from .client import chat, percentile
 from .datasets import load_dataset
 
 # Four speculative settings, one per request of a group: no two requests of a group share a decoder's settings.
@@ -57,27 +57,13 @@ def system_prompts(tokenizer, groups: int, tokens: int) -> list[str]:
 
 
 def _stream(http, url: str, model: str, system: str, question: str, speculative: dict, max_tokens: int):
-    """(seconds to the first text chunk, seconds in all, text, usage) of one streamed chat request."""
+    """(seconds to the first text chunk, seconds in all, text, usage) of one streamed greedy chat request."""
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "speculative": speculative,
             "messages": ([{"role": "system", "content": system}] if system is not None else [])
             + [{"role": "user", "content": question}]}
-    start = time.perf_counter()
-    first, text, usage = None, [], None
-    with http.stream("POST", url + "/v1/chat/completions", json=body, timeout=900) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices", []):
-                piece = choice.get("delta", {}).get("content")
-                if piece:
-                    first = first if first is not None else time.perf_counter() - start
-                    text.append(piece)
-    return first, time.perf_counter() - start, "".join(text), usage
+    answer, seconds = chat(http, url, body)
+    return answer["ttft"], seconds, answer["choices"][0]["message"]["content"], answer["usage"]
 
 
 def _row(ttft: float, seconds: float, text: str, usage: dict, **where) -> dict:
@@ -93,7 +79,7 @@ def _server_summary(mine: list[dict]) -> dict:
     later = [r["ttft_seconds"] for r in mine if r["request"] > 0]
     return {"ttft_first_median": round(statistics.median(first), 4),
             "ttft_later_median": round(statistics.median(later), 4) if later else None,
-            "ttft_later_p95": round(statistics.quantiles(later, n=20)[-1], 4) if len(later) > 1 else None,
+            "ttft_later_p95": round(percentile(later, 0.95), 4) if later else None,
             "ttft_later_over_first": round(statistics.median(later) / statistics.median(first), 3) if later else None,
             "cached_prompt_tokens": sum(r["cached_tokens"] for r in mine),
             "prompt_tokens": sum(r["prompt_tokens"] for r in mine)}

@@ -69,9 +69,11 @@ def _omp_pause():
 
 @functools.cache
 def source_digest() -> str:
-    """A short digest of the kernels' sources: what a measurement of their speed (a cached cost profile) was taken
-    with, so that a new kernel is measured afresh."""
-    return hashlib.sha256(b"".join((KERNELS / name).read_bytes() for name in SOURCES)).hexdigest()[:12]
+    """A short digest of the kernels' sources and of SPECULATE_KERNEL_FLAGS (another build's code paths: AVX2,
+    scalar): what a measurement of their speed (a cached cost profile) was taken with, so that a new kernel, or the
+    same one built for other instructions, is measured afresh."""
+    flags = os.environ.get("SPECULATE_KERNEL_FLAGS", "").encode()
+    return hashlib.sha256(b"".join((KERNELS / name).read_bytes() for name in SOURCES) + flags).hexdigest()[:12]
 
 
 def _cpu() -> str:
