@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from speculate import SpeculativeDecoder
+from speculate.spec import SpeculativeSpec
 from speculate.policy import auto
 from speculate.policy.auto import AutoK, calibrate_eps, mean_nll, profile_for, profile_path
 from speculate.policy.speedup import best_k, expected_tokens
@@ -54,12 +55,12 @@ def cache(tmp_path, monkeypatch):
 def test_k_auto_is_lossless_and_measures_the_curve_once(tiny, cache, monkeypatch):
     target, draft = tiny[0], noisy_copy(tiny[0], 0.1)
     prompt = "abcabcabc hello hello hello abcabc"
-    ref = SpeculativeDecoder(target, "none").generate(prompt, max_new_tokens=40)
+    ref = SpeculativeDecoder(target, SpeculativeSpec("none")).generate(prompt, max_new_tokens=40)
     # model+lookup's copies (12) are longer than the cost curve reaches (k_max + 1 rows): k auto prices its depth k
     # at T(k + 1), what the draft model's rounds verify.
     for drafter in (get_drafter("lookup"), get_drafter("model", draft, target),
                     get_drafter("model+lookup", draft, target, min_match=1, lookup_k=12)):
-        dec = SpeculativeDecoder(target, drafter, "greedy", k="auto")
+        dec = SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k="auto"), drafter=drafter)
         out = dec.generate(prompt, max_new_tokens=40)
         assert out.token_ids == ref.token_ids, drafter.name
         assert isinstance(dec.k_policy, AutoK) and dec.k == "auto"
@@ -72,7 +73,8 @@ def test_k_auto_is_lossless_and_measures_the_curve_once(tiny, cache, monkeypatch
         raise AssertionError("the cached profile should have been used")
 
     monkeypatch.setattr(auto, "measure_profile", fail)
-    SpeculativeDecoder(target, get_drafter("model", draft, target), "greedy", k="auto")
+    SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k="auto"),
+                       drafter=get_drafter("model", draft, target))
 
 
 def test_a_kernel_build_for_other_instructions_has_its_own_profile(tiny, cache, monkeypatch):
@@ -118,10 +120,11 @@ def test_eps_auto_sets_the_consultant_threshold(tiny):
     target = tiny[2]
     eps = calibrate_eps(target)
     assert eps == pytest.approx(mean_nll(target, auto.calibration_text())[0])
-    dec = SpeculativeDecoder(target, "lookup", "consultant", k=3, eps="auto", beta=0.2)
+    dec = SpeculativeDecoder(target,
+                             SpeculativeSpec("lookup", verifier="consultant", k=3, params={"eps": "auto", "beta": 0.2}))
     assert dec._verifier(dec_sampling()).eps == pytest.approx(eps)
     with pytest.raises(SpeculateError, match="consultant"):
-        SpeculativeDecoder(target, "lookup", "typical", eps="auto")
+        SpeculativeDecoder(target, SpeculativeSpec("lookup", verifier="typical", params={"eps": "auto"}))
 
 
 def dec_sampling():
@@ -169,7 +172,7 @@ def test_k_auto_with_heads_uses_their_weight_ratio_as_the_draft_cost(tiny, cache
     c = drafter.relative_cost()
     assert c == pytest.approx((weight_bytes(drafter.head) + weight_bytes(drafter.lm)) / weight_bytes(target.model))
     assert 0.05 < c < 1
-    decoder = SpeculativeDecoder(target, drafter, "greedy", k="auto")
+    decoder = SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k="auto"), drafter=drafter)
     prof = profile_for(target)
     assert profile_path(target).is_file()
     assert decoder.k_policy.table == [best_k(prof.curve, i / 100, c, auto.AUTO_K_MAX)[0] for i in range(100)]
@@ -178,7 +181,7 @@ def test_k_auto_with_heads_uses_their_weight_ratio_as_the_draft_cost(tiny, cache
     # A tree verifies all its nodes: depth k costs T(max_nodes(k) + 1), and k stops where the profile
     # (n <= 9) no longer covers the tree (EAGLE's default 2k - 2 nodes: k <= 5).
     tree = get_drafter("eagle", target=target, heads=tmp_path)
-    policy = SpeculativeDecoder(target, tree, "greedy", k="auto").k_policy
+    policy = SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k="auto"), drafter=tree).k_policy
     rows = [tree.max_nodes(k) + 1 for k in range(1, 7)]
     assert rows == [2, 3, 5, 7, 9, 11]
     assert policy.table == [best_k(prof.curve, i / 100, c, auto.AUTO_K_MAX, lambda k: tree.max_nodes(k) + 1)[0]

@@ -25,6 +25,7 @@ import torch
 from scipy import stats as sstats
 
 from speculate import SpeculateError, SpeculativeDecoder, load_model
+from speculate.spec import SpeculativeSpec
 from speculate.drafters.base import Drafter
 from speculate.drafters.lookup import LookupDrafter
 from speculate.engine import Run, step
@@ -209,8 +210,9 @@ def maker(target, drafter, draft_model=None, k=4, verifier="greedy", **kw):
     """A decoder factory (recording its drafts); ``drafter`` a name or a callable building a Drafter (a fresh one
     per decoder)."""
     def make():
-        d = drafter() if callable(drafter) else drafter
-        return recording(SpeculativeDecoder(target, d, verifier, k=k, draft_model=draft_model, **kw))
+        built = drafter() if callable(drafter) else None
+        spec = SpeculativeSpec("auto" if built else drafter, verifier=verifier, params=kw, k=k)
+        return recording(SpeculativeDecoder(target, spec, drafter=built, draft_model=draft_model))
     return make
 
 
@@ -435,7 +437,7 @@ def test_batched_speculative_sampling_matches_the_target_distribution(models):
     # A prompt that ends in the target's own greedy continuation, which repeats one token: lookup's copies are
     # in the target's support (accepted often, not always).
     start = random_prompt(36, 4)
-    prompt = start + SpeculativeDecoder(target, "none").generate(start, max_new_tokens=24).token_ids
+    prompt = start + SpeculativeDecoder(target, SpeculativeSpec("none")).generate(start, max_new_tokens=24).token_ids
     s = SamplingParams(temperature=1.5, top_k=4)
     kv = KVModel(target)
     kv.reset()
@@ -550,7 +552,7 @@ def test_runs_join_leave_are_cancelled_and_fail_without_touching_the_others(mode
         run = batch.runs[i]
         assert run.done and run.generation is None
         assert isinstance(run.error, RuntimeError) and str(run.error) == f"drafter broke at {where}"
-        plain = SpeculativeDecoder(target, "none").generate(**reqs[i].kwargs).token_ids
+        plain = SpeculativeDecoder(target, SpeculativeSpec("none")).generate(**reqs[i].kwargs).token_ids
         got = run.tokens[run.prompt_tokens:]
         assert got == plain[: len(got)]
     # Alone, the error is raised to the caller.

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from speculate import SpeculativeDecoder, load_model
+from speculate.spec import SpeculativeSpec
 from speculate.errors import SpeculateError
 from speculate.models import blocks
 from speculate.models.fast import FastKVModel
@@ -288,8 +289,9 @@ def test_tiny_model_at_q4_chains_and_trees_equal_one_token_decoding(tiny_folders
     kv.decoder = decoder
     # Greedy speculation (prompt lookup on a repetitive prompt) gives plain q4 decoding's tokens.
     prompt = random_prompt(5, 8) * 5
-    ref = SpeculativeDecoder(loaded, "none").generate(prompt, max_new_tokens=40)
-    out = SpeculativeDecoder(loaded, "lookup", "greedy", k=6).generate(prompt, max_new_tokens=40)
+    ref = SpeculativeDecoder(loaded, SpeculativeSpec("none")).generate(prompt, max_new_tokens=40)
+    out = SpeculativeDecoder(loaded,
+                             SpeculativeSpec("lookup", verifier="greedy", k=6)).generate(prompt, max_new_tokens=40)
     assert out.token_ids == ref.token_ids and ref.stats.exactness == "batched"
 
 
@@ -310,9 +312,9 @@ def test_default_model_q4_runs_the_ggufs_own_blocks(default_model):
     from speculate.bench.datasets import load_dataset
 
     prompts = [[{"role": "user", "content": s.turns[0]}] for s in load_dataset("mt_bench", limit=6)]
-    plain = SpeculativeDecoder(q4, "none")
+    plain = SpeculativeDecoder(q4, SpeculativeSpec("none"))
     for method in ("lookup", "retrieval"):
-        decoder = SpeculativeDecoder(q4, method, "greedy", k=5)
+        decoder = SpeculativeDecoder(q4, SpeculativeSpec(method, verifier="greedy", k=5))
         for prompt in prompts:
             ref = plain.generate(prompt, max_new_tokens=32)
             assert decoder.generate(prompt, max_new_tokens=32).token_ids == ref.token_ids, (method, prompt)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from speculate import SpeculativeDecoder
+from speculate.spec import SpeculativeSpec
 from speculate.cli import main
 
 
@@ -25,7 +26,9 @@ def test_generate_json_matches_the_api(tiny_folders, tiny):
     r = run("generate", "hello hello hello", "--model", folder, "--json", "--max-new-tokens", "20", "--k", "3")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    api = SpeculativeDecoder(tiny[0], "lookup", "greedy", k=3).generate("hello hello hello", max_new_tokens=20)
+    api = SpeculativeDecoder(tiny[0],
+                             SpeculativeSpec("lookup", verifier="greedy",
+                                             k=3)).generate("hello hello hello", max_new_tokens=20)
     assert out["text"] == api.text and out["token_ids"] == api.token_ids
     st = out["stats"]
     assert st["new_tokens"] == len(out["token_ids"]) == 20
@@ -270,7 +273,7 @@ def test_compare_prints_plain_decodings_speed_and_the_same_tokens(tiny_folders, 
     assert lines[-1].startswith("[plain] 12 tokens in ") and lines[-1].endswith("as fast, the same tokens"), lines
     assert main(args + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    plain = SpeculativeDecoder(tiny[0], "none").generate(
+    plain = SpeculativeDecoder(tiny[0], SpeculativeSpec("none")).generate(
         "abc abc abc abc", max_new_tokens=12, chat=False)
     assert out["plain"]["token_ids"] == out["token_ids"] == plain.token_ids
     assert out["plain"]["stats"]["target_calls"] == 12 and out["plain"]["stats"]["drafted_tokens"] == 0

@@ -7,6 +7,7 @@ import shutil
 import pytest
 
 from speculate import SpeculativeDecoder
+from speculate.spec import SpeculativeSpec
 from speculate.models.cache import verified
 from speculate.models.gguf import ensure_converted
 from speculate.models.registry import ALIASES
@@ -24,8 +25,8 @@ PROMPTS = [
 
 @pytest.mark.slow
 def test_greedy_lookup_and_consultant_agree_with_plain_decoding(default_model):
-    plain = SpeculativeDecoder(default_model, "none")
-    lookup = SpeculativeDecoder(default_model, "lookup", "greedy", k=6)
+    plain = SpeculativeDecoder(default_model, SpeculativeSpec("none"))
+    lookup = SpeculativeDecoder(default_model, SpeculativeSpec("lookup", verifier="greedy", k=6))
     for prompt in PROMPTS:
         ref = plain.generate(prompt, max_new_tokens=48)
         out = lookup.generate(prompt, max_new_tokens=48)

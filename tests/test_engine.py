@@ -11,6 +11,7 @@ import torch
 from scipy import stats as sstats
 
 from speculate import SpeculateError, SpeculativeDecoder, load_model
+from speculate.spec import SpeculativeSpec
 from speculate.drafters import get_drafter
 from speculate.drafters.base import Draft, Drafter
 from speculate.models.kv import KVModel
@@ -42,7 +43,7 @@ def random_prompt(seed, n):
 
 
 def plain(model, prompt, n, **kw):
-    return SpeculativeDecoder(model, "none").generate(prompt, max_new_tokens=n, **kw)
+    return SpeculativeDecoder(model, SpeculativeSpec("none")).generate(prompt, max_new_tokens=n, **kw)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -54,7 +55,8 @@ def test_greedy_oracle_drafts_equal_plain_decoding(tiny, seed, k):
         ref = plain(model, prompt, n_new)
         for corrupt in (0.0, 0.3):
             drafter = OracleDrafter(len(prompt), ref.token_ids, corrupt, seed=k)
-            out = SpeculativeDecoder(model, drafter, "greedy", k=k).generate(prompt, max_new_tokens=n_new)
+            out = SpeculativeDecoder(model, SpeculativeSpec(verifier="greedy", k=k),
+                                     drafter=drafter).generate(prompt, max_new_tokens=n_new)
             assert out.token_ids == ref.token_ids
             assert out.stats.new_tokens == n_new
             if corrupt == 0.0:  # every draft right: ceil(n / (k+1)) rounds
@@ -75,7 +77,8 @@ def test_stats_split_the_decoding_time(tiny):
     prompt = random_prompt(5, 7)
     ref = plain(tiny[0], prompt, 24)
     assert ref.stats.prompt_tokens == 7 and ref.stats.target_seconds > 0
-    out = SpeculativeDecoder(tiny[0], Slow(len(prompt), ref.token_ids, 0.3), "greedy", k=3).generate(
+    out = SpeculativeDecoder(tiny[0], SpeculativeSpec(verifier="greedy", k=3),
+                             drafter=Slow(len(prompt), ref.token_ids, 0.3)).generate(
         prompt, max_new_tokens=24)
     s = out.stats
     assert s.first_draft_seconds >= 0.02 and s.draft_seconds >= 0.02 * (s.target_calls - 1)
@@ -94,7 +97,8 @@ def test_greedy_model_and_lookup_drafters_equal_plain_decoding(tiny, k):
         prompt = random_prompt(seed, 6) * 4
         ref = plain(target, prompt, 48)
         for drafter in (get_drafter("lookup"), get_drafter("model", draft, target)):
-            out = SpeculativeDecoder(target, drafter, "greedy", k=k).generate(prompt, max_new_tokens=48)
+            out = SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k=k),
+                                     drafter=drafter).generate(prompt, max_new_tokens=48)
             assert out.token_ids == ref.token_ids, drafter.name
             accepted += out.stats.accepted_draft_tokens
     assert accepted > 0  # the drafts were not all rejected: acceptance paths were exercised
@@ -108,8 +112,9 @@ def test_draft_model_drafters_at_the_smallest_budgets(tiny, name):
     prompt = random_prompt(5, 6) * 2
     for n in (1, 2, 3):
         ref = plain(target, prompt, n)
-        out = SpeculativeDecoder(target, get_drafter(name, noisy_copy(target, 0.1), target), "greedy",
-                                 k=3).generate(prompt, max_new_tokens=n)
+        out = SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k=3),
+                                 drafter=get_drafter(name, noisy_copy(target, 0.1),
+                                                     target)).generate(prompt, max_new_tokens=n)
         assert out.token_ids == ref.token_ids
 
 
@@ -118,7 +123,8 @@ def test_stop_inside_an_accepted_draft(tiny):
     prompt = random_prompt(5, 5)
     ref = plain(model, prompt, 40)
     # EOS: pretend the 13th token is an end-of-sequence id; an all-correct k=8 draft covers it.
-    decoder = SpeculativeDecoder(model, OracleDrafter(len(prompt), ref.token_ids, 0.0), "greedy", k=8)
+    decoder = SpeculativeDecoder(model, SpeculativeSpec(verifier="greedy", k=8),
+                                 drafter=OracleDrafter(len(prompt), ref.token_ids, 0.0))
     cut = ref.token_ids[12]
     first = ref.token_ids.index(cut)
     decoder.eos = {cut}
@@ -126,14 +132,16 @@ def test_stop_inside_an_accepted_draft(tiny):
     assert out.token_ids == ref.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stats.new_tokens == first + 1
     # max_new_tokens: exactly that many, even though the drafts would go on.
-    out = SpeculativeDecoder(model, OracleDrafter(len(prompt), ref.token_ids, 0.0), "greedy", k=8).generate(
+    out = SpeculativeDecoder(model, SpeculativeSpec(verifier="greedy", k=8),
+                             drafter=OracleDrafter(len(prompt), ref.token_ids, 0.0)).generate(
         prompt, max_new_tokens=11)
     assert out.token_ids == ref.token_ids[:11] and out.finish_reason == "length"
     # A stop string in the middle of the text: the text ends right before it, nothing after is emitted.
     text = ref.text
     stop = text[15:18]
     assert stop and text.find(stop) >= 0
-    out = SpeculativeDecoder(model, OracleDrafter(len(prompt), ref.token_ids, 0.0), "greedy", k=8).generate(
+    out = SpeculativeDecoder(model, SpeculativeSpec(verifier="greedy", k=8),
+                             drafter=OracleDrafter(len(prompt), ref.token_ids, 0.0)).generate(
         prompt, max_new_tokens=40, stop=[stop])
     assert out.text == text[: text.find(stop)]
     assert out.finish_reason == "stop"
@@ -229,7 +237,8 @@ def test_speculative_sampling_end_to_end_matches_the_target(tiny):
         batch = torch.tensor([prompt + [int(t)] for t in firsts])
         p2 = warp(target.model(batch).logits[:, -1], s)
     exact = {(int(a), int(b)): float(p1[a] * p2[i, b]) for i, a in enumerate(firsts) for b in p2[i].nonzero()[:, 0]}
-    decoder = SpeculativeDecoder(target, get_drafter("model", draft, target), "sample", k=3)
+    decoder = SpeculativeDecoder(target, SpeculativeSpec(verifier="sample", k=3),
+                                 drafter=get_drafter("model", draft, target))
     n = 2000
     counts = Counter(tuple(decoder.generate(prompt, max_new_tokens=2, temperature=1.0, top_k=4, seed=i).token_ids)
                      for i in range(n))
@@ -245,14 +254,14 @@ def test_speculative_sampling_end_to_end_matches_the_target(tiny):
 
 
 def test_a_prompt_of_the_wrong_shape_is_refused(tiny):
-    decoder = SpeculativeDecoder(tiny[0], "lookup")
+    decoder = SpeculativeDecoder(tiny[0], SpeculativeSpec("lookup"))
     for prompt in (5, [{"role": "wizard", "content": "hi"}], [{"role": "user", "content": 5}], [], ["a", "b"]):
         with pytest.raises(SpeculateError, match="the prompt must be|the prompt is empty"):
             decoder.generate(prompt, max_new_tokens=2)
 
 
 def test_a_seed_out_of_torchs_range_is_refused(tiny):
-    decoder = SpeculativeDecoder(tiny[0], "lookup")
+    decoder = SpeculativeDecoder(tiny[0], SpeculativeSpec("lookup"))
     for seed in (2**64, -(2**63) - 1, 1.5, True):
         with pytest.raises(SpeculateError, match="seed must be an integer"):
             decoder.generate("abc", max_new_tokens=2, seed=seed)
@@ -260,7 +269,8 @@ def test_a_seed_out_of_torchs_range_is_refused(tiny):
 
 
 def test_seeded_runs_reproduce(tiny):
-    decoder = SpeculativeDecoder(tiny[1], get_drafter("model", noisy_copy(tiny[1], 0.1), tiny[1]), "sample", k=4)
+    decoder = SpeculativeDecoder(tiny[1], SpeculativeSpec(verifier="sample", k=4),
+                                 drafter=get_drafter("model", noisy_copy(tiny[1], 0.1), tiny[1]))
     prompt = random_prompt(4, 6)
     a = decoder.generate(prompt, max_new_tokens=30, temperature=0.8, top_p=0.9, seed=7).token_ids
     b = decoder.generate(prompt, max_new_tokens=30, temperature=0.8, top_p=0.9, seed=7).token_ids
@@ -269,7 +279,7 @@ def test_seeded_runs_reproduce(tiny):
 
 
 def test_stream_pieces_join_to_the_text(tiny):
-    decoder = SpeculativeDecoder(tiny[0], "lookup", "greedy", k=4)
+    decoder = SpeculativeDecoder(tiny[0], SpeculativeSpec("lookup", verifier="greedy", k=4))
     for stop in (None, ["e"], ["zz", "a b"]):
         stream = decoder.stream("hello there, hello there", max_new_tokens=50, stop=stop)
         pieces = list(stream)
@@ -279,7 +289,7 @@ def test_stream_pieces_join_to_the_text(tiny):
 
 
 def test_chat_template_and_raw_prompt(tiny):
-    decoder = SpeculativeDecoder(tiny[0], "none")
+    decoder = SpeculativeDecoder(tiny[0], SpeculativeSpec("none"))
     tok = tiny[0].tokenizer
     chat = decoder.generate("hi", max_new_tokens=1)
     assert chat.prompt_tokens == len(tok.apply_chat_template([{"role": "user", "content": "hi"}],
@@ -295,14 +305,14 @@ def test_bad_settings_raise_clear_errors(tiny, tmp_path):
 
     m = tiny[0]
     with pytest.raises(SpeculateError, match="k must be"):
-        SpeculativeDecoder(m, "lookup", k=0)
+        SpeculativeDecoder(m, SpeculativeSpec("lookup", k=0))
     with pytest.raises(SpeculateError, match="unknown drafter"):
-        SpeculativeDecoder(m, "nope")
+        SpeculativeDecoder(m, SpeculativeSpec("nope"))
     with pytest.raises(SpeculateError, match="unknown verifier"):
-        SpeculativeDecoder(m, "lookup", "nope")
+        SpeculativeDecoder(m, SpeculativeSpec("lookup", verifier="nope"))
     with pytest.raises(SpeculateError, match="beta"):
-        SpeculativeDecoder(m, "lookup", "consultant", beta=1.0)
-    d = SpeculativeDecoder(m, "lookup")
+        SpeculativeDecoder(m, SpeculativeSpec("lookup", verifier="consultant", params={"beta": 1.0}))
+    d = SpeculativeDecoder(m, SpeculativeSpec("lookup"))
     for kwargs, match in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
                           ({"top_p": 1.5}, "top_p"), ({"max_new_tokens": -1}, "max_new_tokens"),
                           ({"max_new_tokens": 5000}, "context window")]:
@@ -311,7 +321,7 @@ def test_bad_settings_raise_clear_errors(tiny, tmp_path):
     with pytest.raises(SpeculateError, match="empty"):
         d.generate("   ")
     with pytest.raises(SpeculateError, match="greedy"):
-        SpeculativeDecoder(m, "lookup", "greedy").generate("hi", temperature=0.5)
+        SpeculativeDecoder(m, SpeculativeSpec("lookup", verifier="greedy")).generate("hi", temperature=0.5)
     # A draft model with another tokenizer is refused.
     other = save_tiny_model(tmp_path / "other", seed=9)
     tok = tiny_tokenizer()
@@ -319,16 +329,16 @@ def test_bad_settings_raise_clear_errors(tiny, tmp_path):
     tok.save_pretrained(other)
     from speculate import load_model
     with pytest.raises(SpeculateError, match="tokenizer"):
-        SpeculativeDecoder(m, "model", draft_model=load_model(str(other)))
+        SpeculativeDecoder(m, SpeculativeSpec("model"), draft_model=load_model(str(other)))
 
 
 def test_decoders_on_one_model_share_the_fused_weights(tiny):
     """Each decoder builds its own KV model; the fused q/k/v and gate/up weights must not be copied
     again (a bench run holds a dozen decoders on one target)."""
     target = tiny[1]
-    before = SpeculativeDecoder(target, "none").generate("abc", max_new_tokens=8).token_ids
+    before = SpeculativeDecoder(target, SpeculativeSpec("none")).generate("abc", max_new_tokens=8).token_ids
     ptrs = {p.data_ptr() for p in target.model.parameters()}
-    decoders = [SpeculativeDecoder(target, "lookup", "greedy", k=2) for _ in range(3)]
+    decoders = [SpeculativeDecoder(target, SpeculativeSpec("lookup", verifier="greedy", k=2)) for _ in range(3)]
     assert {p.data_ptr() for p in target.model.parameters()} == ptrs
     assert all(d.generate("abc", max_new_tokens=8).token_ids == before for d in decoders)
 
@@ -344,7 +354,7 @@ def test_generating_on_another_thread_than_the_loading_one_warns_once(tiny, tiny
 
     monkeypatch.setattr(loader, "_WARNED_THREAD", False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    decoder = SpeculativeDecoder(tiny[0], "lookup", k=3)
+    decoder = SpeculativeDecoder(tiny[0], SpeculativeSpec("lookup", k=3))
     caught = []
 
     def generate():
@@ -373,6 +383,6 @@ def test_generating_on_another_thread_than_the_loading_one_warns_once(tiny, tiny
     thread = threading.Thread(target=lambda: loaded.append(load_model(str(tiny_folders[1]))))
     thread.start()
     thread.join()
-    decoder = SpeculativeDecoder(loaded[0], "lookup", k=3)
+    decoder = SpeculativeDecoder(loaded[0], SpeculativeSpec("lookup", k=3))
     generate()
     assert caught[4] == []

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from speculate import SpeculativeDecoder, load_model
+from speculate.spec import SpeculativeSpec
 from speculate.drafters import get_drafter
 from speculate.errors import SpeculateWarning
 from speculate.models import exact_attention, exactness, kernel
@@ -165,7 +166,7 @@ def test_a_failed_self_check_falls_back_to_exact_row_by_row_verification(tiny_fo
     monkeypatch.setattr(exactness, "rows_agree", lambda kv: False)
     target = load_model(str(tiny_folders[0]), dtype="int8")
     with pytest.warns(SpeculateWarning, match="one at a time"):
-        plain = SpeculativeDecoder(target, "none")
+        plain = SpeculativeDecoder(target, SpeculativeSpec("none"))
     assert plain.kv.row_by_row
     draft = noisy_copy(target, 0.05)
     accepted = 0
@@ -174,14 +175,17 @@ def test_a_failed_self_check_falls_back_to_exact_row_by_row_verification(tiny_fo
         ref = plain.generate(prompt, max_new_tokens=40)
         assert ref.stats.exactness == "row-by-row"
         for drafter in (get_drafter("lookup"), get_drafter("model", draft, target)):
-            out = SpeculativeDecoder(target, drafter, "greedy", k=5).generate(prompt, max_new_tokens=40)
+            out = SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k=5),
+                                     drafter=drafter).generate(prompt, max_new_tokens=40)
             assert out.token_ids == ref.token_ids, drafter.name
             accepted += out.stats.accepted_draft_tokens
     assert accepted > 0
-    assert SpeculativeDecoder(tiny[0], "none").generate([5, 6, 7], max_new_tokens=2).stats.exactness == "none"
+    assert SpeculativeDecoder(tiny[0],
+                              SpeculativeSpec("none")).generate([5, 6, 7], max_new_tokens=2).stats.exactness == "none"
     monkeypatch.undo()
     fresh = load_model(str(tiny_folders[0]), dtype="int8")  # a new load: checked again, for real
-    assert SpeculativeDecoder(fresh, "none").generate([5, 6, 7], max_new_tokens=2).stats.exactness == "batched"
+    plain = SpeculativeDecoder(fresh, SpeculativeSpec("none"))
+    assert plain.generate([5, 6, 7], max_new_tokens=2).stats.exactness == "batched"
 
 
 @pytest.mark.skipif(os.environ.get("SPECULATE_OTHER_PATHS") == "1", reason="already the other code paths")
@@ -207,11 +211,11 @@ def test_default_model_int8_speculation_equals_plain_decoding_on_20_prompts(defa
     target = load_model(dtype="int8")
     prompts = [[{"role": "user", "content": s.turns[0]}]
                for s in load_dataset("gsm8k", limit=10, shots=0) + load_dataset("mt_bench", limit=10)]
-    plain = SpeculativeDecoder(target, "none")
+    plain = SpeculativeDecoder(target, SpeculativeSpec("none"))
     refs = [plain.generate(p, max_new_tokens=32) for p in prompts]
     assert refs[0].stats.exactness == "batched"
     for method in ("lookup", "retrieval", "eagle"):
-        decoder = SpeculativeDecoder(target, method, "greedy", k=5)
+        decoder = SpeculativeDecoder(target, SpeculativeSpec(method, verifier="greedy", k=5))
         new = calls = 0
         for prompt, ref in zip(prompts, refs):
             out = decoder.generate(prompt, max_new_tokens=32)

@@ -9,6 +9,7 @@ import torch
 from speculate.drafters.eagle import EagleDrafter
 from speculate.drafters.medusa import MedusaDrafter
 from speculate import SpeculativeDecoder
+from speculate.spec import SpeculativeSpec
 from speculate.errors import SpeculateError
 from speculate.heads import EagleHead, MedusaHeads, load_heads, save_heads
 from speculate.heads.data import build_data, with_taps
@@ -180,7 +181,7 @@ def plain_greedy(loaded, prompt, n):
 def spec_greedy(loaded, drafter, prompt, n, k, fast=True):
     """Greedy decoding through the engine, whose observe() hook feeds the heads the target's features.
     Returns (tokens, accepted drafts, rounds); the tokens stop early only at EOS."""
-    decoder = SpeculativeDecoder(loaded, drafter, "greedy", k=k)
+    decoder = SpeculativeDecoder(loaded, SpeculativeSpec(verifier="greedy", k=k), drafter=drafter)
     if not fast:
         decoder.kv = KVModel(loaded, fast=False)
     g = decoder.generate(list(prompt), max_new_tokens=n)
@@ -581,10 +582,10 @@ def test_shipped_heads_decode_exactly_like_plain_greedy(default_model, default_i
     plain greedy tokens of the target as run, and their drafts are accepted (random heads would give
     τ ≈ 1.0; these reach 1.3-2.2 here)."""
     target = default_model if precision == "fp32" else default_int8
-    plain = SpeculativeDecoder(target, "none")
+    plain = SpeculativeDecoder(target, SpeculativeSpec("none"))
     refs = [plain.generate(p, max_new_tokens=48).token_ids for p in SHIPPED_PROMPTS]
     for spec in ("eagle", "eagle-chain", "medusa", "medusa-chain"):
-        decoder = SpeculativeDecoder(target, spec, "greedy", k=4)
+        decoder = SpeculativeDecoder(target, SpeculativeSpec(spec, verifier="greedy", k=4))
         new = calls = 0
         for prompt, ref in zip(SHIPPED_PROMPTS, refs):
             out = decoder.generate(prompt, max_new_tokens=48)
@@ -637,8 +638,9 @@ def test_eagle_chain_confidence_gate(tiny, tmp_path):
     expected = plain_greedy(loaded, PROMPT, 30)
     drafted = {}
     for threshold in (0.0, 0.02, 1.0):  # random heads over 259 tokens: top probabilities of ~0.004-0.05
-        g = SpeculativeDecoder(loaded, EagleDrafter(loaded, tmp_path, min_confidence=threshold), "greedy",
-                               k=4).generate(list(PROMPT), max_new_tokens=30)
+        g = SpeculativeDecoder(loaded, SpeculativeSpec(verifier="greedy", k=4),
+                               drafter=EagleDrafter(loaded, tmp_path,
+                                                    min_confidence=threshold)).generate(list(PROMPT), max_new_tokens=30)
         assert g.token_ids == expected
         drafted[threshold] = g.stats.drafted_tokens
     assert drafted[0.0] > drafted[0.02] > drafted[1.0] == 0
@@ -649,7 +651,7 @@ def test_eagle_chain_confidence_gate(tiny, tmp_path):
     lengths = []
     propose = drafter.propose
     drafter.propose = lambda tokens, k: lengths.append((len(d := propose(tokens, k)), k)) or d
-    decoder = SpeculativeDecoder(loaded, drafter, "sample", k=2)
+    decoder = SpeculativeDecoder(loaded, SpeculativeSpec(verifier="sample", k=2), drafter=drafter)
     assert sampled_prefix_pvalue(loaded, PROMPT, SamplingParams(temperature=1.0, top_k=3), decoder, 1000) > 1e-3
     assert any(n < k for n, k in lengths) and any(n == k > 0 for n, k in lengths)  # the gate cut some, not all
     # The registry's EAGLE chains are gated at 0.35 (docs/benchmarks.md, "Confidence-gated chains"); trees are

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from speculate import SpeculativeDecoder, load_model
+from speculate.spec import SpeculativeSpec
 from speculate.drafters import get_drafter
 from speculate.models import quantize
 from speculate.models.fast import FastKVModel, supports
@@ -396,9 +397,10 @@ def test_greedy_speculative_equals_plain_decoding_at_int8(int8_tiny, k):
     accepted = 0
     for seed in range(3):
         prompt = random_prompt(seed, 6) * 4  # repetitive, so that lookup finds matches
-        ref = SpeculativeDecoder(target, "none").generate(prompt, max_new_tokens=48)
+        ref = SpeculativeDecoder(target, SpeculativeSpec("none")).generate(prompt, max_new_tokens=48)
         for drafter in (get_drafter("lookup"), get_drafter("model", draft, target)):
-            out = SpeculativeDecoder(target, drafter, "greedy", k=k).generate(prompt, max_new_tokens=48)
+            out = SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k=k),
+                                     drafter=drafter).generate(prompt, max_new_tokens=48)
             assert out.token_ids == ref.token_ids, drafter.name
             accepted += out.stats.accepted_draft_tokens
     assert accepted > 0
@@ -436,13 +438,14 @@ def test_default_model_int8(default_model, cache):
         total += len(ids)
     assert agree / total > 0.88, agree / total
 
-    plain = SpeculativeDecoder(int8, "none")
+    plain = SpeculativeDecoder(int8, SpeculativeSpec("none"))
     accepted = 0
     for prompt in ["Repeat this sentence exactly: the quick brown fox jumps over the lazy dog, twice.",
                    HELD_OUT[1][0]]:
         ref = plain.generate(prompt, max_new_tokens=40)
-        for decoder in (SpeculativeDecoder(int8, "lookup", "greedy", k=6),
-                        SpeculativeDecoder(int8, "model", "greedy", k=4, draft_model=default_model)):
+        for decoder in (SpeculativeDecoder(int8, SpeculativeSpec("lookup", verifier="greedy", k=6)),
+                        SpeculativeDecoder(int8, SpeculativeSpec("model", verifier="greedy", k=4),
+                                           draft_model=default_model)):
             out = decoder.generate(prompt, max_new_tokens=40)
             assert out.token_ids == ref.token_ids
             accepted += out.stats.accepted_draft_tokens

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from speculate import SamplingParams, SpeculateError, SpeculativeDecoder, load_model
+from speculate.spec import SpeculativeSpec
 from speculate.models import quality
 
 
@@ -39,8 +40,8 @@ def test_new_tokens_logprobs_equal_plain_decodings_and_teacher_forcing(target, d
     draft = target if drafter.startswith("model") else None
     for seed in range(3):
         ids = prompt(seed)
-        plain = SpeculativeDecoder(target, "none").generate(ids, params)
-        spec = SpeculativeDecoder(target, drafter, k=k, draft_model=draft).generate(ids, params)
+        plain = SpeculativeDecoder(target, SpeculativeSpec("none")).generate(ids, params)
+        spec = SpeculativeDecoder(target, SpeculativeSpec(drafter, k=k), draft_model=draft).generate(ids, params)
         assert spec.token_ids == plain.token_ids
         assert spec.stats.accepted_draft_tokens > (10 if draft is not None else -1)
         assert spec.logprobs == plain.logprobs  # bit for bit, the top alternatives included
@@ -60,7 +61,7 @@ def test_prompt_logprobs_score_every_prompt_token_and_skip_caches(target):
 
     ids = prompt(7, 30)
     store = PrefixStore(1 << 30, block=4)
-    decoder = SpeculativeDecoder(target, "lookup", k=3, prefix_cache=True, prefix_store=store)
+    decoder = SpeculativeDecoder(target, SpeculativeSpec("lookup", k=3), prefix_cache=True, prefix_store=store)
     decoder.generate(ids, max_new_tokens=2)  # the prompt is now cached twice over
     out = decoder.generate(ids, SamplingParams(max_new_tokens=0, prompt_logprobs=2), chat=False)
     assert out.stats.reused_prompt_tokens == 0 and out.token_ids == []
@@ -117,7 +118,7 @@ def test_the_openai_client_gets_logprobs_equal_with_and_without_speculation(serv
     assert got["none"].logprobs.token_logprobs == got["lookup"].logprobs.token_logprobs
     assert got["none"].text == got["lookup"].text
     # The engine's own values, and teacher forcing's.
-    out = SpeculativeDecoder(target, "none").generate(ids, max_new_tokens=12, logprobs=0)
+    out = SpeculativeDecoder(target, SpeculativeSpec("none")).generate(ids, max_new_tokens=12, logprobs=0)
     assert got["none"].logprobs.token_logprobs == [e.logprob for e in out.logprobs]
 
     chats = [client.chat.completions.create(model=model, messages=[{"role": "user", "content": "abc abc abc"}],

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from speculate import SpeculateError, SpeculativeDecoder
+from speculate.spec import SpeculativeSpec
 from speculate.cli import main
 from speculate.drafters import get_drafter, parse_options
 from speculate.drafters.lookup import LookupDrafter
@@ -91,8 +92,9 @@ def test_growing_copies_on_the_default_model_are_plain_decoding_in_fewer_calls(d
     """SmolLM2 repeats a paragraph verbatim when asked: copies then grow past k, the output stays plain
     decoding's token for token, and the target is called fewer times than with copies of k."""
     prompt = "Repeat this paragraph exactly:\n\n" + PARAGRAPH
-    ref = SpeculativeDecoder(default_model, "none").generate(prompt, max_new_tokens=64)
-    fixed = SpeculativeDecoder(default_model, LookupDrafter(max_copy=0), "greedy", k=4).generate(prompt, max_new_tokens=64)
+    ref = SpeculativeDecoder(default_model, SpeculativeSpec("none")).generate(prompt, max_new_tokens=64)
+    fixed = SpeculativeDecoder(default_model, SpeculativeSpec(verifier="greedy", k=4),
+                               drafter=LookupDrafter(max_copy=0)).generate(prompt, max_new_tokens=64)
     lengths = []
 
     class Recording(LookupDrafter):
@@ -101,7 +103,8 @@ def test_growing_copies_on_the_default_model_are_plain_decoding_in_fewer_calls(d
             lengths.append(len(draft))
             return draft
 
-    grown = SpeculativeDecoder(default_model, Recording(max_copy=32), "greedy", k=4).generate(prompt, max_new_tokens=64)
+    grown = SpeculativeDecoder(default_model, SpeculativeSpec(verifier="greedy", k=4),
+                               drafter=Recording(max_copy=32)).generate(prompt, max_new_tokens=64)
     assert grown.token_ids == fixed.token_ids == ref.token_ids
     assert max(lengths) >= 16  # 4 → 8 → 16: copies were accepted whole at least twice running
     assert grown.stats.target_calls < fixed.stats.target_calls

@@ -152,11 +152,15 @@ def test_tree_rule_on_a_hand_made_tree_and_on_chains():
 def test_in_the_engine_chain_and_tree(tiny):
     target = tiny[0]
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
-    greedy = SpeculativeDecoder(target, "lookup", "greedy", k=4).generate(prompt, max_new_tokens=24)
-    shut = SpeculativeDecoder(target, "lookup", "loose", k=4, theta=1e9).generate(prompt, max_new_tokens=24)
+    greedy = SpeculativeDecoder(target,
+                                SpeculativeSpec("lookup", verifier="greedy", k=4)).generate(prompt, max_new_tokens=24)
+    shut = SpeculativeDecoder(target,
+                              SpeculativeSpec("lookup", verifier="loose", k=4,
+                                              params={"theta": 1e9})).generate(prompt, max_new_tokens=24)
     assert shut.token_ids == greedy.token_ids  # the gate never opens: greedy decoding
     drafter = get_drafter("model-tree", noisy_copy(target, 0.3), target, branch=2)
-    tree = SpeculativeDecoder(target, drafter, "loose", k=3, theta=0.0, rho=0.05)
+    tree = SpeculativeDecoder(target, SpeculativeSpec(verifier="loose", k=3, params={"theta": 0.0, "rho": 0.05}),
+                              drafter=drafter)
     assert tree._verifier(SamplingParams()).has_tree_rule()
     out = tree.generate(prompt, max_new_tokens=20)
     assert out.stats.new_tokens == 20
@@ -184,7 +188,9 @@ def test_cli_flags_reach_the_verifier(tiny_folders, tiny, capsys):
     assert main(["generate", prompt, "--model", str(tiny_folders[0]), "--json", "--max-new-tokens", "16",
                  "--drafter", "lookup", "--verifier", "loose", "--theta", "0", "--rho", "0.05"]) == 0
     out = json.loads(capsys.readouterr().out)
-    api = SpeculativeDecoder(tiny[0], "lookup", "loose", theta=0.0, rho=0.05).generate(prompt, max_new_tokens=16)
+    api = SpeculativeDecoder(tiny[0],
+                             SpeculativeSpec("lookup", verifier="loose",
+                                             params={"theta": 0.0, "rho": 0.05})).generate(prompt, max_new_tokens=16)
     assert out["token_ids"] == api.token_ids
 
 

@@ -10,6 +10,7 @@ import torch
 from scipy import stats as sstats
 
 from speculate import SpeculateError, SpeculativeDecoder
+from speculate.spec import SpeculativeSpec
 from speculate.cli import main
 from speculate.drafters import get_drafter, parse_options
 from speculate.drafters.model_lookup import ModelWithLookup
@@ -54,9 +55,10 @@ def test_greedy_equals_plain_decoding_with_both_kinds_of_rounds(tiny, k, min_mat
     kinds = Counter()
     for seed in range(3):
         prompt = repetitive_prompt(seed)
-        ref = SpeculativeDecoder(target, "none").generate(prompt, max_new_tokens=48)
+        ref = SpeculativeDecoder(target, SpeculativeSpec("none")).generate(prompt, max_new_tokens=48)
         drafter = Recording(draft, target, min_match=min_match, lookup_k=lookup_k)
-        out = SpeculativeDecoder(target, drafter, "greedy", k=k).generate(prompt, max_new_tokens=48)
+        out = SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k=k),
+                                 drafter=drafter).generate(prompt, max_new_tokens=48)
         assert out.token_ids == ref.token_ids
         kinds.update(copied for copied, _, _ in drafter.rounds)
         # The draft model ran only in its own rounds: k forwards each (the first also feeds the unseen
@@ -78,8 +80,9 @@ def test_the_draft_model_catches_up_after_lookup_rounds(tiny):
     for seed in range(3):
         prompt = repetitive_prompt(seed + 10, n=5, times=3)
         drafter = Recording(noisy_copy(target, 0.0), target, min_match=1)
-        out = SpeculativeDecoder(target, drafter, "greedy", k=3).generate(prompt, max_new_tokens=40)
-        ref = SpeculativeDecoder(target, "none").generate(prompt, max_new_tokens=40)
+        out = SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k=3),
+                                 drafter=drafter).generate(prompt, max_new_tokens=40)
+        ref = SpeculativeDecoder(target, SpeculativeSpec("none")).generate(prompt, max_new_tokens=40)
         assert out.token_ids == ref.token_ids
         model_rounds = [(n, acc) for copied, n, acc in drafter.rounds if not copied]
         after_copy = [i for i in range(1, len(drafter.rounds)) if drafter.rounds[i - 1][0] and not drafter.rounds[i][0]]
@@ -96,10 +99,10 @@ def test_k_auto_learns_only_from_the_draft_models_rounds(tiny, tmp_path, monkeyp
     monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path))  # the cost profile is measured into a scratch cache
     target = tiny[0]
     drafter = Recording(noisy_copy(target, 0.1), target, min_match=1)
-    decoder = SpeculativeDecoder(target, drafter, "greedy", k="auto")
+    decoder = SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k="auto"), drafter=drafter)
     prompt = repetitive_prompt(3)
     assert decoder.generate(prompt, max_new_tokens=48).token_ids == \
-        SpeculativeDecoder(target, "none").generate(prompt, max_new_tokens=48).token_ids
+        SpeculativeDecoder(target, SpeculativeSpec("none")).generate(prompt, max_new_tokens=48).token_ids
     policy = decoder.k_policy
     assert isinstance(policy, AutoK)
     prior_successes, prior_failures = policy.alpha0 * policy.prior_weight, (1 - policy.alpha0) * policy.prior_weight
@@ -137,7 +140,7 @@ def test_sampling_is_lossless(tiny):
         exact = {(*p, int(t)): exact[p] * float(probs[i, t]) for i, p in enumerate(prefixes)
                  for t in probs[i].nonzero()[:, 0]}
     drafter = Recording(draft, target, min_match=1)
-    decoder = SpeculativeDecoder(target, drafter, "sample", k=2)
+    decoder = SpeculativeDecoder(target, SpeculativeSpec(verifier="sample", k=2), drafter=drafter)
     n = 3000
     counts = Counter(tuple(decoder.generate(prompt, max_new_tokens=3, temperature=1.0, top_k=3, seed=i).token_ids)
                      for i in range(n))

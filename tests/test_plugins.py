@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from speculate import SpeculativeDecoder
+from speculate.spec import SpeculativeSpec
 from speculate.drafters import DRAFTERS
 
 from conftest import serve_subprocess
@@ -77,7 +78,7 @@ def plugin_env(tmp_path_factory):
 @pytest.fixture(scope="module")
 def plain(tiny):
     """Plain greedy decoding of PROMPT on tiny model 0: what every lossless run must give."""
-    return SpeculativeDecoder(tiny[0], "none").generate(PROMPT, max_new_tokens=N, chat=False)
+    return SpeculativeDecoder(tiny[0], SpeculativeSpec("none")).generate(PROMPT, max_new_tokens=N, chat=False)
 
 
 def _speculate(env, *args, timeout=300) -> subprocess.CompletedProcess:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from speculate import SpeculativeDecoder, load_model
+from speculate.spec import SpeculativeSpec
 from speculate.drafters.none import NoDrafter
 from speculate.models.kv import PrefixReuse
 
@@ -45,12 +46,14 @@ def test_a_shared_prefix_is_not_computed_again_and_the_tokens_are_a_fresh_decode
     shared = ids(0, 40)
     first, second = shared + ids(1, 8), shared + ids(2, 8)
     assert first[40] != second[40]
-    decoder = SpeculativeDecoder(target, drafter, "greedy", k=3, draft_model=draft, prefix_cache=True)
+    decoder = SpeculativeDecoder(target, SpeculativeSpec(drafter, verifier="greedy", k=3), draft_model=draft,
+                                 prefix_cache=True)
     decoder.generate(first, max_new_tokens=20)
     target_fed, draft_fed = Counted(decoder.kv), Counted(_draft_kv(decoder.drafter))
     out = decoder.generate(second, max_new_tokens=20)
-    fresh = SpeculativeDecoder(target, drafter, "greedy", k=3, draft_model=draft).generate(second, max_new_tokens=20)
-    plain = SpeculativeDecoder(target, "none").generate(second, max_new_tokens=20)
+    fresh = SpeculativeDecoder(target, SpeculativeSpec(drafter, verifier="greedy", k=3), draft_model=draft)
+    fresh = fresh.generate(second, max_new_tokens=20)
+    plain = SpeculativeDecoder(target, SpeculativeSpec("none")).generate(second, max_new_tokens=20)
     assert out.token_ids == fresh.token_ids == plain.token_ids
     assert out.stats.reused_prompt_tokens == 40 and fresh.stats.reused_prompt_tokens == 0
     # The target prefilled only the prompt past the shared prefix (all but its last token); the draft
@@ -61,7 +64,8 @@ def test_a_shared_prefix_is_not_computed_again_and_the_tokens_are_a_fresh_decode
     turn = second + out.token_ids + ids(3, 6)
     again = decoder.generate(turn, max_new_tokens=12)
     assert again.stats.reused_prompt_tokens >= len(second)
-    assert again.token_ids == SpeculativeDecoder(target, "none").generate(turn, max_new_tokens=12).token_ids
+    assert again.token_ids == SpeculativeDecoder(target,
+                                                 SpeculativeSpec("none")).generate(turn, max_new_tokens=12).token_ids
 
 
 def _draft_kv(drafter):
@@ -71,7 +75,7 @@ def _draft_kv(drafter):
 def test_off_by_default_and_for_drafters_that_read_the_targets_features(int8_pair):
     target, _ = int8_pair
     prompt = ids(4, 30)
-    plain = SpeculativeDecoder(target, "lookup", "greedy", k=3)
+    plain = SpeculativeDecoder(target, SpeculativeSpec("lookup", verifier="greedy", k=3))
     plain.generate(prompt, max_new_tokens=8)
     assert plain.generate(prompt, max_new_tokens=8).stats.reused_prompt_tokens == 0
 
@@ -82,7 +86,7 @@ def test_off_by_default_and_for_drafters_that_read_the_targets_features(int8_pai
             self.rows = getattr(self, "rows", 0) + hidden.shape[0]
 
     drafter = Observing()
-    decoder = SpeculativeDecoder(target, drafter, "greedy", k=3, prefix_cache=True)
+    decoder = SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k=3), drafter=drafter, prefix_cache=True)
     assert decoder.prefix_cache is False
     decoder.generate(prompt, max_new_tokens=4)
     drafter.rows = 0
@@ -121,14 +125,15 @@ def test_the_hugging_face_path_keeps_a_prefix_too(tiny, monkeypatch):
     guarantee in general; see SpeculativeDecoder's docstring.)"""
     monkeypatch.setattr("speculate.models.fast.supports", lambda model: False)
     target = tiny[0]
-    decoder = SpeculativeDecoder(target, "lookup", "greedy", k=3, prefix_cache=True)
+    decoder = SpeculativeDecoder(target, SpeculativeSpec("lookup", verifier="greedy", k=3), prefix_cache=True)
     assert type(decoder.kv).__name__ == "HFKVModel"
     shared = ids(5, 30)
     decoder.generate(shared + ids(6, 5), max_new_tokens=10)
     fed = Counted(decoder.kv)
     out = decoder.generate(shared + ids(7, 5), max_new_tokens=10)
     assert out.stats.reused_prompt_tokens == 30 and fed.fed[0] == 5 - 1
-    assert out.token_ids == SpeculativeDecoder(target, "none").generate(shared + ids(7, 5), max_new_tokens=10).token_ids
+    plain = SpeculativeDecoder(target, SpeculativeSpec("none"))
+    assert out.token_ids == plain.generate(shared + ids(7, 5), max_new_tokens=10).token_ids
     # A forward that failed half-way leaves some layers longer than the others: nothing is kept from that.
     kv = decoder.kv
     layer = kv.cache.layers[0]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from speculate import SpeculativeDecoder, load_model
+from speculate.spec import SpeculativeSpec
 from speculate.models.prefix_store import PrefixStore
 
 from test_prefix_cache import Counted
@@ -36,12 +37,13 @@ def test_a_prefix_any_request_computed_is_copied_in_and_the_tokens_are_a_fresh_d
     store = PrefixStore(1 << 30, block=4)
     shared = ids(0, 41)
     prompts = [shared + ids(i + 1, 6) for i in range(3)]
-    decoders = [SpeculativeDecoder(target, d, v, k=k, prefix_store=store) for d, v, k in SETTINGS]
+    decoders = [SpeculativeDecoder(target, SpeculativeSpec(d, verifier=v, k=k), prefix_store=store) for d, v,
+                k in SETTINGS]
     fed = [Counted(d.kv) for d in decoders]
     for i, (decoder, prompt) in enumerate(zip(decoders, prompts)):
         out = decoder.generate(prompt, max_new_tokens=12, temperature=0)
         d, v, k = SETTINGS[i]
-        alone = SpeculativeDecoder(target, d, v, k=k)
+        alone = SpeculativeDecoder(target, SpeculativeSpec(d, verifier=v, k=k))
         fresh = alone.generate(prompt, max_new_tokens=12)
         assert out.token_ids == fresh.token_ids
         # The same bits, not only the same argmax: the cache (copied blocks, and every row computed over them).
@@ -61,12 +63,13 @@ def test_a_tree_drafter_and_a_sampled_run_use_the_store_too(target):
     """Sampling with a seed draws the same tokens with a copied prefix as without (the same bits, the same draws)."""
     store = PrefixStore(1 << 30, block=8)
     shared = ids(3, 33)
-    SpeculativeDecoder(target, "none", prefix_store=store).generate(shared + [7], max_new_tokens=2)
+    SpeculativeDecoder(target, SpeculativeSpec("none"), prefix_store=store).generate(shared + [7], max_new_tokens=2)
     prompt = shared + ids(4, 5)
     for kwargs in ({"temperature": 0.9, "seed": 5}, {"temperature": 0}):
-        with_store = SpeculativeDecoder(target, "lookup", k=3, prefix_store=store).generate(prompt, max_new_tokens=16,
+        with_store = SpeculativeDecoder(target, SpeculativeSpec("lookup", k=3),
+                                        prefix_store=store).generate(prompt, max_new_tokens=16,
                                                                                            **kwargs)
-        alone = SpeculativeDecoder(target, "lookup", k=3).generate(prompt, max_new_tokens=16, **kwargs)
+        alone = SpeculativeDecoder(target, SpeculativeSpec("lookup", k=3)).generate(prompt, max_new_tokens=16, **kwargs)
         assert with_store.token_ids == alone.token_ids and with_store.stats.reused_prompt_tokens == 32
 
 

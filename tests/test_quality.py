@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from speculate import SpeculativeDecoder, load_model
+from speculate.spec import SpeculativeSpec
 from speculate.models import quality, quantize
 from speculate.models.loader import AUTO, QualityWarning
 
@@ -87,7 +88,7 @@ def subset_prompts() -> list[str]:
 
 
 def greedy_answers(loaded, prompts) -> list[list[int]]:
-    decoder = SpeculativeDecoder(loaded, "none")
+    decoder = SpeculativeDecoder(loaded, SpeculativeSpec("none"))
     return [decoder.generate(p, max_new_tokens=SUBSET_TOKENS).token_ids for p in prompts]
 
 

@@ -9,6 +9,7 @@ import importlib.metadata as md
 import pytest
 
 from speculate import SpeculativeDecoder, load_model
+from speculate.spec import SpeculativeSpec
 
 
 def _installed(dist: str) -> bool:
@@ -35,9 +36,10 @@ def test_qwen_pair_greedy_equals_plain_decoding(dtype):
     # tokens; this wording gets code first at int8 and q4 alike.)
     prompt = ("Complete this function. Reply with the whole function in one code block and nothing else.\n\n"
               "def is_even(n: int) -> bool:\n    \"\"\"Return True when n is even.\"\"\"\n")
-    plain = SpeculativeDecoder(target, "none").generate(prompt, max_new_tokens=40)
+    plain = SpeculativeDecoder(target, SpeculativeSpec("none")).generate(prompt, max_new_tokens=40)
     for drafter, k in (("model", 3), ("model", "auto"), ("model+lookup", 6)):
-        out = SpeculativeDecoder(target, drafter, "greedy", k=k, draft_model=draft).generate(prompt, max_new_tokens=40)
+        out = SpeculativeDecoder(target, SpeculativeSpec(drafter, verifier="greedy", k=k),
+                                 draft_model=draft).generate(prompt, max_new_tokens=40)
         assert out.token_ids == plain.token_ids, (drafter, k)
         assert out.stats.accepted_draft_tokens > 0 and out.stats.target_calls < plain.stats.target_calls
         if drafter == "model+lookup":  # some rounds copied more than k tokens: lookup drafted them

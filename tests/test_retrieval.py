@@ -12,6 +12,7 @@ import torch
 from scipy import stats as sstats
 
 from speculate import SpeculateError, SpeculativeDecoder
+from speculate.spec import SpeculativeSpec
 from speculate.cli import main
 from speculate.drafters import get_drafter, parse_options
 from speculate.drafters.answer_store import FILE, AnswerStore, find_store, save_store
@@ -84,7 +85,7 @@ def store_of_answers(tmp_path, target, prompts, n_new=40, copies=2, with_prompt=
     """A store of the target's own greedy answers to ``prompts`` (each ``copies`` times: the table keeps
     continuations seen at least twice), after their prompts with ``with_prompt`` (so that the store can draft
     the first answer token too)."""
-    plain = SpeculativeDecoder(target, "none")
+    plain = SpeculativeDecoder(target, SpeculativeSpec("none"))
     answers = [(p if with_prompt else []) + plain.generate(p, max_new_tokens=n_new).token_ids for p in prompts] * copies
     vocab = int(target.model.get_output_embeddings().out_features)
     save_store(tmp_path / FILE, answers, {"vocab_size": vocab})
@@ -105,11 +106,13 @@ def test_greedy_equals_plain_decoding_and_the_store_drafts_what_it_saw(tiny, tmp
     folder = store_of_answers(tmp_path, target, seen)
     for prompts, familiar in ((seen, True), ([random_prompt(s) for s in range(10, 13)], False)):
         for prompt in prompts:
-            ref = SpeculativeDecoder(target, "none").generate(prompt, max_new_tokens=40)
+            ref = SpeculativeDecoder(target, SpeculativeSpec("none")).generate(prompt, max_new_tokens=40)
             drafter = get_drafter("retrieval", None, target, store=str(folder))
-            out = SpeculativeDecoder(target, drafter, "greedy", k=6).generate(prompt, max_new_tokens=40)
+            out = SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k=6),
+                                     drafter=drafter).generate(prompt, max_new_tokens=40)
             assert out.token_ids == ref.token_ids
-            lookup = SpeculativeDecoder(target, "lookup", "greedy", k=6).generate(prompt, max_new_tokens=40)
+            lookup = SpeculativeDecoder(target, SpeculativeSpec("lookup", verifier="greedy", k=6))
+            lookup = lookup.generate(prompt, max_new_tokens=40)
             if familiar:
                 assert drafter.from_store > 0
                 assert out.stats.target_calls <= 40 // 3 < lookup.stats.target_calls
@@ -128,7 +131,7 @@ def test_sampling_is_lossless(tiny, tmp_path):
         p2 = warp(target.model(torch.tensor([prompt + [int(t)] for t in firsts])).logits[:, -1], s)
     exact = {(int(a), int(b)): float(p1[a] * p2[i, b]) for i, a in enumerate(firsts) for b in p2[i].nonzero()[:, 0]}
     drafter = get_drafter("retrieval", None, target, store=str(folder), min_share=0.0)
-    decoder = SpeculativeDecoder(target, drafter, "sample", k=2)
+    decoder = SpeculativeDecoder(target, SpeculativeSpec(verifier="sample", k=2), drafter=drafter)
     n, drafted = 2000, 0
     counts = Counter()
     for i in range(n):
@@ -188,10 +191,12 @@ def test_the_shipped_store_drafts_for_the_default_model(default_model):
     style question the store drafts in most rounds lookup has nothing for, so fewer target calls."""
     question = ("A baker made 24 muffins and sold 3 boxes of 4 muffins each. How many muffins are left? "
                 "Explain step by step.")
-    ref = SpeculativeDecoder(default_model, "none").generate(question, max_new_tokens=64)
+    ref = SpeculativeDecoder(default_model, SpeculativeSpec("none")).generate(question, max_new_tokens=64)
     drafter = get_drafter("retrieval", None, default_model)
-    out = SpeculativeDecoder(default_model, drafter, "greedy", k=6).generate(question, max_new_tokens=64)
-    lookup = SpeculativeDecoder(default_model, "lookup", "greedy", k=6).generate(question, max_new_tokens=64)
+    out = SpeculativeDecoder(default_model, SpeculativeSpec(verifier="greedy", k=6),
+                             drafter=drafter).generate(question, max_new_tokens=64)
+    lookup = SpeculativeDecoder(default_model,
+                                SpeculativeSpec("lookup", verifier="greedy", k=6)).generate(question, max_new_tokens=64)
     assert out.token_ids == ref.token_ids
     assert drafter.from_store > 5 and out.stats.target_calls < lookup.stats.target_calls
 

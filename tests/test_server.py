@@ -193,8 +193,9 @@ def test_greedy_output_equals_the_engine(served, client, tiny):
         r = client.completions.create(model=served.model, prompt=prompt, max_tokens=30, temperature=0,
                                       extra_body={"speculative": spec})
         params = {key: spec[key] for key in ("eps", "beta") if key in spec}
-        engine = SpeculativeDecoder(tiny[0], spec["drafter"], spec.get("verifier", "greedy"), k=spec.get("k", 3),
-                                    **params).generate(prompt, max_new_tokens=30, chat=False)
+        settings = SpeculativeSpec(spec["drafter"], verifier=spec.get("verifier", "greedy"), params=params,
+                                   k=spec.get("k", 3))
+        engine = SpeculativeDecoder(tiny[0], settings).generate(prompt, max_new_tokens=30, chat=False)
         assert r.choices[0].text == engine.text, spec
         assert r.usage.completion_tokens == len(engine.token_ids)
         stats = r.to_dict()["speculative_stats"]
@@ -202,7 +203,8 @@ def test_greedy_output_equals_the_engine(served, client, tiny):
         assert stats["acceptance_by_position"] == engine.stats.to_dict()["acceptance_by_position"]
 
     chat = client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=25, temperature=0)
-    engine = SpeculativeDecoder(tiny[0], "lookup", "greedy", k=3).generate(MESSAGES, max_new_tokens=25)
+    engine = SpeculativeDecoder(tiny[0],
+                                SpeculativeSpec("lookup", verifier="greedy", k=3)).generate(MESSAGES, max_new_tokens=25)
     assert chat.choices[0].message.content == engine.text
     # top_k (an extension, as vLLM's): at top_k = 1 sampling at temperature 1 can only take the argmax.
     sampled = client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=25, temperature=1.0,
@@ -215,16 +217,21 @@ def test_greedy_output_equals_the_engine(served, client, tiny):
     assert chat.usage.prompt_tokens == engine.prompt_tokens
 
     # stop: the server stops where the engine does
-    full = SpeculativeDecoder(tiny[0], "lookup", "greedy", k=3).generate(prompt, max_new_tokens=30, chat=False)
+    full = SpeculativeDecoder(tiny[0],
+                              SpeculativeSpec("lookup", verifier="greedy",
+                                              k=3)).generate(prompt, max_new_tokens=30, chat=False)
     stop = full.text[6:8]
-    engine = SpeculativeDecoder(tiny[0], "lookup", "greedy", k=3).generate(prompt, max_new_tokens=30, chat=False,
+    engine = SpeculativeDecoder(tiny[0],
+                                SpeculativeSpec("lookup", verifier="greedy",
+                                                k=3)).generate(prompt, max_new_tokens=30, chat=False,
                                                                            stop=[stop])
     r = client.completions.create(model=served.model, prompt=prompt, max_tokens=30, temperature=0, stop=[stop])
     assert r.choices[0].text == engine.text == full.text[:full.text.index(stop)]
     assert r.choices[0].finish_reason == "stop"
 
     # seed, temperature and top_p are honoured: the seeded sample equals the engine's
-    engine = SpeculativeDecoder(tiny[0], "lookup", None, k=3).generate(prompt, max_new_tokens=30, temperature=0.8,
+    engine = SpeculativeDecoder(tiny[0],
+                                SpeculativeSpec("lookup", k=3)).generate(prompt, max_new_tokens=30, temperature=0.8,
                                                                        top_p=0.9, seed=11, chat=False)
     r = client.completions.create(model=served.model, prompt=prompt, max_tokens=30, temperature=0.8, top_p=0.9,
                                   seed=11)
@@ -622,8 +629,10 @@ def test_k_and_eps_auto_in_the_server(served, client, tiny, tmp_path, monkeypatc
     import speculate.engine as engine_module
 
     prompt = "abc abc abc abc"
-    plain = SpeculativeDecoder(tiny[0], "none").generate(prompt, max_new_tokens=30, chat=False)
-    consultant = SpeculativeDecoder(tiny[0], "lookup", "consultant", k=3, eps="auto", beta=0.2)
+    plain = SpeculativeDecoder(tiny[0], SpeculativeSpec("none")).generate(prompt, max_new_tokens=30, chat=False)
+    consultant = SpeculativeDecoder(tiny[0],
+                                    SpeculativeSpec("lookup", verifier="consultant", k=3,
+                                                    params={"eps": "auto", "beta": 0.2}))
     threads = []
     for name in ("profile_for", "calibrate_eps"):
         real = getattr(engine_module, name)
@@ -650,12 +659,16 @@ def test_a_request_may_ask_for_model_lookup_with_the_servers_draft_model(tiny, m
     from speculate.server.schemas import SpeculativeSettings
 
     config = ServerConfig(model="m", spec=SpeculativeSpec("model+lookup", ["lookup_k=4"]), draft_model="d")
-    # The tokenizers were compared at startup; a request does not compare them again (~0.3 s on Qwen's).
-    monkeypatch.setattr("speculate.drafters.model.check_same_tokenizer", _fail)
+    # The tokenizers were compared at startup (load_models); a request does not compare them again (~0.25 s on
+    # Qwen's): the comparison is remembered.
+    from speculate.drafters.model import check_same_tokenizer
+
+    check_same_tokenizer(tiny[0].tokenizer, tiny[0].tokenizer)
+    monkeypatch.setattr(tiny[0].tokenizer, "get_vocab", _fail)
     decoder = build_decoder(tiny[0], tiny[0], merge_settings(config, None))
     assert decoder.drafter.name == "model+lookup" and decoder.drafter.lookup_k == 4
     prompt = [5, 6, 7, 8] * 3
-    plain = SpeculativeDecoder(tiny[0], "none").generate(prompt, max_new_tokens=12).token_ids
+    plain = SpeculativeDecoder(tiny[0], SpeculativeSpec("none")).generate(prompt, max_new_tokens=12).token_ids
     assert decoder.generate(prompt, max_new_tokens=12).token_ids == plain
     asked = merge_settings(ServerConfig(model="m"), SpeculativeSettings(drafter="model+lookup"))
     with pytest.raises(APIError, match="needs a draft model"):
@@ -675,7 +688,7 @@ def test_idle_decoders_are_kept_per_settings_and_matched_by_prefix(tiny):
     built = []
 
     def build(settings):
-        built.append(SpeculativeDecoder(tiny[0], settings["drafter"], prefix_cache=True))
+        built.append(SpeculativeDecoder(tiny[0], SpeculativeSpec(settings["drafter"]), prefix_cache=True))
         return built[-1]
 
     pool = Decoders(build, keep=2)
@@ -724,7 +737,8 @@ def test_serve_loads_its_models_on_the_generation_thread(tiny_folders, tiny, mon
         text = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
     finally:
         server.stop()
-    assert text == SpeculativeDecoder(tiny[0], "none").generate("abc abc abc", max_new_tokens=12, chat=False).text
+    plain = SpeculativeDecoder(tiny[0], SpeculativeSpec("none"))
+    assert text == plain.generate("abc abc abc", max_new_tokens=12, chat=False).text
     assert workers_started_since(before) == []  # stopped with the server
 
     with pytest.raises(SpeculateError, match="unknown model"):
@@ -748,7 +762,7 @@ def test_a_q4_server_answers_exactly_what_the_engine_decodes(tiny_folders, tmp_p
     stats = got["speculative_stats"]
     assert stats["exactness"] == "batched" and stats["drafted_tokens"] > 0
     ids = target.tokenizer("abc abc abc abc")["input_ids"]
-    plain = SpeculativeDecoder(target, "none").generate(ids, max_new_tokens=24)
+    plain = SpeculativeDecoder(target, SpeculativeSpec("none")).generate(ids, max_new_tokens=24)
     assert got["choices"][0]["text"] == plain.text
 
 
@@ -806,7 +820,9 @@ def test_batched_requests_answer_exactly_what_each_gets_alone(tiny_folders, monk
     assert left == [4]
     assert results[5].status_code == 500 and "boom mid-batch" in results[5].json()["error"]["message"]
     for i, (drafter, prompt, n) in [*enumerate(specs), (6, ("lookup", prompts[0] + " again", 20))]:
-        alone = SpeculativeDecoder(target, drafter, "greedy", k=3).generate(prompt, max_new_tokens=n, chat=False)
+        alone = SpeculativeDecoder(target,
+                                   SpeculativeSpec(drafter, verifier="greedy",
+                                                   k=3)).generate(prompt, max_new_tokens=n, chat=False)
         assert results[i].status_code == 200 and results[i].json()["choices"][0]["text"] == alone.text, i
     # Rounds shared forwards: on average more than one generation per forward, and the metrics are there.
     count, total = metric(m, "speculate_batch_size_count"), metric(m, "speculate_batch_size_sum")

@@ -543,7 +543,7 @@ def test_a_short_request_is_not_starved_by_long_prompts(tiny):
 
     class Recorded(Job):
         def __init__(self, name, ids, max_new):
-            decoder = SpeculativeDecoder(tiny[0], "none", "greedy")
+            decoder = SpeculativeDecoder(tiny[0], SpeculativeSpec("none", verifier="greedy"))
             super().__init__(lambda: (decoder.start(ids, SamplingParams(max_new_tokens=max_new, temperature=0),
                                                     prefill_chunk=16), lambda: None), loop=None,
                              prompt_tokens=len(ids))
@@ -585,11 +585,11 @@ def test_admission_by_kv_memory(tiny):
     events, lock, trims = [], threading.Lock(), []
     params = SamplingParams(max_new_tokens=6, temperature=0)
     prompts = [[3 + i, 4, 5, 6, 7 + i] for i in range(4)]
-    plain = [SpeculativeDecoder(tiny[0], "none").generate(p, params).token_ids for p in prompts]
+    plain = [SpeculativeDecoder(tiny[0], SpeculativeSpec("none")).generate(p, params).token_ids for p in prompts]
 
     class Recorded(Job):
         def __init__(self, name, ids):
-            decoder = SpeculativeDecoder(tiny[0], "lookup", "greedy", k=3)
+            decoder = SpeculativeDecoder(tiny[0], SpeculativeSpec("lookup", verifier="greedy", k=3))
             super().__init__(lambda: (decoder.start(ids, params), lambda: None), loop=None, prompt_tokens=len(ids),
                              kv_bytes=100)
             self.name = name
@@ -649,7 +649,7 @@ def test_idle_decoders_are_trimmed_to_the_room_left(tiny):
     from speculate.server.decoders import Decoders, _kv_bytes
     from speculate.spec import SpeculativeSpec
 
-    decoders = Decoders(lambda spec: SpeculativeDecoder(tiny[0], "none"), keep=8)
+    decoders = Decoders(lambda spec: SpeculativeDecoder(tiny[0], SpeculativeSpec("none")), keep=8)
     spec = SpeculativeSpec("none")
     made = []
     for i in range(3):
@@ -687,7 +687,7 @@ def test_a_decoders_kv_bytes_count_a_draft_models_cache_however_it_is_held(tiny)
     from speculate.server.decoders import _kv_bytes
 
     for name in ("model", "model+lookup"):
-        d = SpeculativeDecoder(tiny[0], name, k=3, draft_model=tiny[0])
+        d = SpeculativeDecoder(tiny[0], SpeculativeSpec(name, k=3), draft_model=tiny[0])
         d.generate([3, 4, 5, 3, 4], max_new_tokens=6)
         draft = d.drafter.kv if name == "model" else d.drafter.drafter.kv
         assert draft.nbytes > 0 and _kv_bytes(d) == d.kv.nbytes + draft.nbytes, name

@@ -23,7 +23,8 @@ from speculate.server.errors import APIError, validation_error
 from speculate.server.generation import build_decoder as server_build_decoder
 from speculate.server.generation import merge_settings
 from speculate.server.schemas import CompletionRequest
-from speculate.spec import VARIANTS, SpeculativeSpec, build_decoder, parse_k
+from speculate import SpeculativeDecoder
+from speculate.spec import VARIANTS, SpeculativeSpec, parse_k
 
 # The same settings written for each path: lookup drafting, Consultant Decoding (eps 2, beta 0.2), k = 3.
 EXPECTED = SpeculativeSpec("lookup", (), "consultant", {"eps": 2.0, "beta": 0.2}, 3)
@@ -131,7 +132,7 @@ def test_a_draft_model_drafter_without_a_draft_model_is_one_text_on_every_path(t
     assert _cli_error("--drafter", "model") == NEEDS_DRAFT
     assert _request_error({"drafter": "model"}, tiny=tiny) == "speculative: " + NEEDS_DRAFT
     with pytest.raises(SpeculateError, match=re.escape(NEEDS_DRAFT)):
-        build_decoder(SpeculativeSpec("model"), tiny[0])
+        SpeculativeDecoder(tiny[0], SpeculativeSpec("model"))
     cfg = BenchConfig(model=str(tiny_folders[0]), out=tmp_path / "run", methods=[parse_method("drafter=model,k=3")],
                       datasets=["copy"], limit=1)
     with pytest.raises(SpeculateError) as err:
@@ -184,9 +185,38 @@ def test_the_old_drafter_names_are_aliases_of_the_options_form():
         SpeculativeSpec("lookup", {"tree": False})
 
 
+def test_the_decoder_takes_a_spec_never_a_name_or_loose_parameters(tiny):
+    """Settings reach the engine in one checked object: a name, a dict or a verifier parameter by keyword is refused
+    at once, and a built part cannot stand beside the spec's own choice of it."""
+    from speculate.drafters.lookup import LookupDrafter
+    from speculate.verifiers import get_verifier
+
+    with pytest.raises(TypeError, match="spec must be a SpeculativeSpec"):
+        SpeculativeDecoder(tiny[0], "lookup")
+    with pytest.raises(TypeError, match="spec must be a SpeculativeSpec"):
+        SpeculativeDecoder(tiny[0], {"drafter": "lookup"})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'eps'"):
+        SpeculativeDecoder(tiny[0], SpeculativeSpec("lookup", verifier="consultant"), eps=2.0)
+    with pytest.raises(TypeError, match="in place of the spec's drafter"):
+        SpeculativeDecoder(tiny[0], SpeculativeSpec("lookup"), drafter=LookupDrafter())
+    with pytest.raises(TypeError, match="in place of the spec's drafter"):
+        SpeculativeDecoder(tiny[0], drafter="lookup")
+    with pytest.raises(TypeError, match="in place of the spec's verifier"):
+        SpeculativeDecoder(tiny[0], SpeculativeSpec(verifier="greedy"), verifier=get_verifier("greedy"))
+    with pytest.raises(TypeError, match="in place of the spec's verifier"):
+        SpeculativeDecoder(tiny[0], SpeculativeSpec(params={"eps": 2.0}), verifier=get_verifier("greedy"))
+    # 'auto' for a parameter of no named verifier is the spec's error, as on every other path
+    with pytest.raises(SpeculateError, match="eps 'auto' .* needs the verifier 'consultant'"):
+        SpeculativeSpec("lookup", params={"eps": "auto"})
+    built = SpeculativeDecoder(tiny[0], SpeculativeSpec(verifier="greedy", k=2), drafter=LookupDrafter(max_ngram=2))
+    assert (built.drafter.max_ngram, built.k, built.spec.verifier) == (2, 2, "greedy")
+    default = SpeculativeDecoder(tiny[0])  # the defaults: auto (lookup on a model without a shipped store), k = 6
+    assert (default.spec.drafter, default.drafter.name, default.k) == ("lookup", "lookup", 6)
+
+
 def test_the_factory_builds_the_specs_drafter_and_verifier(tiny):
-    decoder = build_decoder(SpeculativeSpec("lookup", ["max_ngram=5"], "consultant", {"eps": 2}, 3), tiny[0])
+    decoder = SpeculativeDecoder(tiny[0], SpeculativeSpec("lookup", ["max_ngram=5"], "consultant", {"eps": 2}, 3))
     assert decoder.drafter.name == "lookup" and decoder.drafter.max_ngram == 5 and decoder.k == 3
     assert decoder.verifier_params == {"eps": 2.0}
-    model = build_decoder(SpeculativeSpec("model+lookup", ["lookup_k=4"]), tiny[0], tiny[0])
+    model = SpeculativeDecoder(tiny[0], SpeculativeSpec("model+lookup", ["lookup_k=4"]), draft_model=tiny[0])
     assert model.drafter.name == "model+lookup" and model.drafter.lookup_k == 4

@@ -14,6 +14,7 @@ import torch
 from scipy.stats import chi2_contingency
 
 from speculate import SamplingParams, SpeculateError, SpeculativeDecoder, load_model
+from speculate.spec import SpeculativeSpec
 from speculate.drafters.base import Draft, Drafter
 from speculate.grammar import json_schema_grammar
 
@@ -88,7 +89,9 @@ class Oracle(Drafter):
 
 def answer(target, drafter, schema, prompt, **kwargs):
     draft = target if drafter == "model" else None
-    decoder = SpeculativeDecoder(target, drafter, k=4, draft_model=draft)
+    built = None if isinstance(drafter, str) else drafter  # (a name, or a drafter of the tests' own)
+    spec = SpeculativeSpec("auto" if built else drafter, k=4)
+    decoder = SpeculativeDecoder(target, spec, drafter=built, draft_model=draft)
     return decoder.generate(prompt, SamplingParams(max_new_tokens=64, grammar=json_schema_grammar(schema), **kwargs))
 
 

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from speculate import SamplingParams, SpeculativeDecoder
+from speculate.spec import SpeculativeSpec
 from speculate.drafters import get_drafter, suffix
 from speculate.drafters.suffix import ServedIndex
 
@@ -58,10 +59,11 @@ def test_the_index_equals_a_brute_force_scan_and_keeps_its_memory_bound():
 def test_greedy_output_is_the_targets_and_repeats_take_fewer_calls(tiny):
     target = tiny[0]
     prompts = [[5, 6, 7, 8, 9], [20, 21, 22], [5, 6, 7, 8, 9]]
-    plain = {tuple(p): SpeculativeDecoder(target, "none").generate(p, max_new_tokens=24).token_ids for p in prompts}
+    alone = SpeculativeDecoder(target, SpeculativeSpec("none"))
+    plain = {tuple(p): alone.generate(p, max_new_tokens=24).token_ids for p in prompts}
     calls = []
     for p in prompts:
-        out = SpeculativeDecoder(target, "suffix", k=6).generate(p, max_new_tokens=24)
+        out = SpeculativeDecoder(target, SpeculativeSpec("suffix", k=6)).generate(p, max_new_tokens=24)
         assert out.token_ids == plain[tuple(p)]
         calls.append(out.stats.target_calls)
     # The third request repeats the first: its answer is in the index, drafted in long chains.
@@ -71,10 +73,11 @@ def test_greedy_output_is_the_targets_and_repeats_take_fewer_calls(tiny):
 def test_share_false_neither_reads_nor_feeds_the_index(tiny):
     target = tiny[0]
     p = [5, 6, 7, 8, 9]
-    first = SpeculativeDecoder(target, get_drafter("suffix", None, target, share=False)).generate(p, max_new_tokens=24)
+    first = SpeculativeDecoder(target,
+                               drafter=get_drafter("suffix", None, target, share=False)).generate(p, max_new_tokens=24)
     assert not suffix._INDEXES  # no index was made: nothing fed
-    SpeculativeDecoder(target, "suffix").generate(p, max_new_tokens=24)  # this one feeds it
-    private = SpeculativeDecoder(target, get_drafter("suffix", None, target, share=False))
+    SpeculativeDecoder(target, SpeculativeSpec("suffix")).generate(p, max_new_tokens=24)  # this one feeds it
+    private = SpeculativeDecoder(target, drafter=get_drafter("suffix", None, target, share=False))
     again = private.generate(p, max_new_tokens=24)
     assert again.token_ids == first.token_ids and again.stats.target_calls == first.stats.target_calls
     assert private.drafter.from_index == 0
@@ -84,7 +87,8 @@ def test_sampling_stays_lossless_while_the_index_learns(tiny):
     """Every sampled answer feeds the index the next one drafts from: the first three tokens still follow the
     target's distribution (chi-square against the exact one, 1500 draws)."""
     target = tiny[0]
-    decoder = SpeculativeDecoder(target, get_drafter("suffix", None, target, min_share=0.0), k=4)
+    decoder = SpeculativeDecoder(target, SpeculativeSpec(k=4),
+                                 drafter=get_drafter("suffix", None, target, min_share=0.0))
     prompt = [11, 12, 11, 12]
     p = sampled_prefix_pvalue(target, prompt, SamplingParams(temperature=1.0, top_k=3), decoder, 1500)
     assert decoder.drafter.served.tokens > 0 and p > 1e-3

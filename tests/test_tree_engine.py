@@ -12,6 +12,7 @@ from scipy import stats as sstats
 
 import speculate.verifiers.tree as tree_rules
 from speculate import SpeculateError, SpeculativeDecoder
+from speculate.spec import SpeculativeSpec
 from speculate.drafters import get_drafter
 from speculate.drafters.base import Draft, Drafter
 from speculate.drafters.model_tree import ModelTreeDrafter
@@ -28,7 +29,7 @@ def random_prompt(seed, n):
 
 
 def plain(model, prompt, n, **kw):
-    return SpeculativeDecoder(model, "none").generate(prompt, max_new_tokens=n, **kw)
+    return SpeculativeDecoder(model, SpeculativeSpec("none")).generate(prompt, max_new_tokens=n, **kw)
 
 
 def off_first_branch(parents, path) -> bool:
@@ -96,7 +97,7 @@ def test_greedy_model_tree_equals_plain_decoding(tiny, k, branch):
     target = tiny[0]
     draft = noisy_copy(target, 0.2)
     drafter = Recording(draft, target, branch=branch)
-    decoder = SpeculativeDecoder(target, drafter, "greedy", k=k)
+    decoder = SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k=k), drafter=drafter)
     siblings = accepted = 0
     for seed in range(3):
         prompt = random_prompt(seed, 6) * 4
@@ -120,7 +121,8 @@ def test_a_tree_drafted_by_the_target_itself_is_accepted_whole(tiny, spread):
     for k in (2, 4):
         prompt = random_prompt(10 + k, 9)
         ref = plain(target, prompt, 30)
-        out = SpeculativeDecoder(target, drafter, "greedy", k=k).generate(prompt, max_new_tokens=30)
+        out = SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k=k),
+                                 drafter=drafter).generate(prompt, max_new_tokens=30)
         assert out.token_ids == ref.token_ids
         st = out.stats
         assert st.rejected_rounds == 0 and st.accepted_by_position == st.drafted_by_position
@@ -140,7 +142,8 @@ def test_tree_oracle_takes_the_right_sibling_and_respects_the_budget(tiny, wrong
     for n_new in (1, 2, 3, 9, 40):
         for corrupt in (0.0, 0.3):
             drafter = TreeOracle(len(prompt), ref.token_ids, depth=8, wrong=wrong, corrupt=corrupt, seed=n_new)
-            out = SpeculativeDecoder(model, drafter, verifier, k=3).generate(prompt, max_new_tokens=n_new)
+            out = SpeculativeDecoder(model, SpeculativeSpec(verifier=verifier, k=3),
+                                     drafter=drafter).generate(prompt, max_new_tokens=n_new)
             assert out.token_ids == ref.token_ids[:n_new]
             assert out.stats.new_tokens == n_new and out.finish_reason == "length"
             # The engine prunes a tree only to the budget (k is the drafter's to respect): depth 8, or
@@ -158,7 +161,8 @@ def test_stop_inside_an_accepted_tree_path(tiny):
     ref = plain(model, prompt, 40)
     cut = ref.token_ids[12]
     first = ref.token_ids.index(cut)
-    decoder = SpeculativeDecoder(model, TreeOracle(len(prompt), ref.token_ids, depth=8), "greedy", k=8)
+    decoder = SpeculativeDecoder(model, SpeculativeSpec(verifier="greedy", k=8),
+                                 drafter=TreeOracle(len(prompt), ref.token_ids, depth=8))
     decoder.eos = {cut}
     out = decoder.generate(prompt, max_new_tokens=40)
     assert out.token_ids == ref.token_ids[: first + 1]
@@ -166,7 +170,8 @@ def test_stop_inside_an_accepted_tree_path(tiny):
     text = ref.text
     stop = text[15:18]
     assert stop and text.find(stop) >= 0
-    out = SpeculativeDecoder(model, TreeOracle(len(prompt), ref.token_ids, depth=8), "greedy", k=8).generate(
+    out = SpeculativeDecoder(model, SpeculativeSpec(verifier="greedy", k=8),
+                             drafter=TreeOracle(len(prompt), ref.token_ids, depth=8)).generate(
         prompt, max_new_tokens=40, stop=[stop])
     assert out.text == text[: text.find(stop)] and out.finish_reason == "stop"
     assert len(out.token_ids) < 40 and out.token_ids == ref.token_ids[: len(out.token_ids)]
@@ -217,7 +222,7 @@ def test_tree_sampling_end_to_end_matches_the_target(tiny):
     prompt = random_prompt(3, 8)
     s = SamplingParams(temperature=1.0, top_k=3)
     drafter = Recording(draft, target, branch=2)
-    decoder = SpeculativeDecoder(target, drafter, "sample", k=3)
+    decoder = SpeculativeDecoder(target, SpeculativeSpec(verifier="sample", k=3), drafter=drafter)
     siblings = []
     assert sampled_prefix_pvalue(target, prompt, s, decoder, 1000,
                                  lambda i: siblings.append(drafter.sibling_accepts())) > 1e-3
@@ -258,7 +263,8 @@ def test_consultant_on_a_tree_carries_its_state_and_accepts_everything_with_a_hu
     drafter = get_drafter("model-tree", noisy_copy(target, 0.5), target, branch=2)
     for temperature in (0.0, 1.0):
         calls.clear()
-        decoder = SpeculativeDecoder(target, drafter, "consultant", k=4, eps=1e9)
+        decoder = SpeculativeDecoder(target, SpeculativeSpec(verifier="consultant", k=4, params={"eps": 1e9}),
+                                     drafter=drafter)
         out = decoder.generate(random_prompt(4, 7), max_new_tokens=27, temperature=temperature, seed=1)
         assert out.stats.new_tokens == 27
         assert calls[0][0] is None
@@ -273,19 +279,21 @@ def test_consultant_on_a_tree_carries_its_state_and_accepts_everything_with_a_hu
 def test_typical_runs_on_a_tree_and_mentored_is_refused(tiny):
     target = tiny[0]
     drafter = get_drafter("model-tree", noisy_copy(target, 0.2), target)
-    out = SpeculativeDecoder(target, drafter, "typical", k=3).generate(random_prompt(1, 5), max_new_tokens=20)
+    out = SpeculativeDecoder(target, SpeculativeSpec(verifier="typical", k=3),
+                             drafter=drafter).generate(random_prompt(1, 5), max_new_tokens=20)
     assert out.stats.new_tokens == 20
-    out = SpeculativeDecoder(target, drafter, "typical", k=3).generate(random_prompt(1, 5), max_new_tokens=20,
+    out = SpeculativeDecoder(target, SpeculativeSpec(verifier="typical", k=3),
+                             drafter=drafter).generate(random_prompt(1, 5), max_new_tokens=20,
                                                                         temperature=0.7, seed=3)
     assert out.stats.new_tokens == 20
     with pytest.raises(SpeculateError, match="no tree rule"):
-        SpeculativeDecoder(target, drafter, "mentored", k=3)
+        SpeculativeDecoder(target, SpeculativeSpec(verifier="mentored", k=3), drafter=drafter)
 
     class Custom(Verifier):
         name = "custom"
 
     with pytest.raises(SpeculateError, match="no tree rule"):
-        SpeculativeDecoder(target, drafter, Custom(), k=3)
+        SpeculativeDecoder(target, SpeculativeSpec(k=3), drafter=drafter, verifier=Custom())
     with pytest.raises(SpeculateError, match="needs a draft model"):
         get_drafter("model-tree")
     with pytest.raises(SpeculateError, match="branch"):
@@ -332,13 +340,15 @@ def test_layerskip_drafts_with_the_targets_own_first_layers(tiny):
 
     target = tiny[0]
     prompt = "abcabc hello hello"
-    plain = SpeculativeDecoder(target, "none").generate(prompt, max_new_tokens=30)  # fuses the target once
+    plain = SpeculativeDecoder(target,
+                               SpeculativeSpec("none")).generate(prompt, max_new_tokens=30)  # fuses the target once
     target_ptrs = {p.data_ptr() for p in target.model.parameters()}
     n_layers = len(target.model.model.layers)
     short = early_exit_model(target, 1)
     assert len(short.model.model.layers) == 1 and len(target.model.model.layers) == n_layers
     assert {p.data_ptr() for p in short.model.parameters()} <= target_ptrs
-    out = SpeculativeDecoder(target, get_drafter("layerskip", None, target), "greedy", k=3).generate(
+    out = SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k=3),
+                             drafter=get_drafter("layerskip", None, target)).generate(
         prompt, max_new_tokens=30)
     assert out.token_ids == plain.token_ids
     assert out.stats.drafted_tokens > 0

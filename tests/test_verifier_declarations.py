@@ -13,6 +13,7 @@ import speculate.models.fast as fast
 import speculate.models.kv as kv
 import speculate.tree_shape as tree_shape
 from speculate import SpeculativeDecoder
+from speculate.spec import SpeculativeSpec
 from speculate.cli import _parser
 from speculate.drafters import get_drafter
 from speculate.drafters.base import Draft
@@ -83,8 +84,10 @@ def test_a_subclass_keeps_its_tree_rule_in_the_engine(tiny):
     target = tiny[0]
     drafter = get_drafter("model-tree", noisy_copy(target, 0.3), target, branch=2)
     prompt = [5, 6, 7, 8, 9]
-    expected = SpeculativeDecoder(target, drafter, "greedy", k=3).generate(prompt, max_new_tokens=20)
-    out = SpeculativeDecoder(target, drafter, MyGreedy(), k=3).generate(prompt, max_new_tokens=20)
+    expected = SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k=3),
+                                  drafter=drafter).generate(prompt, max_new_tokens=20)
+    out = SpeculativeDecoder(target, SpeculativeSpec(k=3), drafter=drafter,
+                             verifier=MyGreedy()).generate(prompt, max_new_tokens=20)
     assert out.token_ids == expected.token_ids and out.stats.target_calls == expected.stats.target_calls
 
 
@@ -120,7 +123,7 @@ def test_a_verifier_without_a_tree_rule_says_so(tiny):
         MentoredVerifier().judge(torch.tensor([0]), [-1], torch.full((1, V), 1 / V), torch.full((2, V), 1 / V))
     drafter = get_drafter("model-tree", noisy_copy(tiny[0], 0.3), tiny[0])
     with pytest.raises(SpeculateError, match="can be verified by greedy, sample, consultant, loose, typical"):
-        SpeculativeDecoder(tiny[0], drafter, "mentored", k=3)
+        SpeculativeDecoder(tiny[0], SpeculativeSpec(verifier="mentored", k=3), drafter=drafter)
 
 
 # ------------------------------------------------------------------------ one verdict, one call shape

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from speculate import SpeculativeDecoder
+from speculate.spec import SpeculativeSpec
 from speculate.drafters import get_drafter
 from speculate.drafters.base import Draft
 from speculate.drafters.lookup import LookupDrafter
@@ -60,7 +61,8 @@ def test_greedy_with_lookup_merged_equals_plain(tiny, tmp_path, name):
     n, k = 40, 5
     expected = plain_greedy(loaded, PROMPT, n)
     ungated = {"min_confidence": 0.0} if name == "eagle-chain" else {}  # random heads are never sure
-    alone = SpeculativeDecoder(loaded, get_drafter(name, None, loaded, heads=tmp_path, **ungated), "greedy", k=2)
+    alone = SpeculativeDecoder(loaded, SpeculativeSpec(verifier="greedy", k=2),
+                               drafter=get_drafter(name, None, loaded, heads=tmp_path, **ungated))
     a = alone.generate(list(PROMPT), max_new_tokens=n)
     garbage = [(t + 1) % 259 for t in expected]
     for continuation in (expected, garbage):
@@ -69,7 +71,8 @@ def test_greedy_with_lookup_merged_equals_plain(tiny, tmp_path, name):
         sizes = []
         propose = drafter.propose
         drafter.propose = lambda tokens, k: sizes.append(len(d := propose(tokens, k))) or d
-        g = SpeculativeDecoder(loaded, drafter, "greedy", k=k).generate(list(PROMPT), max_new_tokens=n)
+        g = SpeculativeDecoder(loaded, SpeculativeSpec(verifier="greedy", k=k),
+                               drafter=drafter).generate(list(PROMPT), max_new_tokens=n)
         assert g.token_ids == expected
         assert max(sizes) > base.max_nodes(2)  # lookup's nodes were in the verified trees
         if continuation is expected:
@@ -115,7 +118,7 @@ def test_sampling_with_lookup_is_lossless_end_to_end(tiny, tmp_path):
         through_lookup.append(len(roots) == 2 and bool(path) and path[0] == roots[1])  # lookup's branch
         update(n_accepted, next_token, path)
     drafter.propose, drafter.update = spy_propose, spy_update
-    decoder = SpeculativeDecoder(loaded, drafter, "sample", k=3)
+    decoder = SpeculativeDecoder(loaded, SpeculativeSpec(verifier="sample", k=3), drafter=drafter)
     assert sampled_prefix_pvalue(loaded, PROMPT, SamplingParams(temperature=1.0, top_k=3), decoder, 1000) > 1e-3
     assert any(through_lookup)
 
@@ -146,10 +149,10 @@ COPY_PROMPTS = [
 def test_shipped_heads_with_lookup_on_the_default_model(default_model):
     """With the shipped heads at fp32: exactly plain greedy decoding, and fewer target calls than the
     heads alone on a prompt to copy and a question whose answer reuses its numbers."""
-    plain = SpeculativeDecoder(default_model, "none")
+    plain = SpeculativeDecoder(default_model, SpeculativeSpec("none"))
     for name, alone_name, k in (("eagle+lookup", "eagle", 2), ("eagle-chain+lookup", "eagle-chain", 2)):
-        merged = SpeculativeDecoder(default_model, name, "greedy", k=6)
-        alone = SpeculativeDecoder(default_model, alone_name, "greedy", k=k)
+        merged = SpeculativeDecoder(default_model, SpeculativeSpec(name, verifier="greedy", k=6))
+        alone = SpeculativeDecoder(default_model, SpeculativeSpec(alone_name, verifier="greedy", k=k))
         calls = {"merged": 0, "alone": 0}
         for prompt in COPY_PROMPTS:
             ref = plain.generate(prompt, max_new_tokens=48).token_ids

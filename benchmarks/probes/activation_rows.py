@@ -20,6 +20,7 @@ import sys
 import torch
 
 from speculate import SpeculativeDecoder, load_model
+from speculate.spec import SpeculativeSpec
 from speculate.bench import emit, machine_header
 from speculate.bench.speed import PROMPT_SETS
 from speculate.models import quantize
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
     for name, dtype, rows in variants:  # structs keep the passes they were built with)
         quantize.set_activation_passes(models[dtype].model, rows)
         for drafter in ("none", "lookup"):
-            decoders[name, drafter] = SpeculativeDecoder(models[dtype], drafter, k=6)
+            decoders[name, drafter] = SpeculativeDecoder(models[dtype], SpeculativeSpec(drafter, k=6))
             decoders[name, drafter].generate(CHAT[0], max_new_tokens=8)
         quantize.set_activation_passes(models[dtype].model, 2)
     for _ in range(a.rounds):

@@ -6,13 +6,14 @@ generation at a time (the same decoders, alternated twice), on the copy prompts,
 """
 import sys, time, cProfile, pstats
 from speculate import load_model, SpeculativeDecoder
+from speculate.spec import SpeculativeSpec
 from speculate.engine import step
 from speculate.bench.speed import PROMPT_SETS
 from speculate.text import encode_prompt
 dtype, drafter, C, R = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 m = load_model(dtype=dtype)
 prompts = [encode_prompt(m.tokenizer, p) for p in PROMPT_SETS["copy"]]
-decs = [SpeculativeDecoder(m, drafter, prefix_cache=True) for _ in range(C)]
+decs = [SpeculativeDecoder(m, SpeculativeSpec(drafter), prefix_cache=True) for _ in range(C)]
 decs[0].generate(prompts[0], max_new_tokens=4)
 def one():
     t0 = time.perf_counter(); n = 0

@@ -12,6 +12,7 @@ outputs identical to plain decoding at the same precision, and where the first d
 import argparse
 
 from speculate import SpeculativeDecoder, load_model
+from speculate.spec import SpeculativeSpec
 from speculate.bench.datasets import load_dataset
 from speculate.bench.machine import summary
 
@@ -28,11 +29,11 @@ def main():
                for s in load_dataset("gsm8k", limit=10, shots=0) + load_dataset("mt_bench", limit=10)]
     for dtype in args.dtypes.split(","):
         target = load_model(dtype=dtype, progress=False)
-        plain = SpeculativeDecoder(target, "none")
+        plain = SpeculativeDecoder(target, SpeculativeSpec("none"))
         refs = [plain.generate(p, max_new_tokens=args.tokens) for p in prompts]
         print(f"{dtype} (exactness: {refs[0].stats.exactness}), {len(prompts)} prompts, {args.tokens} new tokens:")
         for method in METHODS:
-            decoder = SpeculativeDecoder(target, method, "greedy", k=5)
+            decoder = SpeculativeDecoder(target, SpeculativeSpec(method, verifier="greedy", k=5))
             same, first = 0, []
             for prompt, ref in zip(prompts, refs):
                 out = decoder.generate(prompt, max_new_tokens=args.tokens).token_ids

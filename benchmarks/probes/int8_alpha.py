@@ -20,6 +20,7 @@ import torch
 
 from speculate.bench.precision import prompts
 from speculate.engine import SpeculativeDecoder
+from speculate.spec import SpeculativeSpec
 from speculate.models import DEFAULT_MODEL, blocks, load_model, quality, quantize
 
 CANDIDATES = {"kept": quantize.ALPHA, "0.5": 0.5, "0.3": 0.3, "0.4": 0.4, "none": None,
@@ -49,7 +50,7 @@ def main() -> None:
             tensors = quantize.quantize(loaded.model, loaded.tokenizer, alpha=0.5 if alpha is None else alpha,
                                         smooth_layers=alpha is not None)
             quantize.apply(loaded.model, tensors)
-        decoder = SpeculativeDecoder(loaded, "none")
+        decoder = SpeculativeDecoder(loaded, SpeculativeSpec("none"))
         broken, loops_with_fp32, equal = [], [], 0
         for _, sid, prompt in items:
             ids = quality.prompt_ids(loaded.tokenizer, prompt)

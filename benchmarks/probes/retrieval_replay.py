@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from speculate import SpeculativeDecoder, load_model
+from speculate.spec import SpeculativeSpec
 from speculate.bench.datasets import load_dataset
 from speculate.drafters import get_drafter
 from speculate.drafters import retrieval as retrieval_module
@@ -58,7 +59,7 @@ def answers(path: Path) -> list[dict]:
     if path.is_file():
         return json.loads(path.read_text())
     model = load_model("smollm2-135m-instruct", dtype="int8")
-    plain = SpeculativeDecoder(model, "none")
+    plain = SpeculativeDecoder(model, SpeculativeSpec("none"))
     out = []
     for name, lo, hi in HELD_OUT:
         for sample in load_dataset(name, limit=hi, shots=0)[lo:hi]:

@@ -12,6 +12,7 @@ import statistics
 import warnings
 
 from speculate import SamplingParams, SpeculativeDecoder, load_model
+from speculate.spec import SpeculativeSpec
 from speculate.bench import machine_header
 from speculate.bench.datasets import load_dataset
 from speculate.grammar import json_schema_grammar
@@ -32,7 +33,7 @@ def main() -> None:
     print(machine_header()["machine"])
     target = load_model(dtype=a.dtype, progress=False)
     grammar = json_schema_grammar(SCHEMA)
-    decoders = {d: SpeculativeDecoder(target, d) for d in DRAFTERS}
+    decoders = {d: SpeculativeDecoder(target, SpeculativeSpec(d)) for d in DRAFTERS}
     params = SamplingParams(max_new_tokens=160, grammar=grammar)
     for d in decoders.values():  # warm-up: llguidance's tokenizer, the store, first calls
         d.generate("Hi.", params)

@@ -340,7 +340,7 @@ def _generate(args) -> int:
     from .engine import SpeculativeDecoder
     from .models import load_model
     from .sampling import SamplingParams, check_seed
-    from .spec import SpeculativeSpec, build_decoder
+    from .spec import SpeculativeSpec
     from .text import check_text_prompt
 
     # Every check that needs no model, before any model loads.
@@ -355,9 +355,9 @@ def _generate(args) -> int:
         raise SpeculateError("--draft-dtype is the draft model's precision: it needs --draft-model")
     target = load_model(args.model, dtype=args.dtype)
     draft = load_model(args.draft_model, dtype=args.draft_dtype or args.dtype) if args.draft_model else None
-    decoder = build_decoder(spec, target, draft)
+    decoder = SpeculativeDecoder(target, spec, draft_model=draft)
     chat = False if args.no_chat else None
-    plain = SpeculativeDecoder(target, "none") if args.compare else None
+    plain = SpeculativeDecoder(target, SpeculativeSpec("none")) if args.compare else None
     if plain is not None:  # both warmed up alike on another prompt: neither pays a first call's costs in the timing
         for d in (decoder, plain):
             d.generate("Hi.", max_new_tokens=2, chat=chat)

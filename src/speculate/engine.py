@@ -33,7 +33,7 @@ from typing import Iterator
 import torch
 
 from .policy.auto import AutoK, FixedK, calibrate_eps, is_auto, profile_for
-from .drafters import Drafter, get_drafter
+from .drafters import Drafter
 from .drafters.base import Draft
 from .errors import SpeculateError
 from .grammar import Constraint
@@ -42,10 +42,10 @@ from .models.kv import KVModel, PrefixReuse, Rows, forward_many
 from .models.prefix_store import PrefixStore
 from .models.loader import LoadedModel, check_thread
 from .sampling import SamplingParams, one_hot, warp
+from .spec import SpeculativeSpec, build_drafter
 from .stats import Stats
 from .text import Detokenizer, check_prompt, encode_prompt, eos_ids
-from .policy.draft_length import parse_k
-from .verifiers import Verdict, Verifier, check_auto, get_verifier, tree_rule_missing, verifier_class, verifier_for
+from .verifiers import Verdict, Verifier, get_verifier, tree_rule_missing, verifier_class, verifier_for
 
 
 @dataclass(frozen=True)
@@ -90,13 +90,29 @@ class Stream:
         return self.pieces
 
 
-class SpeculativeDecoder:
-    """``SpeculativeDecoder(target, drafter, verifier, k)``.
+def _check_parts(spec, drafter, verifier) -> None:
+    """TypeError where the decoder is handed settings in another form than a spec, or a built part beside the
+    spec's own choice of it (which of the two would run?)."""
+    if not isinstance(spec, SpeculativeSpec):
+        raise TypeError(f"spec must be a SpeculativeSpec (speculate.SpeculativeSpec('lookup', k=6)), got {spec!r}")
+    if drafter is not None and (not isinstance(drafter, Drafter) or spec.drafter != "auto"):
+        raise TypeError("drafter= is a built Drafter, given in place of the spec's drafter (leave it 'auto'); "
+                        f"got {drafter!r} beside the spec's {spec.drafter!r}")
+    if verifier is not None and (not isinstance(verifier, Verifier) or spec.verifier is not None or spec.params):
+        raise TypeError("verifier= is a built Verifier, given in place of the spec's verifier and parameters (leave "
+                        f"them unset); got {verifier!r} beside {spec.label()}")
 
-    ``drafter``: a :class:`Drafter` or a name (``none``, ``lookup``, ``model`` or ``model-tree`` with
-    ``draft_model``).
-    ``verifier``: a :class:`Verifier`, a name, or None for ``greedy`` at temperature 0 and ``sample``
-    (lossless) otherwise. ``verifier_params`` go to :func:`get_verifier` (eps, beta, D, tol, ...).
+
+class SpeculativeDecoder:
+    """``SpeculativeDecoder(target, spec)``: generations from ``target`` with the settings of ``spec``.
+
+    ``spec``: a :class:`~speculate.spec.SpeculativeSpec`, the settings checked once where they were given (the
+    drafter and its options, the verifier and its parameters, k): ``SpeculativeSpec("lookup", k=6)``,
+    ``SpeculativeSpec("lookup", verifier="consultant", params={"eps": 2.0, "beta": 0.2})``; None: the defaults
+    (``auto`` drafter, k = 6). Without a verifier, ``greedy`` at temperature 0 and ``sample`` (lossless) otherwise.
+    ``draft_model``: the loaded draft model, for a spec whose drafter takes one (the others leave it unused).
+    ``drafter`` / ``verifier``: parts built by the caller (a custom class, a head with options of its own), in
+    place of the spec's drafter (which then stays ``auto``) / verifier (then neither named nor given parameters).
     ``prefix_cache``: keep, between this decoder's generations, the KV of the prefix a new prompt shares
     with the last generation's tokens (target and draft model), instead of prefilling it again. At int8 the
     kept rows are bit-identical to a fresh prefill's (batch-invariant kernels); at fp32 they can differ in
@@ -107,29 +123,28 @@ class SpeculativeDecoder:
     computed, and this generation's prompt blocks are added for the next (the same caveats as ``prefix_cache``).
     """
 
-    def __init__(self, target: LoadedModel, drafter: Drafter | str = "auto", verifier: Verifier | str | None = None,
-                 k: int | str = 6, draft_model: LoadedModel | None = None, prefix_cache: bool = False,
-                 prefix_store: PrefixStore | None = None, **verifier_params):
-        k = parse_k(k)
+    def __init__(self, target: LoadedModel, spec: SpeculativeSpec | None = None, *,
+                 draft_model: LoadedModel | None = None, drafter: Drafter | None = None,
+                 verifier: Verifier | None = None, prefix_cache: bool = False,
+                 prefix_store: PrefixStore | None = None):
+        spec = SpeculativeSpec() if spec is None else spec
+        _check_parts(spec, drafter, verifier)
         self.target = target
+        self.spec = spec if drafter is not None else spec.resolved(target)
         self.kv = KVModel(target)
-        self.drafter = drafter if isinstance(drafter, Drafter) else get_drafter(drafter, draft_model, target)
+        self.drafter = drafter if drafter is not None else build_drafter(self.spec, target, draft_model)
         self.prefix_cache = prefix_cache and not self.drafter.wants_hidden
         self.drafter.reuse_prefix = self.prefix_cache
         self.prefix_reuse = PrefixReuse()  # which tokens the target's cache holds, for prefix_cache
         self.prefix_store = prefix_store if self.kv.shares_prefixes and not self.drafter.wants_hidden else None
-        self.verifier_spec = verifier
-        self.verifier_params = {key: v for key, v in verifier_params.items() if v is not None}
-        try:  # ('auto' only where the named verifier declares it)
-            check_auto(verifier if isinstance(verifier, str) else None, self.verifier_params)
-        except ValueError as e:
-            raise SpeculateError(str(e)) from None
+        self.built_verifier = verifier
+        self.verifier_params = spec.verifier_params
         if is_auto(self.verifier_params.get("eps")):  # consultant's eps, the one 'auto' a verifier declares
             self.verifier_params["eps"] = calibrate_eps(target)
-        self.k_policy = self._k_policy(k)
-        self.k = k
+        self.k_policy = self._k_policy(spec.k)
+        self.k = spec.k
         self.eos = eos_ids(target)
-        self._verifier(SamplingParams())  # validate the name, parameters and tree rule now, not at the first request
+        self._verifier(SamplingParams())  # build the verifier once now (its tree rule), not at the first request
 
     def _k_policy(self, k):
         if not is_auto(k):
@@ -145,12 +160,12 @@ class SpeculativeDecoder:
         return AutoK(prof, prof.c if cost is None else cost, rows=rows)
 
     def _verifier(self, sampling: SamplingParams) -> Verifier:
-        if isinstance(self.verifier_spec, Verifier):
-            verifier = self.verifier_spec
+        if self.built_verifier is not None:
+            verifier = self.built_verifier
         else:
             params = dict(self.verifier_params)
             try:
-                name = verifier_for(self.verifier_spec, sampling.greedy)
+                name = verifier_for(self.spec.verifier, sampling.greedy)
                 if any(p.name == "greedy" for p in verifier_class(name).params):
                     params.setdefault("greedy", sampling.greedy)  # (argmax or drawn correction tokens)
                 verifier = get_verifier(name, **params)

@@ -10,11 +10,12 @@ checks and so the same error text for the same mistake:
 - a bench method string or matrix entry, and a TOML table: :meth:`SpeculativeSpec.from_table`
   (``bench/methods.py`` reads both into it).
 
-:func:`build_decoder` turns a spec plus the loaded models into a :class:`SpeculativeDecoder`; the engine gets a
-built drafter. Drafter variants are options: a drafter's declared ``variants`` (``eagle`` / ``medusa``: ``tree``,
-default true, and ``lookup``, default false) are true/false options, and the variants' own names (``eagle-chain``,
-``medusa+lookup``, ``eagle-chain+lookup``, ...) are aliases that give the same spec (:data:`VARIANTS`); the drafter
-registry (``drafters.get_drafter``) builds by those names (:attr:`SpeculativeSpec.registry_name`).
+:class:`~speculate.engine.SpeculativeDecoder` takes a spec (never a name) and the loaded models, and builds its
+drafter with :func:`build_drafter`. Drafter variants are options: a drafter's declared ``variants`` (``eagle`` /
+``medusa``: ``tree``, default true, and ``lookup``, default false) are true/false options, and the variants' own
+names (``eagle-chain``, ``medusa+lookup``, ``eagle-chain+lookup``, ...) are aliases that give the same spec
+(:data:`VARIANTS`); the drafter registry (``drafters.get_drafter``) builds by those names
+(:attr:`SpeculativeSpec.registry_name`).
 """
 
 from __future__ import annotations
@@ -22,23 +23,23 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .policy.draft_length import MAX_K, parse_k
-from .drafters import (DRAFTERS, HEAD_DRAFTERS, MODEL_DRAFTERS, NEEDS_MODEL_DRAFTER, VARIANTS, check_name,
-                       draft_model_error, get_drafter, option_value, parse_options, resolve)
-from .engine import SpeculativeDecoder
+from . import drafters, verifiers
+from .drafters import check_name, draft_model_error, get_drafter, option_value, parse_options, resolve
 from .errors import SpeculateError
 from .models import CHOICES
-from .verifiers import PARAMS, VERIFIERS, check_params, default_name
+from .verifiers import check_auto, check_params, default_name
 
 
 def _variants(drafter: str) -> tuple:
     """The variant options (drafters/base.py, ``Variant``) of drafter ``drafter`` (a canonical name); () for one
     without variants and for ``auto``."""
-    return DRAFTERS[drafter].cls.variants if drafter in DRAFTERS else ()
+    return drafters.DRAFTERS[drafter].cls.variants if drafter in drafters.DRAFTERS else ()
 
 
 def _takes(drafter: str, option: str) -> bool:
     """Whether ``drafter`` (a canonical name) declares ``option``."""
-    return drafter in DRAFTERS and any(param.name == option for param in DRAFTERS[drafter].cls.params)
+    known = drafters.DRAFTERS
+    return drafter in known and any(param.name == option for param in known[drafter].cls.params)
 
 
 def _pairs(items) -> dict:
@@ -60,7 +61,7 @@ def canonical_drafter(name: str, options=None) -> tuple[str, tuple]:
     drafter they select, sorted. SpeculateError for an unknown drafter or option."""
     check_name(name)
     given = _pairs(options)
-    base, variant = VARIANTS.get(name, (name, {}))
+    base, variant = drafters.VARIANTS.get(name, (name, {}))
     variant = dict(variant)
     for option in _variants(name):
         if option.name in given:
@@ -70,7 +71,7 @@ def canonical_drafter(name: str, options=None) -> tuple[str, tuple]:
                                      f"{str(variant[option.name]).lower()}; it cannot take "
                                      f"{option.name}={str(value).lower()}")
             variant[option.name] = value
-    registry = DRAFTERS[name].cls.variant_name(**variant) if variant else name
+    registry = drafters.DRAFTERS[name].cls.variant_name(**variant) if variant else name
     typed = parse_options(registry, given)
     typed.update({option.name: variant[option.name] for option in _variants(name)
                   if variant[option.name] != option.default})
@@ -96,8 +97,9 @@ class SpeculativeSpec:
         object.__setattr__(self, "drafter", drafter)
         object.__setattr__(self, "options", options)
         object.__setattr__(self, "k", parse_k(self.k))
-        if self.verifier is not None and self.verifier not in VERIFIERS:
-            raise SpeculateError(f"unknown verifier '{self.verifier}'; choose one of: {', '.join(VERIFIERS)}")
+        known = verifiers.VERIFIERS
+        if self.verifier is not None and self.verifier not in known:
+            raise SpeculateError(f"unknown verifier '{self.verifier}'; choose one of: {', '.join(known)}")
         params = {key: value for key, value in _pairs(self.params).items() if value is not None}
         if self.verifier is not None:
             try:  # (without a verifier the parameters are checked against the default one, once it is known)
@@ -105,9 +107,14 @@ class SpeculativeSpec:
             except ValueError as e:
                 raise SpeculateError(str(e)) from None
         else:
-            unknown = sorted(set(params) - set(PARAMS))
+            unknown = sorted(set(params) - set(verifiers.PARAMS))
             if unknown:
-                raise SpeculateError(f"no verifier takes {', '.join(unknown)}; the parameters are: {', '.join(PARAMS)}")
+                raise SpeculateError(f"no verifier takes {', '.join(unknown)}; the parameters are: "
+                                     f"{', '.join(verifiers.PARAMS)}")
+            try:  # ('auto' needs a verifier that declares it: none is named)
+                check_auto(None, params)
+            except ValueError as e:
+                raise SpeculateError(str(e)) from None
         object.__setattr__(self, "params", tuple(sorted(params.items())))
         if self.dtype is not None:
             if self.dtype not in CHOICES:
@@ -118,9 +125,9 @@ class SpeculativeSpec:
     def registry_name(self) -> str:
         """The drafter's name in the registry (``drafters.get_drafter``): ``eagle-chain+lookup`` for ``eagle``
         with tree=false, lookup=true; the canonical name for the others."""
-        if self.drafter not in DRAFTERS:  # (auto)
+        if self.drafter not in drafters.DRAFTERS:  # (auto)
             return self.drafter
-        return DRAFTERS[self.drafter].cls.variant_name(**dict(self.options))
+        return drafters.DRAFTERS[self.drafter].cls.variant_name(**dict(self.options))
 
     @property
     def drafter_options(self) -> dict:
@@ -134,7 +141,7 @@ class SpeculativeSpec:
 
     @property
     def needs_draft_model(self) -> bool:
-        return self.registry_name in MODEL_DRAFTERS
+        return self.registry_name in drafters.MODEL_DRAFTERS
 
     def label(self) -> str:
         """``lookup/greedy k=6`` (the verifier as named; None shown as the default's rule)."""
@@ -145,7 +152,7 @@ class SpeculativeSpec:
         """SpeculateError when the drafter needs a draft model and none is ``available``, or (``given_for_it``:
         a ``--draft-model`` flag given for this drafter) when one was given to a drafter that takes none."""
         if given_for_it and not self.needs_draft_model and self.drafter != "auto":
-            raise SpeculateError(NEEDS_MODEL_DRAFTER)
+            raise SpeculateError(drafters.NEEDS_MODEL_DRAFTER)
         error = draft_model_error(self.registry_name, available) if self.needs_draft_model else None
         if error:
             raise SpeculateError(error)
@@ -170,12 +177,14 @@ class SpeculativeSpec:
         options = _pairs(getattr(args, "drafter_opt", None) or [])
         name = resolve(args.drafter, args.model)
         if getattr(args, "heads", None):
-            if name not in HEAD_DRAFTERS:
-                raise SpeculateError(f"--heads is for the drafters with trained heads: {', '.join(HEAD_DRAFTERS)}")
+            heads = drafters.HEAD_DRAFTERS
+            if name not in heads:
+                raise SpeculateError(f"--heads is for the drafters with trained heads: {', '.join(heads)}")
             options["heads"] = args.heads
-        params = {key: getattr(args, key, None) for key in PARAMS}
+        params = {key: getattr(args, key, None) for key in verifiers.PARAMS}
         spec = cls(name, options, args.verifier, params, args.k, getattr(args, "dtype", None))
-        return spec.check_draft_model(bool(getattr(args, "draft_model", None)), bool(getattr(args, "draft_model", None)))
+        given = bool(getattr(args, "draft_model", None))
+        return spec.check_draft_model(given, given)
 
     @classmethod
     def from_request(cls, request, defaults: SpeculativeSpec, model=None) -> SpeculativeSpec:
@@ -190,7 +199,7 @@ class SpeculativeSpec:
             given = {key: value for key, value in request.items() if value is not None}
         else:
             given = {key: value for key, value in request.model_dump().items() if value is not None}
-        params = {key: given.pop(key) for key in list(given) if key in PARAMS}
+        params = {key: given.pop(key) for key in list(given) if key in verifiers.PARAMS}
         verifier = given.pop("verifier", None)
         drafter = given.pop("drafter", None)
         k = given.pop("k", None)
@@ -216,26 +225,29 @@ class SpeculativeSpec:
         Values may be text or typed. ``keys``: further keys the caller reads itself (left out here); ``params``:
         the verifier parameters this table may set (default all; bench methods: eps, beta, D)."""
         table = {key: value for key, value in table.items() if key not in keys}
-        params = {key: table.pop(key) for key in list(table) if key in (PARAMS if params is None else params)}
+        params = verifiers.PARAMS if params is None else params
+        params = {key: table.pop(key) for key in list(table) if key in params}
         drafter, verifier = table.pop("drafter", "auto"), table.pop("verifier", None)
         k, dtype = table.pop("k", 6), table.pop("dtype", None)
         return cls(str(drafter).strip(), table, None if verifier is None else str(verifier).strip(), params, k,
                    dtype)
 
 
-def build_decoder(spec: SpeculativeSpec, target, draft_model=None, prefix_cache: bool = False, prefix_store=None,
-                  check_tokenizer: bool = True):
-    """The decoder for ``spec`` on the loaded ``target`` (and ``draft_model`` for the drafters that take one;
-    it is not passed to the others, so a server's draft model may sit beside a request's lookup). ``check_tokenizer``
-    False: the draft model's tokenizer was already compared with the target's (the server does it at startup)."""
+def build_drafter(spec: SpeculativeSpec, target, draft_model=None):
+    """The drafter ``spec`` names, built for the loaded ``target``: ``auto`` resolved, the options given, and
+    ``draft_model`` for the drafters that take one (not for the others, so that a server's draft model may sit
+    beside a request's lookup). SpeculateError where the drafter needs a draft model and none is given."""
     spec = spec.resolved(target).check_draft_model(draft_model is not None)
-    if spec.needs_draft_model:
-        drafter = get_drafter(spec.registry_name, draft_model, target if check_tokenizer else None,
-                              **spec.drafter_options)
-    else:
-        drafter = get_drafter(spec.registry_name, None, target, **spec.drafter_options)
-    return SpeculativeDecoder(target, drafter, spec.verifier, k=spec.k, prefix_cache=prefix_cache,
-                              prefix_store=prefix_store, **spec.verifier_params)
+    return get_drafter(spec.registry_name, draft_model if spec.needs_draft_model else None, target,
+                       **spec.drafter_options)
 
 
-__all__ = ["MAX_K", "VARIANTS", "SpeculativeSpec", "build_decoder", "canonical_drafter", "parse_k"]
+def __getattr__(name: str):
+    """``VARIANTS``: the drafters' variant names (``drafters.VARIANTS``), read when first asked for: importing this
+    module (as ``import speculate`` does) must not discover the drafters and their plugins yet."""
+    if name == "VARIANTS":
+        return drafters.VARIANTS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["MAX_K", "SpeculativeSpec", "build_drafter", "canonical_drafter", "parse_k"]

@@ -49,7 +49,7 @@ def run(model: str, dtype: str, requests: int, max_tokens: int, drafters: list[s
     rows = []
     for name, prompts in workloads(requests).items():
         suffix._INDEXES.clear()  # each workload starts with an empty index (or the seed's answers only)
-        decoders = {d: SpeculativeDecoder(target, drafter(target, d)) for d in drafters}
+        decoders = {d: SpeculativeDecoder(target, drafter=drafter(target, d)) for d in drafters}
         for d in decoders.values():  # warm-up (not timed; an answer too short for the index)
             d.generate("Hi.", max_new_tokens=2)
         for i, prompt in enumerate(prompts):

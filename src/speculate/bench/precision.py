@@ -19,6 +19,7 @@ from dataclasses import asdict
 from datetime import date
 
 from ..engine import SpeculativeDecoder
+from ..spec import SpeculativeSpec
 from ..models import DEFAULT_MODEL, DTYPES, load_model
 from ..models import quality
 from . import emit, machine_header, script
@@ -37,7 +38,7 @@ def prompts(mt_bench: int, gsm8k: int, copy: int) -> list[tuple[str, str, str]]:
 
 def answers(loaded, items, tokens: int) -> tuple[list[list[int]], list[list[int]]]:
     """Each prompt's prompt ids and the model's greedy answer (the engine's plain decoding, ``tokens`` at most)."""
-    decoder = SpeculativeDecoder(loaded, "none")
+    decoder = SpeculativeDecoder(loaded, SpeculativeSpec("none"))
     ids = [quality.prompt_ids(loaded.tokenizer, prompt) for _, _, prompt in items]
     return ids, [decoder.generate(p, max_new_tokens=tokens).token_ids for p in ids]
 

@@ -28,7 +28,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..policy.auto import calibrate_eps, chinchilla_eps, profile_for, teacher_forced
 from ..engine import SpeculativeDecoder
-from ..spec import build_decoder
+from ..spec import SpeculativeSpec
 from ..errors import SpeculateError
 from ..models import load_model
 from ..models.cache import atomic_write_text, make_folder
@@ -107,9 +107,9 @@ class Runner:
         self.backend: dict | None = None  # another runtime's settings, written into each record (llama_cpp)
         if method.kind == "engine":
             spec = method.spec
-            self.decoder = build_decoder(spec, target, draft if spec.needs_draft_model else None, prefix_cache)
+            self.decoder = SpeculativeDecoder(target, spec, draft_model=draft, prefix_cache=prefix_cache)
         elif method.kind == "plain":
-            self.decoder = SpeculativeDecoder(target, "none", prefix_cache=prefix_cache)
+            self.decoder = SpeculativeDecoder(target, SpeculativeSpec("none"), prefix_cache=prefix_cache)
         elif method.kind == "hf_assisted" and draft is None:
             raise SpeculateError(HF_ASSISTED_NEEDS_DRAFT)
         elif method.kind == "llama_cpp":

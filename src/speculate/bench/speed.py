@@ -29,6 +29,7 @@ from functools import partial
 import torch
 
 from ..engine import SpeculativeDecoder
+from ..spec import SpeculativeSpec
 from ..models import DEFAULT_MODEL, load_model
 from ..text import encode_prompt
 from . import emit, machine_header, script
@@ -134,8 +135,9 @@ def run(model: str, max_new_tokens: int, repeats: int, k: int, dtypes: list[str]
     ours, at = {}, {}
     for n in counts:
         for d in dtypes:
-            for kind, decoder in (("none", SpeculativeDecoder(loaded[d], "none")),
-                                  ("lookup", SpeculativeDecoder(loaded[d], "lookup", "greedy", k=k))):
+            for kind, decoder in (("none", SpeculativeDecoder(loaded[d], SpeculativeSpec("none"))),
+                                  ("lookup",
+                                   SpeculativeDecoder(loaded[d], SpeculativeSpec("lookup", verifier="greedy", k=k)))):
                 ours[f"{kind}@{d}{suffix[n]}"], at[f"{kind}@{d}{suffix[n]}"] = _Timed(decoder), n
     top = max(counts, key=lambda n: n or 0)
     methods = {"hf_generate": _at_threads(lambda ids: _hf(ref, ids, max_new_tokens), top),

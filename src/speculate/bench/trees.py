@@ -26,6 +26,7 @@ from ..drafters import get_drafter
 from ..drafters.eagle import EagleDrafter
 from ..drafters.medusa import MedusaDrafter
 from ..engine import SpeculativeDecoder
+from ..spec import SpeculativeSpec
 from ..models import DEFAULT_MODEL, load_model
 from . import emit, machine_header, script
 from .datasets import default_data_dir
@@ -52,26 +53,30 @@ def tuning_prompts(n: int) -> dict[str, list[str]]:
 def decoders(target, heads: str | None) -> dict[str, SpeculativeDecoder]:
     eagle = heads and f"{heads}/eagle"
     medusa = heads and f"{heads}/medusa"
-    out = {"plain": SpeculativeDecoder(target, "none")}
+    out = {"plain": SpeculativeDecoder(target, SpeculativeSpec("none"))}
+
+    def greedy(drafter, k):
+        return SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k=k), drafter=drafter)
+
     for depth, topk, budget in SHAPES:
         drafter = EagleDrafter(target, eagle, tree=True, topk=topk, budget=budget, depth=depth)
-        out[f"eagle depth={depth} topk={topk} budget={budget}"] = SpeculativeDecoder(target, drafter, "greedy", k=depth)
+        out[f"eagle depth={depth} topk={topk} budget={budget}"] = greedy(drafter, depth)
     for k in CHAINS:
-        out[f"eagle-chain k={k}"] = SpeculativeDecoder(target, EagleDrafter(target, eagle), "greedy", k=k)
-    out["medusa (tree)"] = SpeculativeDecoder(target, MedusaDrafter(target, medusa, tree=True), "greedy", k=4)
+        out[f"eagle-chain k={k}"] = greedy(EagleDrafter(target, eagle), k)
+    out["medusa (tree)"] = greedy(MedusaDrafter(target, medusa, tree=True), 4)
     for k in CHAINS[:2]:
-        out[f"medusa-chain k={k}"] = SpeculativeDecoder(target, MedusaDrafter(target, medusa), "greedy", k=k)
+        out[f"medusa-chain k={k}"] = greedy(MedusaDrafter(target, medusa), k)
     for name, depths in WITH_LOOKUP.items():  # the registry's merged drafters, at each head depth
         for depth in depths:
             # The chain ungated, as its tables in docs/benchmarks.md ran (the registry's default gates it).
             ungated = {"min_confidence": 0.0} if name == "eagle-chain" else {}
             drafter = get_drafter(f"{name}+lookup", None, target, heads=eagle, base_k=depth, **ungated)
-            out[f"{name}+lookup depth={depth} k=6"] = SpeculativeDecoder(target, drafter, "greedy", k=6)
+            out[f"{name}+lookup depth={depth} k=6"] = greedy(drafter, 6)
     for gate in GATES:
         gated = EagleDrafter(target, eagle, min_confidence=gate)
-        out[f"eagle-chain min_confidence={gate} k=3"] = SpeculativeDecoder(target, gated, "greedy", k=3)
+        out[f"eagle-chain min_confidence={gate} k=3"] = greedy(gated, 3)
         merged = get_drafter("eagle-chain+lookup", None, target, heads=eagle, base_k=3, min_confidence=gate)
-        out[f"eagle-chain+lookup min_confidence={gate} depth=3 k=6"] = SpeculativeDecoder(target, merged, "greedy", k=6)
+        out[f"eagle-chain+lookup min_confidence={gate} depth=3 k=6"] = greedy(merged, 6)
     return out
 
 

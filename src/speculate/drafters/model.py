@@ -8,6 +8,8 @@ After the verdict its cache is rolled back to the accepted prefix.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..errors import SpeculateError
@@ -95,8 +97,16 @@ class ModelDrafter(Drafter):
         self.kv.keep(min(self.kv.length, self.base + n_accepted))
 
 
+_SAME: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # draft tokenizer -> the target tokenizers it equals
+
+
 def check_same_tokenizer(draft_tok, target_tok) -> None:
-    """Refuse a draft model whose tokenizer maps text to other ids: its drafts would be nonsense."""
+    """Refuse a draft model whose tokenizer maps text to other ids: its drafts would be nonsense. Comparing two
+    150k-token vocabularies takes ~0.25 s, and a server builds a decoder per settings: a pair found the same is
+    remembered for as long as both tokenizers live."""
+    if target_tok in _SAME.get(draft_tok, ()):
+        return
     if draft_tok.get_vocab() != target_tok.get_vocab() or draft_tok.all_special_ids != target_tok.all_special_ids:
         raise SpeculateError("the draft model's tokenizer differs from the target's; a draft model must share "
                              "the target's tokenizer")
+    _SAME.setdefault(draft_tok, weakref.WeakSet()).add(target_tok)

@@ -1,6 +1,6 @@
 """Decoders kept between requests, so that a prompt reuses the KV of the prefix it shares with an earlier
 request's tokens — the earlier turns of a chat, a long system prompt, few-shot examples
-(``SpeculativeDecoder(prefix_cache=True)``, models/kv.py ``PrefixReuse``).
+(``SpeculativeDecoder(target, spec, prefix_cache=True)``, models/kv.py ``PrefixReuse``).
 
 A decoder holds per-generation state and serves one request at a time: :meth:`Decoders.take` hands out an
 idle decoder built for the same speculative settings — the one whose cached tokens share the longest
