@@ -213,7 +213,7 @@ def _post_all(url: str, bodies: list[dict], concurrency: int = 8) -> list[httpx.
 @pytest.mark.parametrize("model", ["tiny", "default"])
 def test_two_replicas_answer_exactly_as_the_plain_server(ray_url, tiny_folders, model):
     name = str(tiny_folders[0]) if model == "tiny" else "smollm2-135m-instruct"
-    config = ServerConfig(model=name, api_key=KEY, max_batch=4, spec=SpeculativeSpec(k=3))
+    config = ServerConfig(model=name, api_keys=(KEY,), max_batch=4, spec=SpeculativeSpec(k=3))
     bodies = [_chat(name, "Be brief.", f"Question {i}: name a colour and a number.", max_tokens=12) for i in range(16)]
     expected = _plain_answers(config, bodies)
     _deploy(config, RayOptions(replicas=2, router="default"))
@@ -238,7 +238,7 @@ def _affinity_hits(url: str, router: str, tiny_folders) -> float:
     """Share of requests, after one warm-up request per system prompt, whose whole system prompt was cached.
     (--max-batch 8 for 8 clients: affinity yields to load only past --max-batch requests of imbalance, and the
     warm-ups may put all 4 prompts on one replica.)"""
-    config = ServerConfig(model=str(tiny_folders[0]), api_key=KEY, max_batch=8, spec=SpeculativeSpec(k=3))
+    config = ServerConfig(model=str(tiny_folders[0]), api_keys=(KEY,), max_batch=8, spec=SpeculativeSpec(k=3))
     _deploy(config, RayOptions(replicas=2, router=router))
     for system in SYSTEMS:
         assert _post_all(url, [_chat(config.model, system, "warm up")])[0].status_code == 200
@@ -275,7 +275,7 @@ def _replica_actor(replica: str):
 
 
 def test_a_killed_replica_is_replaced_and_no_unbegun_request_is_lost(ray_url, tiny_folders):
-    config = ServerConfig(model=str(tiny_folders[0]), api_key=KEY, max_batch=8, spec=SpeculativeSpec(k=3))
+    config = ServerConfig(model=str(tiny_folders[0]), api_keys=(KEY,), max_batch=8, spec=SpeculativeSpec(k=3))
     bodies = [_chat(config.model, "Be brief.", f"item {i}", max_tokens=48) for i in range(8)]
     expected = _plain_answers(config, bodies)
     from speculate.serve_ray import app  # (as `serve run speculate.serve_ray:app` deploys it)

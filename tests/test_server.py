@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from speculate.engine import Run
+from speculate.errors import SpeculateError
 from speculate import SpeculativeDecoder
 from speculate.cli import _parser, main
 from speculate.models.fast import FastKVModel
@@ -45,7 +46,7 @@ class Served(BackgroundServer):
 
 @pytest.fixture(scope="module")
 def served(tiny_folders):
-    config = ServerConfig(model=str(tiny_folders[0]), api_key=KEY, max_batch=4, max_queue=64, spec=SpeculativeSpec(k=3))
+    config = ServerConfig(model=str(tiny_folders[0]), api_keys=(KEY,), max_batch=4, max_queue=64, spec=SpeculativeSpec(k=3))
     target, draft = load_models(config)
     s = Served(create_app(config, target, draft))
     s.model, s.target = config.model, target
@@ -561,6 +562,20 @@ def test_queue_full_then_disconnects_free_the_slot(served, slow_forward):
         assert httpx.post(one.url + "/v1/completions", json=short, timeout=30).status_code == 200
     finally:
         one.stop()
+
+
+def test_api_keys_from_flags_or_the_environment(monkeypatch):
+    """--api-key is repeatable; $SPECULATE_API_KEY holds one key or several, comma-separated; a flag wins."""
+    def keys(*flags):
+        return ServerConfig.from_cli(_parser().parse_args(["serve", "--model", "m", *flags])).api_keys
+
+    monkeypatch.delenv("SPECULATE_API_KEY", raising=False)
+    assert keys() == () and keys("--api-key", "a", "--api-key", "b", "--api-key", "a") == ("a", "b")
+    monkeypatch.setenv("SPECULATE_API_KEY", "one, two,")
+    assert keys() == ("one", "two") and keys("--api-key", "flag") == ("flag",)
+    assert ServerConfig(model="m", api_keys="solo").api_keys == ("solo",)  # (a str is one key, not its letters)
+    with pytest.raises(SpeculateError, match="--api-key must not be empty"):
+        ServerConfig(model="m", api_keys=("a", " "))
 
 
 def test_cli_serve_flags_and_a_real_subprocess(tiny_folders, capsys):

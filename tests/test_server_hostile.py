@@ -44,7 +44,7 @@ def keyless(tiny_folders):
 
 @pytest.fixture(scope="module")
 def keyed(tiny_folders):
-    server = start(tiny_folders, api_key=KEY)
+    server = start(tiny_folders, api_keys=(KEY,))
     yield server
     server.stop()
 

@@ -151,3 +151,47 @@ def test_the_server_reports_the_index_and_honours_share_false(tiny_folders):
         assert m[("speculate_mean_accepted_length_by_drafter", "suffix")] == pytest.approx(tau)
     finally:
         server.stop()
+
+
+@pytest.mark.filterwarnings("ignore:.*loaded on another thread:RuntimeWarning")
+def test_answers_served_to_one_api_key_never_draft_for_another(tiny_folders):
+    """A server with two API keys keeps an index per key (server/auth.py, tenant): the second key's request of the
+    same prompt gets no draft from the first key's answer, while the first key's repeat does; with --share-drafts
+    both keys read and feed one index. Every answer is plain decoding's."""
+    import httpx
+
+    from speculate.server import ServerConfig, create_app, load_models
+    from speculate.server.auth import tenant
+    from speculate.server.background import BackgroundServer
+
+    def run(share_drafts: bool) -> tuple[dict, list[dict]]:
+        suffix._INDEXES.clear()
+        config = ServerConfig(model=str(tiny_folders[0]), max_batch=2, spec=SpeculativeSpec("lookup", k=4),
+                              api_keys=("key-a", "key-b"), share_drafts=share_drafts)
+        target, draft = load_models(config)
+        server = BackgroundServer(create_app(config, target, draft))
+        body = {"model": config.model, "prompt": [5, 6, 7, 8, 9], "max_tokens": 24, "temperature": 0,
+                "speculative": {"drafter": "suffix"}}
+        try:
+            answers = []
+            for key in ("key-a", "key-b", "key-a"):
+                r = httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                               timeout=60)
+                assert r.status_code == 200, r.text
+                answers.append(r.json())
+        finally:
+            server.stop()
+        assert len({a["choices"][0]["text"] for a in answers}) == 1
+        return {key[1]: index for key, index in suffix._INDEXES.items()}, [a["speculative_stats"] for a in answers]
+
+    indexes, (a1, b1, a2) = run(share_drafts=False)
+    a, b = indexes.pop(tenant("key-a")), indexes.pop(tenant("key-b"))
+    assert not indexes  # no index besides the two keys' own
+    assert (len(a.answers), len(b.answers)) == (2, 1)
+    assert b.hits == 0 < a.hits  # key b's request never drafted from key a's answer; key a's repeat did
+    assert b1["target_calls"] == a1["target_calls"] > a2["target_calls"]
+
+    indexes, (a1, b1, a2) = run(share_drafts=True)
+    (shared,) = indexes.values()
+    assert set(indexes) == {""} and len(shared.answers) == 3
+    assert b1["target_calls"] < a1["target_calls"]  # key b drafted from key a's answer

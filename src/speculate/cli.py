@@ -228,8 +228,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="a Host (and Origin) name to serve besides loopback ones; repeatable. Bound to loopback, "
                         "any other Host is refused (DNS rebinding); bound elsewhere, the list, if given, is the "
                         "only names served")
-    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes "
-                                     "(default: $SPECULATE_API_KEY if set, else no key)")
+    s.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 routes; repeatable, each key a tenant of its own "
+                        "(default: $SPECULATE_API_KEY, comma-separated, if set, else no key)")
+    s.add_argument("--share-drafts", action="store_true",
+                   help="drafters that learn from served answers (suffix) draft for every API key from every key's "
+                        "answers; by default each key's answers draft for that key only")
     s.add_argument("--max-batch", type=int, default=8,
                    help="generations running at once, their rows verified in one forward per round (continuous "
                         "batching; default 8)")

@@ -12,12 +12,15 @@ from .server.ray_serve import RayOptions, build
 
 def app(args: dict):
     """``args``: ``speculate serve``'s flags without their dashes (``max_batch`` or ``max-batch``); ``true`` for a
-    switch. Returns the Serve application (``Front`` bound to the engines)."""
+    switch; a list for a repeatable flag (``api_key: [KEY1, KEY2]``). Returns the Serve application (``Front`` bound
+    to the engines)."""
     argv = ["serve", "--ray"]
     for key, value in (args or {}).items():
         flag = "--" + str(key).replace("_", "-")
         if value is True:
             argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            argv += [part for item in value for part in (flag, str(item))]
         elif value is not False and value is not None:  # (0 == False: compare by identity)
             argv += [flag, str(value)]
     parsed = _parser().parse_args(argv)

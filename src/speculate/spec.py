@@ -165,6 +165,14 @@ class SpeculativeSpec:
             return self
         return replace(self, drafter=resolve("auto", target))
 
+    def scoped(self, scope: str) -> SpeculativeSpec:
+        """The spec with its drafter's ``scope`` option set to ``scope`` where the drafter declares one (a drafter
+        that keeps an index of served answers: ``suffix``), so that it reads and feeds that scope's index only;
+        the spec itself for the others and for the empty scope. The server scopes a request by its API key."""
+        if not scope or not _takes(self.drafter, "scope"):
+            return self
+        return replace(self, options={**dict(self.options), "scope": scope})
+
     def with_verifier(self, greedy: bool) -> SpeculativeSpec:
         """The verifier named: the given one, else the default at this temperature (``greedy`` at 0)."""
         return self if self.verifier is not None else replace(self, verifier=default_name(greedy))

@@ -11,10 +11,12 @@ is at least ``min_share``; a match of n tokens drafts at most ``alpha`` · n tok
 first ``seed`` answers may come from the target's shipped answer store, drafters/answer_store.py, so a fresh process
 drafts as ``retrieval`` does). At most ``max_tokens`` answer tokens are kept; the oldest answers go first.
 
-Isolation: ``share`` false keeps a generation out of the index (it neither reads nor feeds it). The server runs one
-scope per API key it was started with (one), so answers drafted from are this server's own. A draft never reveals
-text to a client (the target verifies every token), but how fast an answer comes can hint that another client's
-answer was similar: a timing side channel, as with any shared cache; use ``share: false`` where that matters.
+Isolation: ``share`` false keeps a generation out of the index (it neither reads nor feeds it). ``scope`` names the
+index: the server gives each API key a scope of its own (server/auth.py, ``tenant``), so one key's answers never
+draft for another, unless started with ``--share-drafts`` (one index for all its clients). A draft never reveals text
+to a client (the target verifies every token), but how fast an answer comes can hint that another client's answer
+was similar: a timing side channel, as with any shared cache. Within a scope, use ``share: false`` where that
+matters.
 
 Drafts are certain (one-hot p_draft) and depend only on committed tokens and earlier answers: greedy output stays
 the target's, sampling stays lossless.
@@ -142,11 +144,13 @@ class SuffixDrafter(LookupDrafter):
               Param("share", True, "read and feed the process's index (false: this generation stays out of it)"),
               Param("max_tokens", 200_000, "answer tokens the index keeps (the oldest answers go first)"),
               Param("seed", 0, "answers of the target's shipped answer store the index starts with"),
+              Param("scope", "", "whose answers the index holds: one index per scope ('': the process's; the server "
+                                 "gives each API key its own unless --share-drafts)"),
               *LookupDrafter.params)
 
     def __init__(self, target, min_context: int = 2, min_share: float = 0.3, alpha: float = 2.0, share: bool = True,
-                 max_tokens: int = 200_000, seed: int = 0, max_ngram: int = 3, min_ngram: int = 1,
-                 max_copy: int = MAX_COPY):
+                 max_tokens: int = 200_000, seed: int = 0, scope: str = "", max_ngram: int = 3,
+                 min_ngram: int = 1, max_copy: int = MAX_COPY):
         super().__init__(max_ngram=max_ngram, min_ngram=min_ngram, max_copy=max_copy)
         if target is None:
             raise SpeculateError("drafter 'suffix' needs the target model (its index is the target's answers)")
@@ -154,7 +158,7 @@ class SuffixDrafter(LookupDrafter):
             raise SpeculateError(f"suffix: need 0 <= min_share <= 1, alpha > 0, seed >= 0; got {min_share}, "
                                  f"{alpha}, {seed}")
         self.min_context, self.min_share, self.alpha = min_context, min_share, alpha
-        self.served = served_index(target, "", max_tokens, seed) if share else None
+        self.served = served_index(target, scope, max_tokens, seed) if share else None
         self.from_index = 0  # rounds the index drafted in the last generation
 
     def begin(self, prompt_ids, sampling, generator):

@@ -73,10 +73,10 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
     app.state.target = target  # (tools that drive an app in-process: its tokenizer)
     routes = Routes(app, config, target, draft, scheduler, metrics)
     app.state.begin_shutdown = routes.begin_shutdown
-    install_error_handlers(app, partial(check_api_key, api_key=config.api_key))
+    install_error_handlers(app, partial(check_api_key, api_keys=config.api_keys))
     app.router.redirect_slashes = False  # its 307 built the Location from the (client's) Host header
     app.add_middleware(HostGuard, bound_host=config.host, allowed_hosts=config.allowed_hosts,
-                       keyless=config.api_key is None)
+                       keyless=not config.api_keys)
     app.add_middleware(StatusCounter, metrics=metrics)
     for method in (app.get, app.head):  # (one route each: OpenAPI wants an operation id per method)
         method("/health")(routes.health)
@@ -137,7 +137,7 @@ class Routes:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def list_models(self, request: Request):
-        check_api_key(request, self.config.api_key)
+        check_api_key(request, self.config.api_keys)
         return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": self.created,
                                             "owned_by": "speculate"}]}
 
@@ -150,30 +150,31 @@ class Routes:
     async def openapi(self, request: Request):
         """The OpenAPI 3 description of these routes, their request bodies declared by the same Pydantic models
         that validate them (``speculative`` among their fields). Behind the key, as the routes are."""
-        check_api_key(request, self.config.api_key)
+        check_api_key(request, self.config.api_keys)
         if self._openapi is None:
-            self._openapi = openapi_schema(self.app, self.config.api_key is not None, self.model_id,
+            self._openapi = openapi_schema(self.app, bool(self.config.api_keys), self.model_id,
                                           self.config.max_tokens)
         return self._openapi
 
     async def tokenizer_info(self, request: Request):
-        check_api_key(request, self.config.api_key)
+        check_api_key(request, self.config.api_keys)
         return tokenizer_api.tokenizer_info(self.target.tokenizer, self.target.context_window)
 
     async def tokenize(self, request: Request):
-        req = await self.validated(request, tokenizer_api.TokenizeRequest)
+        req, _ = await self.validated(request, tokenizer_api.TokenizeRequest)
         tokenize = partial(tokenizer_api.tokenize, self.target.tokenizer, req, self.target.context_window)
         return await anyio.to_thread.run_sync(tokenize)  # (a long prompt is not tokenized on the event loop)
 
     async def detokenize(self, request: Request):
-        req = await self.validated(request, tokenizer_api.DetokenizeRequest)
+        req, _ = await self.validated(request, tokenizer_api.DetokenizeRequest)
         return await anyio.to_thread.run_sync(tokenizer_api.detokenize, self.target.tokenizer, req)
 
     async def generate(self, request: Request, kind: str):
         """Validate, queue every choice (a generation each, in the batch together), then answer whole or as a
         stream."""
-        req = await self.validated(request, ChatCompletionRequest if kind == "chat" else CompletionRequest)
-        prepared = await anyio.to_thread.run_sync(prepare, self.config, self.target, req)
+        req, tenant = await self.validated(request, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        scope = "" if self.config.share_drafts else tenant  # whose served answers may draft for it (suffix)
+        prepared = await anyio.to_thread.run_sync(prepare, self.config, self.target, req, scope)
         jobs = self.submit(prepared)
         prompts = len(prepared) // req.n
         shaper = Shaper(kind, self.model_id, prepared[0].settings, len(prepared), prompts, self.target.tokenizer)
@@ -199,7 +200,8 @@ class Routes:
         return shaper.whole(gens, echoes)
 
     async def validated(self, request: Request, schema):
-        check_api_key(request, self.config.api_key)
+        """(the request's body validated by ``schema``, the tenant of its API key: server/auth.py)."""
+        tenant = check_api_key(request, self.config.api_keys)
         data = await read_json(request, self.config.max_body_bytes, self.config.body_timeout)
         try:
             req = schema.model_validate(data)
@@ -208,7 +210,7 @@ class Routes:
         if req.model is not None and req.model != self.model_id:  # (the tokenizer's requests may name none)
             raise APIError(404, "the model named in the request does not exist; GET /v1/models lists the one this "
                                 "server serves", "model", "model_not_found")
-        return req
+        return req, tenant
 
     def submit(self, prepared: list) -> list[Job]:
         """A job per choice, admitted together or not at all (a 429 takes none of them)."""

@@ -21,7 +21,11 @@ class ServerConfig:
     dtype: str = "auto"  # models/loader.py, resolve_dtype: q4 for the default model, else fp32
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    # --api-key (repeatable) / $SPECULATE_API_KEY (comma-separated): the keys a /v1 request may carry; (): none asked.
+    # Each key is a tenant of its own (server/auth.py): answers served to one key never draft for another
+    # (drafters that learn from served answers: suffix) unless --share-drafts.
+    api_keys: tuple[str, ...] = ()
+    share_drafts: bool = False
     max_batch: int = 8  # generations that share a forward (server/scheduler.py: continuous batching)
     max_queue: int = 16  # admitted requests waiting for a place in the batch; beyond that: 429
     prefill_chunk: int = 128  # prompt tokens a joining request feeds per round
@@ -86,17 +90,21 @@ class ServerConfig:
         if self.max_connections_per_client < 0:
             raise SpeculateError(f"--max-connections-per-client must be >= 0 (0: no limit), got "
                                  f"{self.max_connections_per_client}")
-        if self.api_key is not None and not self.api_key:
+        keys = (self.api_keys,) if isinstance(self.api_keys, str) else tuple(self.api_keys)
+        if any(not isinstance(key, str) or not key.strip() for key in keys):
             raise SpeculateError("--api-key must not be empty")
+        object.__setattr__(self, "api_keys", tuple(dict.fromkeys(key.strip() for key in keys)))
 
     @classmethod
     def from_cli(cls, args) -> ServerConfig:
         """``speculate serve``'s flags: the speculative ones through ``SpeculativeSpec.from_cli`` (the path
-        ``generate`` takes), the API key from --api-key or else $SPECULATE_API_KEY."""
-        api_key = args.api_key if args.api_key is not None else (os.environ.get("SPECULATE_API_KEY") or None)
+        ``generate`` takes), the API keys from --api-key or else $SPECULATE_API_KEY (comma-separated)."""
+        keys = args.api_key or [key for key in os.environ.get("SPECULATE_API_KEY", "").split(",") if key.strip()]
         return cls(model=args.model, spec=SpeculativeSpec.from_cli(args), draft_model=args.draft_model,
-                   dtype=args.dtype, host=args.host, port=args.port, api_key=api_key, max_batch=args.max_batch,
-                   max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget, max_body_bytes=args.max_body_bytes,
+                   dtype=args.dtype, host=args.host, port=args.port, api_keys=tuple(keys),
+                   share_drafts=args.share_drafts, max_batch=args.max_batch, max_queue=args.max_queue,
+                   prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
+                   max_body_bytes=args.max_body_bytes,
                    prefix_cache=not args.no_prefix_cache, prefix_cache_gib=args.prefix_cache_gib,
                    allowed_hosts=tuple(args.allowed_host or ()), header_timeout=args.header_timeout,
                    body_timeout=args.body_timeout, keep_alive_timeout=args.keep_alive_timeout,

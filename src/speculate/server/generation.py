@@ -48,11 +48,12 @@ class Prepared:
         return len(self.ids)
 
 
-def prepare(config: ServerConfig, target: LoadedModel,
-            req: CompletionRequest | ChatCompletionRequest) -> list[Prepared]:
+def prepare(config: ServerConfig, target: LoadedModel, req: CompletionRequest | ChatCompletionRequest,
+            scope: str = "") -> list[Prepared]:
     """Check one request (called off the event loop: it tokenizes; it never runs the models) and make its choices:
     each prompt (a completion may send several) ``n`` times, prompt-major as OpenAI indexes them; the j-th of a
-    prompt's n samples draws with ``seed + j`` (a seeded request is reproducible, its samples differ). Raises
+    prompt's n samples draws with ``seed + j`` (a seeded request is reproducible, its samples differ). ``scope``: whose
+    served answers its drafter may learn from and draft with (the tenant of its API key; '': the server's). Raises
     APIError."""
     req.check_supported()
     stops = req.stops()
@@ -70,7 +71,7 @@ def prepare(config: ServerConfig, target: LoadedModel,
         checked = [_budget(target, ids, budget, f"prompt[{i}]" if many else "prompt", "max_tokens",
                            config.max_tokens) for i, ids in enumerate(prompts)]
     try:  # (the engine's own default verifier named, so that the stats can report it)
-        settings = merge_settings(config, req.speculative).with_verifier(req.temperature == 0)
+        settings = merge_settings(config, req.speculative, scope).with_verifier(req.temperature == 0)
     except SpeculateError as e:
         raise APIError(400, f"speculative: {e}", "speculative", "invalid_value") from None
     seeds = [None if req.seed is None else (req.seed + j) % 2**63 for j in range(req.n)]
@@ -154,9 +155,10 @@ def _encode(fn, param: str) -> list[int]:
         raise APIError(400, f"{param}: {e}", param, "invalid_value") from None
 
 
-def merge_settings(config: ServerConfig, spec: SpeculativeSettings | None) -> SpeculativeSpec:
-    """The request's speculative settings over the server's flags (``SpeculativeSpec.from_request``)."""
-    return SpeculativeSpec.from_request(spec, config.spec, config.model)
+def merge_settings(config: ServerConfig, spec: SpeculativeSettings | None, scope: str = "") -> SpeculativeSpec:
+    """The request's speculative settings over the server's flags (``SpeculativeSpec.from_request``), in ``scope``
+    (:meth:`SpeculativeSpec.scoped`)."""
+    return SpeculativeSpec.from_request(spec, config.spec, config.model).scoped(scope)
 
 
 def build_decoder(target: LoadedModel, draft: LoadedModel | None, settings: SpeculativeSpec,

@@ -128,7 +128,7 @@ def serve(config: ServerConfig, log_level: str = "info") -> None:
     _check_address(config.host, config.port)  # before the models load: a busy port is one line, at once
     app = build_app(config)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+    if not config.api_keys and config.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("speculate.server").warning(
             "listening on %s without an API key: anyone who can reach this address can use the server "
             "(set --api-key or $SPECULATE_API_KEY)", config.host)
