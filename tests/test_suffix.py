@@ -56,18 +56,92 @@ def test_the_index_equals_a_brute_force_scan_and_keeps_its_memory_bound():
     assert all(brute_next(kept, list(gram), len(gram)) is not None for gram in index.counts)
 
 
-def test_greedy_output_is_the_targets_and_repeats_take_fewer_calls(tiny):
+def brute_follows(answers, context, max_n):
+    """(counts of the tokens that followed, n) for the longest n-gram (2..max_n) ending ``context`` that occurs in some
+    answer followed by a token — by scanning every answer."""
+    for n in range(min(max_n, len(context)), 1, -1):
+        follows = {}
+        for a in answers:
+            for i in range(len(a) - n):
+                if a[i: i + n] == context[-n:]:
+                    follows[a[i + n]] = follows.get(a[i + n], 0) + 1
+        if follows:
+            return follows, n
+    return None
+
+
+def test_the_draft_tree_is_the_best_scoring_continuations_a_brute_force_scan_finds():
+    """ServedIndex.tree against every qualifying path found by scanning the answers: each node a continuation of its
+    parent with a share >= min_share, at most alpha * n and k deep; the nodes taken are the best-scoring ones (the
+    product of the shares on the path), as many as the budget allows, best first, none twice."""
+    rng = random.Random(1)
+    for _ in range(150):
+        answers = [[rng.randrange(4) for _ in range(rng.randrange(3, 30))] for _ in range(rng.randrange(1, 6))]
+        index = ServedIndex(max_n=4)
+        for answer in answers:
+            index.add(answer)
+        context = [rng.randrange(4) for _ in range(rng.randrange(1, 7))]
+        k, budget = rng.randrange(1, 6), rng.randrange(1, 14)
+        min_share, alpha = rng.choice([0.0, 0.3, 0.5]), rng.choice([0.5, 1.0, 2.0])
+        tokens, parents = index.tree(context, k, min_share, alpha, budget)
+        first = brute_follows(answers, context, 4)
+        cap = min(k, max(1, int(alpha * first[1]))) if first else 0
+        qualifying = {}  # path -> score
+
+        def walk(path, score):
+            found = brute_follows(answers, context + list(path), 4) if len(path) < cap else None
+            for token, count in (found[0].items() if found else ()):
+                share = count / sum(found[0].values())
+                if share >= min_share:
+                    qualifying[path + (token,)] = score * share
+                    walk(path + (token,), score * share)
+
+        walk((), 1.0)
+        paths = []
+        for token, parent in zip(tokens, parents):
+            assert parent < len(paths)  # a parent before its children
+            paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+        assert len(set(paths)) == len(paths) == min(budget, len(qualifying))
+        scores = [qualifying[path] for path in paths]  # (KeyError: a node that does not qualify)
+        assert scores == sorted(scores, reverse=True)
+        left = [score for path, score in qualifying.items() if path not in set(paths)]
+        assert not left or min(scores) >= max(left)
+
+
+@pytest.mark.parametrize("name", ["suffix", "suffix-tree"])
+def test_greedy_output_is_the_targets_and_repeats_take_fewer_calls(tiny, name):
     target = tiny[0]
     prompts = [[5, 6, 7, 8, 9], [20, 21, 22], [5, 6, 7, 8, 9]]
     alone = SpeculativeDecoder(target, SpeculativeSpec("none"))
     plain = {tuple(p): alone.generate(p, max_new_tokens=24).token_ids for p in prompts}
     calls = []
     for p in prompts:
-        out = SpeculativeDecoder(target, SpeculativeSpec("suffix", k=6)).generate(p, max_new_tokens=24)
+        out = SpeculativeDecoder(target, SpeculativeSpec(name, k=6)).generate(p, max_new_tokens=24)
         assert out.token_ids == plain[tuple(p)]
         calls.append(out.stats.target_calls)
     # The third request repeats the first: its answer is in the index, drafted in long chains.
     assert calls[2] < calls[0] and calls[2] <= len(plain[tuple(prompts[0])]) // 2
+
+
+def test_the_tree_keeps_the_right_branch_where_the_chain_follows_the_more_frequent_wrong_one(tiny):
+    """Two answers in the index disagree at five tokens, the wrong one twice as frequent: the chain drafts the wrong
+    token and is cut there, the tree drafts both branches and keeps going. Both give plain decoding's tokens; the tree
+    in fewer target calls."""
+    target = tiny[0]
+    prompt = [5, 6, 7, 8, 9]
+    answer = SpeculativeDecoder(target, SpeculativeSpec("none")).generate(prompt, max_new_tokens=40).token_ids
+    wrong = [(token + 1) % 200 if i in (10, 15, 20, 25, 30) else token for i, token in enumerate(answer)]
+    calls = {}
+    for name in ("suffix", "suffix-tree"):
+        suffix._INDEXES.clear()
+        decoder = SpeculativeDecoder(target, SpeculativeSpec(name, {"min_context": 64}, verifier="greedy", k=6))
+        for known in (wrong, wrong, answer):
+            decoder.drafter.served.add(known)
+        out = decoder.generate(prompt, max_new_tokens=40)
+        assert out.token_ids == answer, name
+        calls[name] = out.stats.target_calls
+    # the tree's rounds accept the right sibling and what follows it; the chain's end at the wrong token
+    assert calls["suffix-tree"] < calls["suffix"], calls
 
 
 def test_share_false_neither_reads_nor_feeds_the_index(tiny):
@@ -83,12 +157,14 @@ def test_share_false_neither_reads_nor_feeds_the_index(tiny):
     assert private.drafter.from_index == 0
 
 
-def test_sampling_stays_lossless_while_the_index_learns(tiny):
+@pytest.mark.parametrize("name", ["suffix", "suffix-tree"])
+def test_sampling_stays_lossless_while_the_index_learns(tiny, name):
     """Every sampled answer feeds the index the next one drafts from: the first three tokens still follow the
-    target's distribution (chi-square against the exact one, 1500 draws)."""
+    target's distribution (chi-square against the exact one, 1500 draws). (The tree variant drafts chains when it
+    samples.)"""
     target = tiny[0]
     decoder = SpeculativeDecoder(target, SpeculativeSpec(k=4),
-                                 drafter=get_drafter("suffix", None, target, min_share=0.0))
+                                 drafter=get_drafter(name, None, target, min_share=0.0))
     prompt = [11, 12, 11, 12]
     p = sampled_prefix_pvalue(target, prompt, SamplingParams(temperature=1.0, top_k=3), decoder, 1500)
     assert decoder.drafter.served.tokens > 0 and p > 1e-3
@@ -106,6 +182,7 @@ def test_the_index_can_start_from_the_shipped_answers(default_model):
     assert get_drafter("suffix", None, default_model).served is not index  # an unseeded one starts empty
 
 
+@pytest.mark.filterwarnings("ignore:.*loaded on another thread:RuntimeWarning")
 def test_the_server_reports_the_index_and_honours_share_false(tiny_folders):
     """Through the server: a request with ``speculative.share: false`` leaves the index empty; a shared one feeds it,
     and the same prompt again drafts from it. /metrics reports the index's answers, tokens and hit rate (the index's

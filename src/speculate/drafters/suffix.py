@@ -24,6 +24,8 @@ the target's, sampling stays lossless.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
 from collections import deque
 from pathlib import Path
@@ -33,7 +35,7 @@ import torch
 from ..errors import SpeculateError
 from ..params import Param
 from .answer_store import FILE, read_answers, shipped_store
-from .base import TARGET, Draft
+from .base import TARGET, Draft, Variant
 from .lookup import MAX_COPY, LookupDrafter
 
 MAX_N = 6  # the longest n-gram of the index
@@ -80,14 +82,23 @@ class ServedIndex:
                         if not nexts:
                             del self.counts[gram]
 
-    def next(self, context: list[int]) -> tuple[int, float, int] | None:
-        """(token, its share of what followed, n) for the longest n-gram ending ``context`` that the index holds."""
+    def follows(self, context: list[int]) -> tuple[dict[int, int], int] | None:
+        """(the counts of the tokens that followed it, n) for the longest n-gram ending ``context`` that the index
+        holds; None where it holds none."""
         for n in range(min(self.max_n, len(context)), 1, -1):
             nexts = self.counts.get(tuple(context[-n:]))
             if nexts:
-                token, count = min(nexts.items(), key=lambda item: (-item[1], item[0]))
-                return token, count / sum(nexts.values()), n
+                return nexts, n
         return None
+
+    def next(self, context: list[int]) -> tuple[int, float, int] | None:
+        """(token, its share of what followed, n) for the longest n-gram ending ``context`` that the index holds."""
+        found = self.follows(context)
+        if found is None:
+            return None
+        nexts, n = found
+        token, count = min(nexts.items(), key=lambda item: (-item[1], item[0]))
+        return token, count / sum(nexts.values()), n
 
     def chain(self, context: list[int], k: int, min_share: float, alpha: float) -> list[int]:
         """Up to k tokens, each the index's top continuation after the ones before, while its share >= ``min_share``;
@@ -107,6 +118,40 @@ class ServedIndex:
             self.lookups += 1
             self.hits += bool(out)
         return out
+
+    def tree(self, context: list[int], k: int, min_share: float, alpha: float, budget: int
+             ) -> tuple[list[int], list[int]]:
+        """SuffixDecoding's draft tree: (tokens, parents), at most ``budget`` nodes, a parent before its children
+        (-1: the root, the committed context). A node is a token that followed its parent's n-gram with a share of at
+        least ``min_share``; nodes are taken best first by their path's score, the product of the shares from the
+        root (the probability the index gives the path; ties: the smaller token, then the earlier found). At most
+        ``alpha`` · n deep after a first match of n tokens, and at most k. Since a child never scores above its
+        parent, the nodes taken are the best-scoring ones of all that qualify."""
+        order = itertools.count()
+        heap: list = []  # (-score, token, order, parent node, the parent's recent context, depth)
+
+        def expand(recent: list[int], parent: int, score: float, depth: int) -> None:
+            found = self.follows(recent) if depth <= cap else None
+            if found is not None:
+                total = sum(found[0].values())
+                for token, count in found[0].items():
+                    if count / total >= min_share:
+                        heapq.heappush(heap, (-score * count / total, token, next(order), parent, recent, depth))
+
+        tokens: list[int] = []
+        parents: list[int] = []
+        with self.lock:
+            first = self.follows(context[-self.max_n:])
+            cap = min(k, max(1, int(alpha * first[1]))) if first is not None else 0
+            expand(list(context[-self.max_n:]), -1, 1.0, 1)
+            while heap and len(tokens) < budget:
+                score, token, _, parent, recent, depth = heapq.heappop(heap)
+                tokens.append(token)
+                parents.append(parent)
+                expand((recent + [token])[-self.max_n:], len(tokens) - 1, -score, depth + 1)
+            self.lookups += 1
+            self.hits += bool(tokens)
+        return tokens, parents
 
 
 _INDEXES: dict[tuple, ServedIndex] = {}
@@ -147,16 +192,24 @@ class SuffixDrafter(LookupDrafter):
               Param("scope", "", "whose answers the index holds: one index per scope ('': the process's; the server "
                                  "gives each API key its own unless --share-drafts)"),
               *LookupDrafter.params)
+    tree_params = (Param("budget", 12, "a tree's nodes at most"),)
+    variants = (Variant("tree", False, "draft a tree of the index's most frequent continuations where decoding is "
+                                       "greedy, best first by their paths' shares (false: a chain)", suffix="-tree"),)
+
+    @classmethod
+    def options(cls, tree=False):
+        return cls.params + (cls.tree_params if tree else ())
 
     def __init__(self, target, min_context: int = 2, min_share: float = 0.3, alpha: float = 2.0, share: bool = True,
                  max_tokens: int = 200_000, seed: int = 0, scope: str = "", max_ngram: int = 3,
-                 min_ngram: int = 1, max_copy: int = MAX_COPY):
+                 min_ngram: int = 1, max_copy: int = MAX_COPY, tree: bool = False, budget: int = 12):
         super().__init__(max_ngram=max_ngram, min_ngram=min_ngram, max_copy=max_copy)
         if target is None:
             raise SpeculateError("drafter 'suffix' needs the target model (its index is the target's answers)")
-        if not 0.0 <= min_share <= 1.0 or alpha <= 0 or seed < 0:
-            raise SpeculateError(f"suffix: need 0 <= min_share <= 1, alpha > 0, seed >= 0; got {min_share}, "
-                                 f"{alpha}, {seed}")
+        if not 0.0 <= min_share <= 1.0 or alpha <= 0 or seed < 0 or budget < 1:
+            raise SpeculateError(f"suffix: need 0 <= min_share <= 1, alpha > 0, seed >= 0, budget >= 1; got "
+                                 f"{min_share}, {alpha}, {seed}, {budget}")
+        self.tree, self.budget, self.greedy = bool(tree), budget, True
         self.min_context, self.min_share, self.alpha = min_context, min_share, alpha
         self.served = served_index(target, scope, max_tokens, seed) if share else None
         self.from_index = 0  # rounds the index drafted in the last generation
@@ -164,15 +217,23 @@ class SuffixDrafter(LookupDrafter):
     def begin(self, prompt_ids, sampling, generator):
         super().begin(prompt_ids, sampling, generator)
         self.prompt_tokens, self.from_index = len(prompt_ids), 0
+        self.greedy = sampling.greedy
+
+    def max_nodes(self, k):
+        return max(super().max_nodes(k), self.budget) if self.tree else super().max_nodes(k)
 
     def propose(self, tokens, k):
         self.copied = 0
         found = self.match(tokens)
         if k and self.served is not None and (found is None or found[0] < self.min_context):
-            chain = self.served.chain(tokens, k, self.min_share, self.alpha)
-            if chain:
+            # A tree where decoding is greedy; sampling drafts the chain (its lossless rule is the chain's).
+            if self.tree and self.greedy:
+                nodes, parents = self.served.tree(tokens, k, self.min_share, self.alpha, self.budget)
+            else:
+                nodes, parents = self.served.chain(tokens, k, self.min_share, self.alpha), None
+            if nodes:
                 self.from_index += 1
-                return Draft(torch.tensor(chain, dtype=torch.long))
+                return Draft(torch.tensor(nodes, dtype=torch.long), parents=parents)
         return self.from_match(tokens, k, found)
 
     def end(self, tokens: list[int]) -> None:
