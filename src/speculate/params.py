@@ -32,6 +32,20 @@ def as_bool(value) -> bool | None:
     return bool(value) if isinstance(value, (int, float)) and value in (0, 1) else None
 
 
+def pairs(items) -> dict:
+    """Settings as a dict, from a dict, (key, value) pairs or ``KEY=VALUE`` strings (a ``--drafter-opt`` flag's);
+    keys stripped. The one reading of a list of options, whichever way it arrives."""
+    if items is None:
+        return {}
+    if isinstance(items, dict):
+        return {str(key).strip(): value for key, value in items.items()}
+    out = {}
+    for item in items:
+        key, value = item.partition("=")[::2] if isinstance(item, str) else item
+        out[str(key).strip()] = value
+    return out
+
+
 def _num(x: float) -> str:
     return f"{x:g}"
 

@@ -26,6 +26,7 @@ from .policy.draft_length import MAX_K, parse_k
 from . import drafters, verifiers
 from .drafters import check_name, draft_model_error, get_drafter, option_value, parse_options, resolve
 from .errors import SpeculateError
+from .params import pairs
 from .models import CHOICES
 from .verifiers import check_auto, check_params, default_name
 
@@ -42,25 +43,12 @@ def _takes(drafter: str, option: str) -> bool:
     return drafter in known and any(param.name == option for param in known[drafter].cls.params)
 
 
-def _pairs(items) -> dict:
-    """Options as a dict, from a dict, (key, value) pairs or ``KEY=VALUE`` strings."""
-    if items is None:
-        return {}
-    if isinstance(items, dict):
-        return dict(items)
-    out = {}
-    for item in items:
-        key, value = item.partition("=")[::2] if isinstance(item, str) else item
-        out[str(key).strip()] = value
-    return out
-
-
 def canonical_drafter(name: str, options=None) -> tuple[str, tuple]:
     """``(drafter, options)`` in canonical form: an alias name becomes its base with ``tree`` / ``lookup``
     options (defaults dropped), the other options typed and checked by ``drafters.parse_options`` against the
     drafter they select, sorted. SpeculateError for an unknown drafter or option."""
     check_name(name)
-    given = _pairs(options)
+    given = pairs(options)
     base, variant = drafters.VARIANTS.get(name, (name, {}))
     variant = dict(variant)
     for option in _variants(name):
@@ -100,7 +88,7 @@ class SpeculativeSpec:
         known = verifiers.VERIFIERS
         if self.verifier is not None and self.verifier not in known:
             raise SpeculateError(f"unknown verifier '{self.verifier}'; choose one of: {', '.join(known)}")
-        params = {key: value for key, value in _pairs(self.params).items() if value is not None}
+        params = {key: value for key, value in pairs(self.params).items() if value is not None}
         if self.verifier is not None:
             try:  # (without a verifier the parameters are checked against the default one, once it is known)
                 params = check_params(self.verifier, params)
@@ -182,7 +170,7 @@ class SpeculativeSpec:
     def from_cli(cls, args) -> SpeculativeSpec:
         """``speculate generate`` / ``serve`` flags: --drafter (resolved for --model), --drafter-opt, --heads,
         --verifier and its parameters, --k, --dtype; --draft-model checked against the drafter."""
-        options = _pairs(getattr(args, "drafter_opt", None) or [])
+        options = pairs(getattr(args, "drafter_opt", None) or [])
         name = resolve(args.drafter, args.model)
         if getattr(args, "heads", None):
             heads = drafters.HEAD_DRAFTERS

@@ -14,7 +14,7 @@ import functools
 from dataclasses import dataclass, field
 
 from ..errors import SpeculateError
-from ..params import Param
+from ..params import Param, pairs
 from ..plugins import declared
 from .base import DRAFT_MODEL, TARGET, Draft, Drafter
 
@@ -118,10 +118,8 @@ def parse_options(name: str, items) -> dict:
     """``KEY=VALUE`` strings (or a {key: value} dict) → the typed options of drafter ``name``; anything it
     does not take, or a value of the wrong type, is a SpeculateError naming what it takes."""
     takes = {p.name: p for p in registry()[name].params} if name in registry() else {}
-    pairs = items.items() if isinstance(items, dict) else [item.partition("=")[::2] for item in items]
     out = {}
-    for key, value in pairs:
-        key = str(key).strip()
+    for key, value in pairs(items).items():
         if key not in takes:
             accepted = ", ".join(takes) or "no options"
             raise SpeculateError(f"drafter '{name}' has no option '{key}' (it takes: {accepted})")
