@@ -634,3 +634,17 @@ def test_quick_bench_end_to_end_on_a_tiny_model(tmp_path, tiny_folders, capsys, 
     records = read_records(out / "samples.jsonl")
     assert {r["dataset"] for r in records} == {"gsm8k", "mt_bench", "copy", "humaneval"} and len(records) == 12
     assert not calibrations and "dataset_costs" not in json.loads((out / "run.json").read_text())
+
+
+def test_serve_loads_quarters_are_each_requests_tokens_over_its_own_time():
+    """serve_load's warm-up columns: the first and the last quarter of a cell's requests, in the order sent, each
+    quarter's tokens over its requests' latencies and over their target calls."""
+    from speculate.bench.serve_load import _quarters
+
+    def answer(tokens, calls, seconds):
+        return {"usage": {"completion_tokens": tokens}, "speculative_stats": {"target_calls": calls}}, seconds
+
+    answers = [answer(10, 10, 1.0), answer(20, 10, 1.0), answer(99, 1, 9.0), answer(30, 10, 2.0),
+               answer(40, 10, 2.0), answer(64, 16, 2.0), answer(64, 32, 2.0), answer(32, 8, 0.5)]
+    assert _quarters(answers) == {"first_quarter": {"tokens_per_second": 15.0, "tokens_per_call": 1.5},
+                                  "last_quarter": {"tokens_per_second": 38.4, "tokens_per_call": 2.4}}

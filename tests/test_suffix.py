@@ -272,3 +272,23 @@ def test_answers_served_to_one_api_key_never_draft_for_another(tiny_folders):
     (shared,) = indexes.values()
     assert set(indexes) == {""} and len(shared.answers) == 3
     assert b1["target_calls"] < a1["target_calls"]  # key b drafted from key a's answer
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    """--k auto's cost profile goes to a temporary cache, not the user's."""
+    monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path))
+
+
+def test_the_tree_with_k_auto_prices_its_nodes_within_the_cost_curve(tiny, own_cache):
+    """--k auto prices a tree round at T(nodes + 1): the tree's own bound (budget, 1 / min_share children a node), not
+    prompt lookup's 32-token copies, which once asked the cost curve for T(33) and refused every request."""
+    target = tiny[0]
+    decoder = SpeculativeDecoder(target, SpeculativeSpec("suffix-tree", verifier="greedy", k="auto"))
+    assert [decoder.drafter.priced_nodes(k) for k in (1, 2, 3)] == [3, 12, 12]  # min_share 0.3, budget 12
+    assert decoder.drafter.max_nodes(1) == 32  # (the caches still hold a whole copy)
+    plain = SpeculativeDecoder(target, SpeculativeSpec("none")).generate([5, 6, 7, 8, 9], max_new_tokens=24)
+    for _ in range(2):  # the second drafts from the first's answer
+        out = decoder.generate([5, 6, 7, 8, 9], max_new_tokens=24)
+        assert out.token_ids == plain.token_ids
+    assert decoder.drafter.from_index > 0

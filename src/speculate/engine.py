@@ -156,7 +156,7 @@ class SpeculativeDecoder:
         prof = profile_for(self.target, draft)
         # A tree drafter verifies all its nodes: the cost of depth k is T(nodes + 1), not T(k + 1). A chain
         # drafter's k rounds verify k + 1 rows (model+lookup's copies, of their own length, cost no draft).
-        rows = (lambda k: self.drafter.max_nodes(k) + 1) if self.drafter.tree else None
+        rows = (lambda k: self.drafter.priced_nodes(k) + 1) if self.drafter.tree else None
         return AutoK(prof, prof.c if cost is None else cost, rows=rows)
 
     def _verifier(self, sampling: SamplingParams) -> Verifier:

@@ -4,7 +4,8 @@ and speculative, batched against one generation at a time, against a real `specu
 
     python -m speculate.bench.serve_load [--model M] [--draft-model D] [--dtype int8] [--clients 1 4 8 16]
                                          [--requests 16] [--max-tokens 64] [--drafters none lookup retrieval]
-                                         [--k auto] [--prompts copy|paraphrase|mt_bench|json] [--modes one batched]
+                                         [--k auto] [--prompts copy|paraphrase|mt_bench|json|code-edit]
+                                         [--modes one batched]
                                          [--no-prefix-cache] [--out FILE.json]
 
 One server, one generation thread: each cell (clients, drafter) runs twice, interleaved, in an order that
@@ -14,9 +15,12 @@ requests one after another. Every answer is compared with the same prompt's answ
 a time): at int8 and q4 they must all be identical; at fp32 a row's last bits may depend on its batch.
 ``--modes batched`` runs the batched mode alone (issue 41's question: does speculation ever cost against plain decoding
 at the same load?). ``--prompts mt_bench``: the first 16 shipped MT-Bench first turns, where lookup finds little to
-copy; ``--prompts json``: GSM8K questions each asked for a JSON record with the same fields (traffic that repeats its
-shape), other questions for each clients count. Each cell records tokens/s, requests/s, mean latency, the mean
-generations and rows per forward, and each speculative cell the ratio to plain decoding in the same mode.
+copy; ``--prompts json``: GSM8K questions each asked for a JSON record with the same fields, and ``code-edit``: HumanEval
+functions each restated under another name (traffic that repeats its shape), other prompts for each clients count.
+Each cell records tokens/s, requests/s, mean latency, the mean generations and rows per forward, each speculative
+cell the ratio to plain decoding in the same mode, and (not streamed) tokens/s and τ of the first and the last quarter
+of its requests, each over its own latency: how a drafter that learns (``suffix``) warms up. Drafters that learn share
+the server's one index: compare two of them in runs of their own.
 """
 
 from __future__ import annotations
@@ -37,19 +41,20 @@ from .client import chat, percentile
 from .speed import PROMPT_SETS
 
 MODES = ("one", "batched")
-PROMPTS = (*PROMPT_SETS, "mt_bench", "json")
+LEARNING = ("json", "code-edit")  # sets that get other prompts for each clients count (a learning drafter's)
+PROMPTS = (*PROMPT_SETS, "mt_bench", *LEARNING)
 
 
 def prompt_texts(name: str, n: int = 16) -> list[str]:
-    """The prompts of a set: speed.py's copy / paraphrase sets, the first 16 MT-Bench first turns, or (``json``) the
-    first ``n`` GSM8K questions each asked for a JSON record with the same fields (bench/learning.py: traffic that
-    repeats its shape, not its text)."""
+    """The prompts of a set: speed.py's copy / paraphrase sets, the first 16 MT-Bench first turns, or the first ``n``
+    of bench/learning.py's workloads that repeat their shape, not their text: ``json`` (GSM8K questions each asked for
+    a JSON record with the same fields) and ``code-edit`` (HumanEval functions, each restated under another name)."""
     from .datasets import load_dataset
     if name == "mt_bench":
         return [s.turns[0] for s in load_dataset("mt_bench", limit=16, shots=0)]
-    if name == "json":
-        from .learning import JSON_ASK
-        return [JSON_ASK.format(q=s.turns[0]) for s in load_dataset("gsm8k", limit=n, shots=0)]
+    if name in LEARNING:
+        from .learning import workloads
+        return workloads(n, (name,))[name]
     return PROMPT_SETS[name]
 
 
@@ -61,6 +66,19 @@ def _chat(client, url, model, prompt, speculative, max_tokens, stream: bool = Fa
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
     return chat(client, url, body)
+
+
+def _quarters(answers: list) -> dict:
+    """Per request, in the order sent: tokens over its own seconds (its latency) and tokens per target call (τ, from
+    its speculative_stats), over the first and over the last quarter of the requests."""
+    quarter = max(1, len(answers) // 4)
+    out = {}
+    for part, mine in (("first_quarter", answers[:quarter]), ("last_quarter", answers[-quarter:])):
+        tokens = sum(a["usage"]["completion_tokens"] for a, _ in mine)
+        calls = sum(a["speculative_stats"]["target_calls"] for a, _ in mine)
+        out[part] = {"tokens_per_second": round(tokens / sum(t for _, t in mine), 2),
+                     "tokens_per_call": round(tokens / max(1, calls), 3)}
+    return out
 
 
 def _speculative(drafter: str, k) -> dict:
@@ -85,9 +103,9 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
     record_round = scheduler.on_round
     scheduler.on_round = lambda n, rows, seconds: (rounds.append((n, rows, seconds)), record_round(n, rows, seconds))
     server = BackgroundServer(app)
-    # ``json``: each clients count gets questions of its own, so that `suffix` (which learns from its answers) never
-    # meets a question an earlier cell answered; the other sets repeat their 8-16 prompts in every cell.
-    distinct = prompts == "json"
+    # ``json``, ``code-edit``: each clients count gets prompts of its own, so that `suffix` (which learns from its
+    # answers) never meets a prompt an earlier cell answered; the other sets repeat their 8-16 prompts in every cell.
+    distinct = prompts in LEARNING
     texts = prompt_texts(prompts, max([requests, *clients]) * (len(clients) if distinct else 1))
     rows = []
     try:
@@ -98,8 +116,8 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
             # Warm-up, not timed: each drafter's first decoder (an answer store to load, --k auto's cost profiles to
             # measure once per machine), and a batched round.
             scheduler.max_batch = 2
-            for drafter in drafters:
-                speculative = _speculative(drafter, k)
+            for drafter in drafters:  # (share: false: the warm-up's answers do not feed a learning drafter)
+                speculative = {**_speculative(drafter, k), "share": False}
                 with ThreadPoolExecutor(2) as threads:
                     list(threads.map(lambda p: _chat(http, server.url, model, p, speculative, 8), texts[:2]))
             cell = 0
@@ -131,6 +149,8 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
                             "rounds": len(rounds), "mean_round_ms": round(1000 * statistics.fmean(r[2] for r in rounds), 2),
                             "busy_share": round(sum(r[2] for r in rounds) / dt, 3),
                             "identical_answers": f"{same}/{len(jobs)}"})
+                        if not stream:  # as a learning drafter's index warms: the first and the last quarter
+                            rows[-1].update(_quarters(answers))
                         if stream:  # time to first text, and between text chunks (one round's tokens a chunk)
                             ttfts = [a["ttft"] for a, _ in answers if a["ttft"] is not None]
                             gaps = [g for a, _ in answers for g in a["gaps"]]
@@ -147,6 +167,10 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
             r["x_one_at_a_time"] = round(r["tokens_per_second"] / by[(r["clients"], r["drafter"], "one")], 3)
         if (r["clients"], "none", r["mode"]) in by:
             r["x_plain_same_mode"] = round(r["tokens_per_second"] / by[(r["clients"], "none", r["mode"])], 3)
+            plain = next(p for p in rows if (p["clients"], p["drafter"], p["mode"]) == (r["clients"], "none", r["mode"]))
+            for part in ("first_quarter", "last_quarter"):
+                if part in r and part in plain:
+                    r[part]["x_plain"] = round(r[part]["tokens_per_second"] / plain[part]["tokens_per_second"], 3)
     return {"date": date.today().isoformat(), **machine, "model": model, "draft_model": draft_model, "dtype": dtype,
             "prefix_cache": prefix_cache, "max_tokens": max_tokens, "k": k, "prompts": prompts, "rows": rows}
 

@@ -145,6 +145,11 @@ class Drafter:
         """The most draft tokens one proposal at ``k`` holds (k for chains); sizes the KV caches."""
         return k
 
+    def priced_nodes(self, k: int) -> int:
+        """The draft tokens a round at depth ``k`` verifies, as ``--k auto`` prices it (``T(nodes + 1)``): a tree's
+        :meth:`max_nodes`; k for a chain, whose copies of their own length (prompt lookup's) are not k's doing."""
+        return self.max_nodes(k) if self.tree else k
+
     def relative_cost(self) -> float | None:
         """What drafting one more token (a chain step, a tree level) costs relative to a target step, for
         ``--k auto``'s c; None: measure it (a draft model's cost profile). Lookup and plain: 0."""

@@ -222,6 +222,14 @@ class SuffixDrafter(LookupDrafter):
     def max_nodes(self, k):
         return max(super().max_nodes(k), self.budget) if self.tree else super().max_nodes(k)
 
+    def priced_nodes(self, k):
+        """A tree of depth k: at most ``budget`` nodes, and at most 1 / min_share children a node (their shares sum to
+        at most 1). Prompt lookup's copies are chains of their own length, not k's."""
+        if not self.tree:
+            return k
+        width = int(1 / self.min_share) if self.min_share > 0 else self.budget
+        return min(self.budget, sum(width ** depth for depth in range(1, k + 1)))
+
     def propose(self, tokens, k):
         self.copied = 0
         found = self.match(tokens)
