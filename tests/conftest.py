@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from speculate import load_model
+from speculate.models.cache import cache_root
 from speculate.models.loader import QUANTIZED, quantized_cache_folder
 from speculate.models.tiny import save_tiny_model
 
@@ -30,6 +31,10 @@ def tiny_folders(tmp_path_factory):
     for folder in folders.values():
         for kind in QUANTIZED:
             shutil.rmtree(quantized_cache_folder(str(folder), folder, kind), ignore_errors=True)
+    # ...and the --k auto cost profiles measured on them (policy/auto.py, profile_path: named after the folders' paths).
+    mark = re.sub(r"[^A-Za-z0-9_.@+-]+", "_", f"{root.parent.name}/{root.name}/")
+    for profile in (cache_root() / "profiles").glob(f"*{mark}*"):
+        profile.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")
