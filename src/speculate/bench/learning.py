@@ -19,9 +19,10 @@ from __future__ import annotations
 import argparse
 from datetime import date
 
-from ..drafters import get_drafter, parse_options, registry, suffix
+from ..drafters import suffix
 from ..engine import SpeculativeDecoder
 from ..models import DEFAULT_MODEL, DTYPES, load_model
+from ..spec import SpeculativeSpec
 from . import emit, machine_header, script
 from .datasets import humaneval_problems, load_dataset
 
@@ -49,15 +50,13 @@ def workloads(n: int, names=WORKLOADS) -> dict[str, list[str]]:
     return {name: build(name) for name in names}
 
 
-def drafter(target, label: str):
-    """``NAME`` or ``NAME:KEY=VALUE,...`` → that drafter for ``target``. A drafter with an index of served answers
-    gets one of its own (``scope``: its label): two of them in one run would otherwise share one, and the second to
-    decode a request would draft from the first's answer to the same request."""
+def method(label: str) -> SpeculativeSpec:
+    """``NAME`` or ``NAME:KEY=VALUE,...`` → its spec. A drafter with an index of served answers gets one of its own
+    (``scope``: its label, unless given): two of them in one run would otherwise share one, and the second to decode
+    a request would draft from the first's answer to the same request."""
     name, _, options = label.partition(":")
-    options = parse_options(name, options.split(",") if options else [])
-    if any(param.name == "scope" for param in registry()[name].params) and "scope" not in options:
-        options["scope"] = label
-    return get_drafter(name, None, target, **options)
+    spec = SpeculativeSpec(name, options.split(",") if options else ())
+    return spec if "scope" in dict(spec.options) else spec.scoped(label)
 
 
 def run(model: str, dtype: str, requests: int, max_tokens: int, drafters: list[str] = DRAFTERS,
@@ -68,7 +67,7 @@ def run(model: str, dtype: str, requests: int, max_tokens: int, drafters: list[s
     rows = []
     for name, prompts in workloads(requests, names).items():
         suffix._INDEXES.clear()  # each workload starts with an empty index (or the seed's answers only)
-        decoders = {d: SpeculativeDecoder(target, drafter=drafter(target, d)) for d in drafters}
+        decoders = {d: SpeculativeDecoder(target, method(d)) for d in drafters}
         for d in decoders.values():  # warm-up (not timed; an answer too short for the index)
             d.generate("Hi.", max_new_tokens=2)
         for i, prompt in enumerate(prompts):

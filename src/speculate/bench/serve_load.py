@@ -151,7 +151,7 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
                             "identical_answers": f"{same}/{len(jobs)}"})
                         if not stream:  # as a learning drafter's index warms: the first and the last quarter
                             rows[-1].update(_quarters(answers))
-                        if stream:  # time to first text, and between text chunks (one round's tokens a chunk)
+                        else:  # time to first text, and between text chunks (one round's tokens a chunk)
                             ttfts = [a["ttft"] for a, _ in answers if a["ttft"] is not None]
                             gaps = [g for a, _ in answers for g in a["gaps"]]
                             rows[-1].update(ttft_p50=round(statistics.median(ttfts), 4),
@@ -161,13 +161,14 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
                     cell += 1
     finally:
         server.stop()
-    by = {(r["clients"], r["drafter"], r["mode"]): r["tokens_per_second"] for r in rows}
+    by = {(r["clients"], r["drafter"], r["mode"]): r for r in rows}
     for r in rows:
         if (r["clients"], r["drafter"], "one") in by:
-            r["x_one_at_a_time"] = round(r["tokens_per_second"] / by[(r["clients"], r["drafter"], "one")], 3)
+            one = by[(r["clients"], r["drafter"], "one")]
+            r["x_one_at_a_time"] = round(r["tokens_per_second"] / one["tokens_per_second"], 3)
         if (r["clients"], "none", r["mode"]) in by:
-            r["x_plain_same_mode"] = round(r["tokens_per_second"] / by[(r["clients"], "none", r["mode"])], 3)
-            plain = next(p for p in rows if (p["clients"], p["drafter"], p["mode"]) == (r["clients"], "none", r["mode"]))
+            plain = by[(r["clients"], "none", r["mode"])]
+            r["x_plain_same_mode"] = round(r["tokens_per_second"] / plain["tokens_per_second"], 3)
             for part in ("first_quarter", "last_quarter"):
                 if part in r and part in plain:
                     r[part]["x_plain"] = round(r[part]["tokens_per_second"] / plain[part]["tokens_per_second"], 3)
