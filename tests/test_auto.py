@@ -63,7 +63,7 @@ def test_k_auto_is_lossless_and_measures_the_curve_once(tiny, cache, monkeypatch
         dec = SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k="auto"), drafter=drafter)
         out = dec.generate(prompt, max_new_tokens=40)
         assert out.token_ids == ref.token_ids, drafter.name
-        assert isinstance(dec.k_policy, AutoK) and dec.k == "auto"
+        assert isinstance(dec.k_policy, AutoK) and dec.spec.k == "auto"
         deepest = 12 if drafter.name == "model+lookup" else auto.AUTO_K_MAX  # it drafted, never past k_max
         assert 1 <= len(out.stats.drafted_by_position) <= deepest
     assert profile_path(target).is_file() and profile_path(target, draft).is_file()

@@ -18,7 +18,7 @@ from speculate.drafters import get_drafter
 from speculate.errors import SpeculateError
 from speculate.sampling import SamplingParams
 from speculate.server.config import ServerConfig
-from speculate.server.generation import build_decoder, merge_settings
+from speculate.server.generation import build_decoder, request_spec
 from speculate.server.schemas import CompletionRequest, SpeculativeSettings
 from speculate.tree_shape import chain_as_tree
 from speculate.verifiers import PARAMS, VERIFIERS, get_verifier
@@ -199,7 +199,7 @@ def test_request_fields_reach_the_verifier(tiny_folders, tiny):
                                                           "rho": 0.75}}
     spec = CompletionRequest.model_validate(body).speculative
     assert spec.verifier_params() == {"theta": 0.25, "rho": 0.75}
-    settings = merge_settings(ServerConfig(model=str(tiny_folders[0]), spec=SpeculativeSpec("lookup")), spec)
+    settings = request_spec(ServerConfig(model=str(tiny_folders[0]), spec=SpeculativeSpec("lookup")), spec)
     decoder = build_decoder(tiny[0], None, settings)
     verifier = decoder._verifier(SamplingParams())
     assert isinstance(verifier, LooseVerifier) and (verifier.theta, verifier.rho) == (0.25, 0.75)

@@ -261,13 +261,13 @@ def test_concurrent_first_uses_load_a_store_once(tiny, tmp_path, monkeypatch):
 
 def test_auto_takes_the_options_of_either_drafter_it_may_stand_for(default_model, tiny):
     """auto is retrieval on the default model and lookup elsewhere: lookup's options work with both."""
-    from speculate.server.generation import merge_settings
+    from speculate.server.generation import request_spec
     from speculate.server.schemas import SpeculativeSettings
 
     for model in ("smollm2-135m-instruct", "/some/folder"):
         config = _serve_config(model, "--drafter-opt", "min_ngram=2", "--drafter-opt", "max_copy=8")
         assert config.spec.drafter_options == {"min_ngram": 2, "max_copy": 8}
         # A request naming auto gets the server's own settings (and so its decoders and their prefix caches).
-        assert merge_settings(config, SpeculativeSettings(drafter="auto")) == merge_settings(config, None)
+        assert request_spec(config, SpeculativeSettings(drafter="auto")) == request_spec(config, None)
     drafter = get_drafter("auto", None, default_model, min_ngram=2)
     assert drafter.name == "retrieval" and drafter.min_ngram == 2

@@ -608,14 +608,14 @@ def test_the_servers_drafter_options_apply_to_its_drafter_only(tiny):
     """--drafter-opt at startup: requests that use the server's drafter get its options, a request naming
     another drafter gets that one's defaults; an option the drafter does not take stops the start."""
     from speculate.errors import SpeculateError
-    from speculate.server.generation import build_decoder, merge_settings
+    from speculate.server.generation import build_decoder, request_spec
     from speculate.server.schemas import SpeculativeSettings
 
     config = ServerConfig(model="m", spec=SpeculativeSpec("lookup", ["max_ngram=5"]))
     assert config.spec.drafter_options == {"max_ngram": 5}
-    decoder = build_decoder(tiny[0], None, merge_settings(config, None))
+    decoder = build_decoder(tiny[0], None, request_spec(config, None))
     assert decoder.drafter.max_ngram == 5
-    other = merge_settings(config, SpeculativeSettings(drafter="none"))
+    other = request_spec(config, SpeculativeSettings(drafter="none"))
     assert other.drafter_options == {} and build_decoder(tiny[0], None, other).drafter.name == "none"
     with pytest.raises(SpeculateError, match="no option 'base_k'"):
         ServerConfig(model="m", spec=SpeculativeSpec("lookup", ["base_k=2"]))
@@ -628,13 +628,13 @@ def test_k_and_eps_auto_in_the_server(served, client, tiny, tmp_path, monkeypatc
     from speculate.policy.auto import calibrate_eps
     from speculate.cli import _parser
     from speculate.errors import SpeculateError
-    from speculate.server.generation import build_decoder, merge_settings
+    from speculate.server.generation import build_decoder, request_spec
 
     monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path))  # the cost profile that k = auto measures once
     args = _parser().parse_args(["serve", "--k", "auto", "--eps", "auto", "--verifier", "consultant"])
     config = ServerConfig(model="m", spec=SpeculativeSpec("lookup", (), args.verifier, {"eps": args.eps}, args.k))
-    decoder = build_decoder(tiny[0], None, merge_settings(config, None))
-    assert decoder.k == "auto" and decoder.verifier_params["eps"] == calibrate_eps(tiny[0])
+    decoder = build_decoder(tiny[0], None, request_spec(config, None))
+    assert decoder.spec.k == "auto" and decoder.spec.verifier_params["eps"] == calibrate_eps(tiny[0])
     for bad in ("fast", 0, True):
         with pytest.raises(SpeculateError, match="k must be an integer in 1..64"):
             ServerConfig(model="m", spec=SpeculativeSpec(k=bad))
@@ -670,7 +670,7 @@ def test_a_request_may_ask_for_model_lookup_with_the_servers_draft_model(tiny, m
     """model+lookup is a draft-model drafter for the server too: a request naming it gets the server's
     draft model (and the server's options when it is the server's own drafter), and the same tokens as plain
     decoding; without a draft model it is a 400."""
-    from speculate.server.generation import build_decoder, merge_settings
+    from speculate.server.generation import build_decoder, request_spec
     from speculate.server.schemas import SpeculativeSettings
 
     config = ServerConfig(model="m", spec=SpeculativeSpec("model+lookup", ["lookup_k=4"]), draft_model="d")
@@ -680,17 +680,17 @@ def test_a_request_may_ask_for_model_lookup_with_the_servers_draft_model(tiny, m
 
     check_same_tokenizer(tiny[0].tokenizer, tiny[0].tokenizer)
     monkeypatch.setattr(tiny[0].tokenizer, "get_vocab", _fail)
-    decoder = build_decoder(tiny[0], tiny[0], merge_settings(config, None))
+    decoder = build_decoder(tiny[0], tiny[0], request_spec(config, None))
     assert decoder.drafter.name == "model+lookup" and decoder.drafter.lookup_k == 4
     prompt = [5, 6, 7, 8] * 3
     plain = SpeculativeDecoder(tiny[0], SpeculativeSpec("none")).generate(prompt, max_new_tokens=12).token_ids
     assert decoder.generate(prompt, max_new_tokens=12).token_ids == plain
-    asked = merge_settings(ServerConfig(model="m"), SpeculativeSettings(drafter="model+lookup"))
+    asked = request_spec(ServerConfig(model="m"), SpeculativeSettings(drafter="model+lookup"))
     with pytest.raises(APIError, match="needs a draft model"):
         build_decoder(tiny[0], None, asked)
     assert build_decoder(tiny[0], tiny[0], asked).drafter.lookup_k == 10
     # A request naming a drafter that takes no draft model works on a server that has one.
-    lookup = merge_settings(config, SpeculativeSettings(drafter="lookup"))
+    lookup = request_spec(config, SpeculativeSettings(drafter="lookup"))
     assert build_decoder(tiny[0], tiny[0], lookup).drafter.name == "lookup"
 
 

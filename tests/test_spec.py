@@ -21,7 +21,7 @@ from speculate.errors import SpeculateError
 from speculate.server.config import ServerConfig
 from speculate.server.errors import APIError, validation_error
 from speculate.server.generation import build_decoder as server_build_decoder
-from speculate.server.generation import merge_settings
+from speculate.server.generation import request_spec
 from speculate.server.schemas import CompletionRequest
 from speculate import SpeculativeDecoder
 from speculate.spec import VARIANTS, SpeculativeSpec, parse_k
@@ -47,7 +47,7 @@ def _cli_error(*flags: str) -> str:
 
 def _request(speculative: dict, config: ServerConfig | None = None) -> SpeculativeSpec:
     body = {"model": "m", "prompt": "hi", "speculative": speculative}
-    return merge_settings(config or ServerConfig(model="m"), CompletionRequest.model_validate(body).speculative)
+    return request_spec(config or ServerConfig(model="m"), CompletionRequest.model_validate(body).speculative)
 
 
 def _request_error(speculative: dict, draft=None, tiny=None) -> str:
@@ -209,14 +209,14 @@ def test_the_decoder_takes_a_spec_never_a_name_or_loose_parameters(tiny):
     with pytest.raises(SpeculateError, match="eps 'auto' .* needs the verifier 'consultant'"):
         SpeculativeSpec("lookup", params={"eps": "auto"})
     built = SpeculativeDecoder(tiny[0], SpeculativeSpec(verifier="greedy", k=2), drafter=LookupDrafter(max_ngram=2))
-    assert (built.drafter.max_ngram, built.k, built.spec.verifier) == (2, 2, "greedy")
+    assert (built.drafter.max_ngram, built.spec.k, built.spec.verifier) == (2, 2, "greedy")
     default = SpeculativeDecoder(tiny[0])  # the defaults: auto (lookup on a model without a shipped store), k = 6
-    assert (default.spec.drafter, default.drafter.name, default.k) == ("lookup", "lookup", 6)
+    assert (default.spec.drafter, default.drafter.name, default.spec.k) == ("lookup", "lookup", 6)
 
 
 def test_the_factory_builds_the_specs_drafter_and_verifier(tiny):
     decoder = SpeculativeDecoder(tiny[0], SpeculativeSpec("lookup", ["max_ngram=5"], "consultant", {"eps": 2}, 3))
-    assert decoder.drafter.name == "lookup" and decoder.drafter.max_ngram == 5 and decoder.k == 3
-    assert decoder.verifier_params == {"eps": 2.0}
+    assert decoder.drafter.name == "lookup" and decoder.drafter.max_ngram == 5 and decoder.spec.k == 3
+    assert decoder.spec.verifier_params == {"eps": 2.0}
     model = SpeculativeDecoder(tiny[0], SpeculativeSpec("model+lookup", ["lookup_k=4"]), draft_model=tiny[0])
     assert model.drafter.name == "model+lookup" and model.drafter.lookup_k == 4

@@ -84,8 +84,8 @@ def _drafter_arg(value: str) -> str:
 
 def _verifier_param_arg(name: str):
     """``--NAME``'s argparse type for a verifier parameter (``verifiers.PARAMS``): a number, or 'auto' where
-    a verifier declares it. Its range depends on the verifier, so it is checked after parsing
-    (:func:`_check_verifier_params`), by the declaration itself."""
+    a verifier declares it. Its range depends on the verifier, so the spec checks it (``SpeculativeSpec``, by the
+    declaration itself) once the verifier is known."""
     from .params import as_bool
     from .verifiers import AUTO, PARAMS, is_auto
 
@@ -119,20 +119,6 @@ def _add_verifier_params(parser: argparse.ArgumentParser) -> None:
                             help=param_help(name))
 
 
-def _check_verifier_params(args) -> None:
-    """The verifier parameters given to ``generate``, checked against the verifier they are for (the named
-    one, else the default at this temperature): the same text as ``get_verifier`` and the server give."""
-    from .verifiers import PARAMS, check_params, default_name
-
-    params = {name: getattr(args, name) for name in PARAMS if getattr(args, name, None) is not None}
-    if not params or (args.verifier is None and not hasattr(args, "temperature")):
-        return  # serve without --verifier: the parameters go to whatever verifier a request uses
-    try:
-        check_params(args.verifier or default_name(args.temperature == 0), params)
-    except ValueError as e:
-        raise SpeculateError(str(e)) from None
-
-
 class _HelpFormatter(argparse.HelpFormatter):
     """Each flag's default in its help: ``(default: VALUE)`` where the help does not already say it (``off`` for a
     switch)."""
@@ -156,8 +142,19 @@ class _Parser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         namespace, extras = super().parse_known_args(args, namespace)
         if getattr(namespace, "command", None) in ("generate", "serve"):  # (the top-level parse, once)
-            _check_verifier_params(namespace)
+            namespace.spec = _spec(namespace)
         return namespace, extras
+
+
+def _spec(args):
+    """``generate``'s and ``serve``'s speculative flags as one checked :class:`~speculate.spec.SpeculativeSpec`,
+    made as the flags are parsed, so that bad settings stop the command before any model loads. ``generate``
+    names its verifier (the default at its temperature where none is given), so the parameters are checked against
+    the verifier that will run; ``serve``'s stays open, each request's temperature choosing it."""
+    from .spec import SpeculativeSpec
+
+    spec = SpeculativeSpec.from_cli(args)
+    return spec.with_verifier(args.temperature == 0) if args.command == "generate" else spec
 
 
 def _add_speculative_flags(parser: argparse.ArgumentParser, serving: bool) -> None:
@@ -352,7 +349,7 @@ def _generate(args) -> int:
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, check_seed(args.seed), args.max_new_tokens,
                               args.stop or (), grammar=grammar)
     check_text_prompt(args.prompt)
-    spec = SpeculativeSpec.from_cli(args)  # drafter, options, verifier and parameters, k; --draft-model fits
+    spec = args.spec  # drafter, options, verifier and its parameters, k: checked as the flags were parsed
     if args.stream and args.json:  # one JSON object at the end cannot also be a stream of text
         raise SpeculateError("--stream and --json: choose one")
     if args.draft_dtype and not args.draft_model:
@@ -380,7 +377,7 @@ def _generate(args) -> int:
         print(json.dumps(out))
         return 0
     print(("" if args.stream else gen.text), flush=True)
-    print("\n" + stats_line(spec.with_verifier(args.temperature == 0).label(), gen.stats, spec.k), file=sys.stderr)
+    print("\n" + stats_line(spec.label(), gen.stats, spec.k), file=sys.stderr)
     if base is not None:
         print(compare_line(gen, base, args.temperature == 0), file=sys.stderr)
     return 0

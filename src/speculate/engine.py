@@ -138,11 +138,9 @@ class SpeculativeDecoder:
         self.prefix_reuse = PrefixReuse()  # which tokens the target's cache holds, for prefix_cache
         self.prefix_store = prefix_store if self.kv.shares_prefixes and not self.drafter.wants_hidden else None
         self.built_verifier = verifier
-        self.verifier_params = spec.verifier_params
-        if is_auto(self.verifier_params.get("eps")):  # consultant's eps, the one 'auto' a verifier declares
-            self.verifier_params["eps"] = calibrate_eps(target)
+        if is_auto(spec.verifier_params.get("eps")):  # consultant's eps, the one 'auto' a verifier declares
+            self.spec = replace(self.spec, params={**spec.verifier_params, "eps": calibrate_eps(target)})
         self.k_policy = self._k_policy(spec.k)
-        self.k = spec.k
         self.eos = eos_ids(target)
         self._verifier(SamplingParams())  # build the verifier once now (its tree rule), not at the first request
 
@@ -163,7 +161,7 @@ class SpeculativeDecoder:
         if self.built_verifier is not None:
             verifier = self.built_verifier
         else:
-            params = dict(self.verifier_params)
+            params = self.spec.verifier_params
             try:
                 name = verifier_for(self.spec.verifier, sampling.greedy)
                 if any(p.name == "greedy" for p in verifier_class(name).params):
@@ -244,7 +242,7 @@ class Run:
         self.started = time.perf_counter()
         self.tokens = list(prompt_ids)  # prompt + everything committed so far
         self.prompt_tokens = len(prompt_ids)
-        self.state, self.produced, self.draft, self.rows_last = None, 0, None, 0
+        self.verifier_state, self.produced, self.draft, self.rows_last = None, 0, None, 0
         self.done, self.generation, self.error = False, None, None
         # Log-probabilities, where asked: of the new tokens (from the verification rows), of the prompt's (from the
         # prefill's rows: so every prompt row is computed, none taken from a cache).
@@ -321,8 +319,8 @@ class Run:
             logits = logits.clone() if self.logprobs is not None else logits  # (logprobs: the raw model's)
             self.constraint.mask(logits, _paths(draft))
         # 3. Verify: the accepted drafts (a chain's first n, or a tree's path) and the next token.
-        verdict = _verify(self.verifier, draft, logits, self.sampling, self.state, self.generator)
-        path, self.state = verdict.path, verdict.state
+        verdict = _verify(self.verifier, draft, logits, self.sampling, self.verifier_state, self.generator)
+        path, self.verifier_state = verdict.path, verdict.state
         # 4. Roll back: keep the cache up to the last accepted draft; the next token is fed next round.
         rows = list(range(len(path) + 1)) if draft.parents is None else [0] + [node + 1 for node in path]
         if draft.parents is None:

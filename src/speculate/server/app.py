@@ -177,7 +177,7 @@ class Routes:
         prepared = await anyio.to_thread.run_sync(prepare, self.config, self.target, req, scope)
         jobs = self.submit(prepared)
         prompts = len(prepared) // req.n
-        shaper = Shaper(kind, self.model_id, prepared[0].settings, len(prepared), prompts, self.target.tokenizer)
+        shaper = Shaper(kind, self.model_id, prepared[0].spec, len(prepared), prompts, self.target.tokenizer)
         outcome = request.scope.get(OUTCOME_KEY, {})
         echoes = [(p.echo, p.ids[0]) if p.echo is not None else None for p in prepared]
         if req.stream:
@@ -216,7 +216,7 @@ class Routes:
         """A job per choice, admitted together or not at all (a 429 takes none of them)."""
         loop = asyncio.get_running_loop()
         jobs = [Job(partial(open_run, p, self.decoders, self.scheduler.prefill_chunk), loop, p.prompt_tokens,
-                    p.settings.registry_name,
+                    p.spec.registry_name,
                     self.kv_per_token * (p.prompt_tokens + p.sampling.max_new_tokens + KV_SLACK)) for p in prepared]
         for job in jobs:
             if self.scheduler.too_large(job):

@@ -97,10 +97,11 @@ class ServerConfig:
 
     @classmethod
     def from_cli(cls, args) -> ServerConfig:
-        """``speculate serve``'s flags: the speculative ones through ``SpeculativeSpec.from_cli`` (the path
-        ``generate`` takes), the API keys from --api-key or else $SPECULATE_API_KEY (comma-separated)."""
+        """``speculate serve``'s flags: the speculative ones as the parser checked them (``args.spec``, made by
+        ``SpeculativeSpec.from_cli`` as for ``generate``), the API keys from --api-key or else
+        $SPECULATE_API_KEY (comma-separated)."""
         keys = args.api_key or [key for key in os.environ.get("SPECULATE_API_KEY", "").split(",") if key.strip()]
-        return cls(model=args.model, spec=SpeculativeSpec.from_cli(args), draft_model=args.draft_model,
+        return cls(model=args.model, spec=args.spec, draft_model=args.draft_model,
                    dtype=args.dtype, host=args.host, port=args.port, api_keys=tuple(keys),
                    share_drafts=args.share_drafts, max_batch=args.max_batch, max_queue=args.max_queue,
                    prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,

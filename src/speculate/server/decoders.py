@@ -20,20 +20,20 @@ from ..spec import SpeculativeSpec
 
 
 class Decoders:
-    """``settings``: a :class:`~speculate.spec.SpeculativeSpec` (frozen, compared by value: the key)."""
+    """``spec``: a :class:`~speculate.spec.SpeculativeSpec` (frozen, compared by value: the key)."""
 
     def __init__(self, build: Callable[[SpeculativeSpec], SpeculativeDecoder], keep: int):
         self.build, self.keep = build, keep
         self._idle: list[tuple[SpeculativeSpec, SpeculativeDecoder]] = []  # oldest first
         self._lock = threading.Lock()
 
-    def take(self, settings: SpeculativeSpec, ids: list[int]) -> SpeculativeDecoder:
+    def take(self, spec: SpeculativeSpec, ids: list[int]) -> SpeculativeDecoder:
         with self._lock:
-            mine = [i for i, (k, _) in enumerate(self._idle) if k == settings]
+            mine = [i for i, (k, _) in enumerate(self._idle) if k == spec]
             if mine:
                 best = max(mine, key=lambda i: (shared_prefix(self._idle[i][1].prefix_reuse.tokens, ids), i))
                 return self._idle.pop(best)[1]
-        return self.build(settings)
+        return self.build(spec)
 
     def trim(self, most: int) -> None:
         """Drop idle decoders, the least recently returned first, until their KV caches hold at most ``most`` bytes
@@ -42,9 +42,9 @@ class Decoders:
             while self._idle and sum(_kv_bytes(d) for _, d in self._idle) > max(most, 0):
                 del self._idle[0]
 
-    def give_back(self, settings: SpeculativeSpec, decoder: SpeculativeDecoder) -> None:
+    def give_back(self, spec: SpeculativeSpec, decoder: SpeculativeDecoder) -> None:
         with self._lock:
-            self._idle.append((settings, decoder))
+            self._idle.append((spec, decoder))
             del self._idle[: max(0, len(self._idle) - self.keep)]
 
 

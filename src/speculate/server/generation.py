@@ -40,7 +40,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; cha
 class Prepared:
     ids: list[int]  # the prompt's tokens
     sampling: SamplingParams  # how it samples and stops, max_new_tokens and log-probabilities included
-    settings: SpeculativeSpec  # the speculative settings in force, the verifier named
+    spec: SpeculativeSpec  # the speculative settings in force, the verifier named
     echo: str | None = None  # a completion's ``echo``: the prompt's text, put before the answer's
 
     @property
@@ -71,7 +71,7 @@ def prepare(config: ServerConfig, target: LoadedModel, req: CompletionRequest | 
         checked = [_budget(target, ids, budget, f"prompt[{i}]" if many else "prompt", "max_tokens",
                            config.max_tokens) for i, ids in enumerate(prompts)]
     try:  # (the engine's own default verifier named, so that the stats can report it)
-        settings = merge_settings(config, req.speculative, scope).with_verifier(req.temperature == 0)
+        spec = request_spec(config, req.speculative, scope).with_verifier(req.temperature == 0)
     except SpeculateError as e:
         raise APIError(400, f"speculative: {e}", "speculative", "invalid_value") from None
     seeds = [None if req.seed is None else (req.seed + j) % 2**63 for j in range(req.n)]
@@ -90,7 +90,7 @@ def prepare(config: ServerConfig, target: LoadedModel, req: CompletionRequest | 
                   for p, ids in zip(req.prompts(), prompts)]
     try:
         return [Prepared(ids, SamplingParams(req.temperature, req.top_p, max(req.top_k or 0, 0), seed, max_tokens, stops,
-                                             logprobs, prompt_logprobs, grammar), settings, echo)
+                                             logprobs, prompt_logprobs, grammar), spec, echo)
                 for ids, max_tokens, echo in zip(prompts, checked, echoes) for seed in seeds]
     except SpeculateError as e:  # (the schema's own checks are stricter: not expected)
         raise APIError(400, str(e), None, "invalid_value") from None
@@ -139,13 +139,13 @@ def open_run(prepared: Prepared, decoders: Decoders, prefill_chunk: int | None =
     """On the generation thread, when the request joins the batch: a decoder for its settings and its
     :class:`~speculate.engine.Run`, and the function that gives the decoder back once the run has ended well.
     Raises APIError (400) for settings the engine refuses."""
-    decoder = decoders.take(prepared.settings, prepared.ids)  # build_decoder: SpeculateError → APIError 400
+    decoder = decoders.take(prepared.spec, prepared.ids)  # build_decoder: SpeculateError → APIError 400
     try:
         run = decoder.start(prepared.ids, prepared.sampling, prefill_chunk=prefill_chunk)
     except SpeculateError as e:
-        decoders.give_back(prepared.settings, decoder)  # nothing ran: it is as it was
+        decoders.give_back(prepared.spec, decoder)  # nothing ran: it is as it was
         raise refused(e) from None
-    return run, lambda: decoders.give_back(prepared.settings, decoder)
+    return run, lambda: decoders.give_back(prepared.spec, decoder)
 
 
 def _encode(fn, param: str) -> list[int]:
@@ -155,18 +155,18 @@ def _encode(fn, param: str) -> list[int]:
         raise APIError(400, f"{param}: {e}", param, "invalid_value") from None
 
 
-def merge_settings(config: ServerConfig, spec: SpeculativeSettings | None, scope: str = "") -> SpeculativeSpec:
+def request_spec(config: ServerConfig, given: SpeculativeSettings | None, scope: str = "") -> SpeculativeSpec:
     """The request's speculative settings over the server's flags (``SpeculativeSpec.from_request``), in ``scope``
     (:meth:`SpeculativeSpec.scoped`)."""
-    return SpeculativeSpec.from_request(spec, config.spec, config.model).scoped(scope)
+    return SpeculativeSpec.from_request(given, config.spec, config.model).scoped(scope)
 
 
-def build_decoder(target: LoadedModel, draft: LoadedModel | None, settings: SpeculativeSpec,
+def build_decoder(target: LoadedModel, draft: LoadedModel | None, spec: SpeculativeSpec,
                   prefix_cache: bool = False, prefix_store: PrefixStore | None = None) -> SpeculativeDecoder:
-    """The decoder for ``settings`` with the server's models; a refusal is a 400 at the request's ``speculative``.
+    """The decoder for ``spec`` with the server's models; a refusal is a 400 at the request's ``speculative``.
     (The draft model's tokenizer was compared with the target's at startup; the comparison is remembered.)"""
     try:
-        return SpeculativeDecoder(target, settings, draft_model=draft, prefix_cache=prefix_cache,
+        return SpeculativeDecoder(target, spec, draft_model=draft, prefix_cache=prefix_cache,
                                   prefix_store=prefix_store)
     except SpeculateError as e:
         raise refused(e, f"speculative: {e}", "speculative") from None

@@ -18,14 +18,14 @@ def load_models(config: ServerConfig):
     here, so a bad flag stops the server before it listens."""
     from ..drafters.model import check_same_tokenizer
     from ..models import load_model
-    from .generation import build_decoder, merge_settings
+    from .generation import build_decoder, request_spec
 
     target = load_model(config.model, dtype=config.dtype)
     draft = load_model(config.draft_model, dtype=config.dtype) if config.draft_model else None
     if draft is not None:
         check_same_tokenizer(draft.tokenizer, target.tokenizer)
     try:
-        build_decoder(target, draft, merge_settings(config, None))
+        build_decoder(target, draft, request_spec(config, None))
     except APIError as e:
         raise SpeculateError(e.message) from None
     if config.spec.k == "auto" and config.max_batch > 1:  # k by batch size's cost curve: now, not in the first batch
@@ -95,12 +95,11 @@ def uvicorn_server(app, config: ServerConfig, **options):
     # uvicorn's default takes uvloop wherever it is installed (ray[serve] installs it), and under uvloop the
     # connection cap closed a new connection instead of the oldest idle one in 2 of 4 runs of its test.
     options.setdefault("loop", "asyncio")
-    settings = uvicorn.Config(app, http=guarded_protocol(config.header_timeout, config.max_connections,
-                                                         config.max_connections_per_client),
-                              timeout_keep_alive=config.keep_alive_timeout,
-                              # after the grace period generations end themselves; this is the backstop
-                              timeout_graceful_shutdown=config.shutdown_grace + 5, **options)
-    return GracefulServer(settings)
+    protocol = guarded_protocol(config.header_timeout, config.max_connections, config.max_connections_per_client)
+    uvicorn_config = uvicorn.Config(app, http=protocol, timeout_keep_alive=config.keep_alive_timeout,
+                                    # after the grace period generations end themselves; this is the backstop
+                                    timeout_graceful_shutdown=config.shutdown_grace + 5, **options)
+    return GracefulServer(uvicorn_config)
 
 
 def _quiet_accept_errors(every: float = 10.0):

@@ -28,18 +28,18 @@ def usage(gens: list[Generation], prompts: int = 1) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def speculative_stats(gen: Generation, settings: SpeculativeSpec) -> dict:
-    return {**gen.stats.to_dict(), "drafter": settings.registry_name, "verifier": settings.verifier,
-            "k": settings.k, **({"verifier_params": settings.verifier_params} if settings.params else {})}
+def speculative_stats(gen: Generation, spec: SpeculativeSpec) -> dict:
+    return {**gen.stats.to_dict(), "drafter": spec.registry_name, "verifier": spec.verifier,
+            "k": spec.k, **({"verifier_params": spec.verifier_params} if spec.params else {})}
 
 
 class Shaper:
     """Builds the response objects of one request (``kind``: 'chat' or 'text') with ``choices`` choices from
     ``prompts`` prompts (index = prompt × n + sample, as OpenAI orders them)."""
 
-    def __init__(self, kind: str, model: str, settings: SpeculativeSpec, choices: int = 1, prompts: int = 1,
+    def __init__(self, kind: str, model: str, spec: SpeculativeSpec, choices: int = 1, prompts: int = 1,
                  tokenizer=None):
-        self.kind, self.model, self.settings, self.choices, self.prompts = kind, model, settings, choices, prompts
+        self.kind, self.model, self.spec, self.choices, self.prompts = kind, model, spec, choices, prompts
         self.tokenizer = tokenizer  # (a token's text in log-probabilities)
         self.id = new_id(kind)
         self.created = int(time.time())
@@ -63,12 +63,12 @@ class Shaper:
                 logprobs = None if gen.logprobs is None else completion_logprobs(self.tokenizer, entries, first)
                 choice = {"index": i, "text": echo + gen.text, "logprobs": logprobs, "finish_reason": gen.finish_reason}
             if len(gens) > 1:
-                choice["speculative_stats"] = speculative_stats(gen, self.settings)
+                choice["speculative_stats"] = speculative_stats(gen, self.spec)
             choices.append(choice)
         out = {**self._head("chat.completion" if self.kind == "chat" else "text_completion"), "choices": choices,
                "usage": usage(gens, self.prompts)}
         if len(gens) == 1:
-            out["speculative_stats"] = speculative_stats(gens[0], self.settings)
+            out["speculative_stats"] = speculative_stats(gens[0], self.spec)
         return out
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, first: bool = False,
@@ -100,7 +100,7 @@ class Shaper:
     def finish_chunk(self, gen: Generation, index: int = 0) -> dict:
         """A choice's chunk with its finish_reason (and our speculative_stats)."""
         return {**self.chunk(finish_reason=gen.finish_reason, index=index),
-                "speculative_stats": speculative_stats(gen, self.settings)}
+                "speculative_stats": speculative_stats(gen, self.spec)}
 
     def usage_chunk(self, gens: list[Generation]) -> dict:
         """With ``stream_options.include_usage``, the last chunk: no choices, the usage, as OpenAI sends it: usage
