@@ -658,3 +658,80 @@ def test_batched_equals_alone_under_other_code_paths(env, tmp_path):
                           env={**os.environ, **env, "SPECULATE_CACHE": str(tmp_path)}, cwd=here.parent.parent,
                           capture_output=True, text=True, timeout=600)
     assert_pytest_passed(done, skipped=False)
+
+
+# ------------------------------------------------------------------------------- preempted and resumed
+@pytest.mark.parametrize("dtype", ["int8", "q4"])
+def test_preempted_and_resumed_answers_equal_each_request_alone(models, dtype):
+    """Admission by memory (server/scheduler.py) with a budget too small for every generation's whole cache: each
+    request reserves a stretch of 256 positions at a time (a draft model's cache takes as much at first), the youngest is preempted where the next stretch does not
+    fit, and resumes later on another decoder (its tokens prefilled again). Every answer is token for token the
+    request alone, the reservations never pass the budget, and preemptions happened, mid-answer."""
+    import threading
+    import time
+
+    from speculate.models.kv import position_bytes
+    from speculate.server.scheduler import Job, Scheduler
+
+    target = models[dtype]
+    if isinstance(target, Exception):
+        pytest.skip(f"q4 does not load here: {target}")
+    near = models["near"]
+    reqs = [  # (drafter, draft model, prompt, new tokens): drafts a chain, a tree, copies, nothing
+        ("lookup", None, random_prompt(11, 9) * 3, 450),
+        ("none", None, random_prompt(12, 20), 420),
+        ("model-tree", near, random_prompt(13, 7), 400),
+        ("model", near, random_prompt(14, 30), 380),
+    ]
+    alone = [maker(target, d, m, k=3)().generate(p, SamplingParams(max_new_tokens=n)).token_ids
+             for d, m, p, n in reqs]
+    events, lock, made, resumed_at = [], threading.Lock(), [], []
+
+    class Recorded(Job):
+        def __init__(self, i):
+            drafter, draft, prompt, n = reqs[i]
+            pb = position_bytes(target) + (position_bytes(draft) if draft is not None else 0)
+
+            def open(resume=None, reserve=None):  # a fresh decoder each time: a resumed run recomputes its tokens
+                decoder = maker(target, drafter, draft, k=3)()
+                made.append(i)
+                if resume is None:
+                    return decoder.start(prompt, SamplingParams(max_new_tokens=n), reserve=reserve), lambda: None
+                resumed_at.append(resume.produced)
+                resume.resume(decoder, None, reserve)
+                return resume, lambda: None
+
+            super().__init__(open, loop=None, prompt_tokens=len(prompt), kv_bytes=pb * (len(prompt) + n + 20),
+                             position_bytes=pb)
+            self.i = i
+
+        def emit(self, kind, value=None):
+            with lock:
+                events.append((self.i, kind, value))
+
+    jobs = [Recorded(i) for i in range(len(reqs))]
+    # Room for the four first stretches (the prompt and 256 positions, in the cache's 64-position blocks) and one
+    # more stretch of a target's cache: not for every generation's whole cache.
+    first = [-(-(len(reqs[i][2]) + 256) // 64) * 64 * job.position_bytes for i, job in enumerate(jobs)]
+    budget = sum(first) + 256 * position_bytes(target)
+    assert budget < sum(job.kv_bytes for job in jobs) and max(job.kv_bytes for job in jobs) <= budget
+    sched = Scheduler(max_batch=4, max_queue=8, kv_budget=budget)
+    reserved = []
+    sched.on_round = lambda n, rows, seconds: reserved.append((n, sched.kv_reserved))
+    sched.submit(*jobs)
+    sched.start()
+    try:
+        deadline = time.monotonic() + 120
+        while sum(kind == "done" for _, kind, _ in events) < len(reqs):
+            assert time.monotonic() < deadline and not any(kind == "error" for _, kind, _ in events), events
+            time.sleep(0.01)
+    finally:
+        sched.stop()
+    done = {i: value.generation for i, kind, value in events if kind == "done"}
+    assert [done[i].token_ids for i in range(len(reqs))] == alone
+    assert sched.preempted >= 1 and len(made) == len(reqs) + sched.preempted  # (each resumption a new decoder)
+    assert len(resumed_at) == sched.preempted and max(resumed_at) > 0  # (resumed mid-answer)
+    assert [len(ids) for ids in alone] == [n for *_, n in reqs]  # (long enough answers to grow past a stretch)
+    assert max(n for n, _ in reserved) == len(reqs)  # all four ran at once on their first stretches...
+    assert max(r for _, r in reserved) <= budget and sched.kv_reserved == 0  # ...never past the budget
+    assert [kind for i, kind, _ in events if i == made[-1]].count("ready") == 1  # (a resumed job is not new)

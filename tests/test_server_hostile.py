@@ -642,6 +642,44 @@ def test_a_request_that_never_fits_the_kv_memory_is_refused(tiny_folders):
         server.stop()
 
 
+def test_requests_past_the_kv_memory_are_preempted_and_answer_as_alone(tiny_folders):
+    """Four concurrent greedy requests at int8 whose caches together need more than --kv-memory: each joins on its
+    prompt and a first stretch, the youngest is preempted where another stretch does not fit, and resumes; every
+    answer is plain decoding's alone, and /metrics counts the preemptions."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from speculate import SpeculativeDecoder
+    from speculate.models import load_model
+    from speculate.models.kv import position_bytes
+    from speculate.server.scheduler import STRETCH
+
+    target = load_model(str(tiny_folders[0]), dtype="int8")
+    prompts = [[3 + i, 4, 5, 6, 7 + i] for i in range(4)]
+    plain = [SpeculativeDecoder(target, SpeculativeSpec("none")).generate(p, max_new_tokens=400) for p in prompts]
+    assert all(len(gen.token_ids) == 400 for gen in plain)  # (no early end: every answer grows past its first stretch)
+    per_token = position_bytes(target)
+    first = -(-(5 + STRETCH) // 64) * 64  # a first stretch, in the cache's 64-position blocks
+    gib = (4 * first + STRETCH) * per_token / 2**30  # four first stretches and one more: not four whole answers
+    server = start(tiny_folders, dtype="int8", max_tokens=0, kv_memory_gib=gib)
+    try:
+        def ask(prompt):
+            body = {"model": server.model, "prompt": prompt, "temperature": 0, "max_tokens": 400}
+            out = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+            assert out.status_code == 200, out.text
+            return out.json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(ask, prompts))
+        assert texts == [gen.text for gen in plain]
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        preempted = [float(line.split()[-1]) for line in metrics.splitlines()
+                     if line.startswith("speculate_preemptions_total ")]
+        assert preempted and preempted[0] >= 1, metrics
+        assert "speculate_kv_reserved_bytes 0.0" in metrics
+    finally:
+        server.stop()
+
+
 def test_idle_decoders_are_trimmed_to_the_room_left(tiny):
     """Decoders.trim (the scheduler's make_room): idle decoders go, the least recently returned first, until their
     caches hold at most the bytes asked."""

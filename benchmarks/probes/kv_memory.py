@@ -7,10 +7,13 @@ Each budget runs in a process of its own (its peak RSS is that server's): the ap
 (max_batch = requests, so only the budget limits the batch), one warm-up request, then the requests at once, each a
 distinct token-id prompt (a header naming the request, then shipped paragraphs) so that no prefix is shared. Printed:
 the budget, seconds, answers (all must be 200), new tokens, the most KV reserved at once (/metrics, polled), the most
-requests running at once, and the peak RSS above the RSS before the requests (VmHWM − VmRSS, /proc/self/status).
+requests running at once, the peak RSS above the RSS before the requests (VmHWM − VmRSS, /proc/self/status), the
+requests preempted for memory, and a digest of the answers (greedy: two servers that agree give the same digest). Run
+it with ``PYTHONPATH=<another tree>/src`` to measure another version of the server on the same workload.
 """
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -68,7 +71,10 @@ def one(budget: float, requests: int, prompt_tokens: int, tokens: int) -> dict:
         seconds = time.perf_counter() - t0
         watcher.join()
         ok = [a for a in answers if a.status_code == 200]
-        return {"kv_memory_gib": budget, "budget_bytes": scheduler.kv_budget, "seconds": round(seconds, 1),
+        texts = json.dumps([a.json()["choices"][0]["text"] if a.status_code == 200 else None for a in answers])
+        return {"answers_sha256": hashlib.sha256(texts.encode()).hexdigest()[:16],
+                "preempted": getattr(scheduler, "preempted", None),  # (None: a server without preemption)
+                "kv_memory_gib": budget, "budget_bytes": scheduler.kv_budget, "seconds": round(seconds, 1),
                 "answered": f"{len(ok)}/{requests}", "new_tokens": sum(a.json()["usage"]["completion_tokens"] for a in ok),
                 "most_kv_reserved_gib": round(most["reserved"] / 2**30, 3), "most_running": most["running"],
                 "rss_before_gib": round(before / 2**30, 3),

@@ -273,8 +273,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(GiB; the least recently used go first; default 1)")
     s.add_argument("--kv-memory", type=float, default=None, metavar="GIB",
                    help="KV cache the running requests may fill together (GiB; a request joins the batch when its "
-                        "prompt and max tokens fit, one that never can is refused; default: half the memory "
-                        "available at start; 0: no limit)")
+                        "prompt and a first stretch of output fit, and grows a stretch at a time; where memory runs "
+                        "out the youngest is preempted and resumes later; one whose prompt and max tokens never fit "
+                        "is refused; default: half the memory available at start; 0: no limit)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server's log messages shown, from this level up")
     r = s.add_argument_group("Ray Serve (pip install -e '.[ray]'; docs/server.md, \"Beyond one machine\")")

@@ -193,11 +193,12 @@ class SpeculativeDecoder:
         return stream
 
     def start(self, prompt, sampling: SamplingParams | None = None, *, chat: bool | None = None,
-              prefill_chunk: int | None = None, **params) -> Run:
+              prefill_chunk: int | None = None, reserve: int | None = None, **params) -> Run:
         """A generation as a :class:`Run`, for :func:`step` to move round by round together with others (batched
         serving, speculate/policy/batch.py). ``prefill_chunk``: prompt tokens per round until the prompt is in the
-        cache (None: all in the first round)."""
-        return Run(self, self._request(prompt, sampling, chat, params), prefill_chunk=prefill_chunk)
+        cache (None: all in the first round). ``reserve``: cache positions to allocate at once (None: all it may
+        need; the server's admission by memory gives a first stretch, and the cache grows as it fills)."""
+        return Run(self, self._request(prompt, sampling, chat, params), prefill_chunk=prefill_chunk, reserve=reserve)
 
     def _request(self, prompt, sampling: SamplingParams | None, chat: bool | None, params: dict) -> Request:
         """One generation's settings, checked once: the prompt's ids (``text.check_prompt``: not empty, within the
@@ -231,12 +232,12 @@ class Run:
     decoder's drafter, cache and k policy, which it holds until it is done. :func:`step` moves a list of runs by
     one round each; ``done`` then ``generation`` (or ``error``) say how it ended."""
 
-    def __init__(self, decoder: SpeculativeDecoder, request: Request, prefill_chunk: int | None = None):
+    def __init__(self, decoder: SpeculativeDecoder, request: Request, prefill_chunk: int | None = None,
+                 reserve: int | None = None):
         prompt_ids, sampling = request.prompt_ids, request.sampling
-        self.kv, self.drafter, self.policy = decoder.kv, decoder.drafter, decoder.k_policy
         self.sampling, self.verifier, self.generator = sampling, request.verifier, sampling.generator()
         self.eos, self.max_new_tokens = decoder.eos, sampling.max_new_tokens
-        self.stats = Stats(exactness=exactness.mode(self.kv), prompt_tokens=len(prompt_ids))
+        self.stats = Stats(exactness=exactness.mode(decoder.kv), prompt_tokens=len(prompt_ids))
         self.detok = Detokenizer(decoder.target.tokenizer, list(sampling.stop))
         self.finish = "length"  # "stop" (EOS or a stop string) or "length" (max_new_tokens)
         self.started = time.perf_counter()
@@ -244,28 +245,64 @@ class Run:
         self.prompt_tokens = len(prompt_ids)
         self.verifier_state, self.produced, self.draft, self.rows_last = None, 0, None, 0
         self.done, self.generation, self.error = False, None, None
+        self.resumed = 0  # times it was preempted and resumed (server/scheduler.py: admission by memory)
         # Log-probabilities, where asked: of the new tokens (from the verification rows), of the prompt's (from the
         # prefill's rows: so every prompt row is computed, none taken from a cache).
         self.logprobs = [] if sampling.logprobs is not None else None
         self.prompt_logprobs = [None] if sampling.prompt_logprobs is not None else None
         # Structured output: every new token follows the grammar (speculate/grammar.py: masked rows, cut drafts).
         self.constraint = Constraint(decoder.target.tokenizer, sampling.grammar) if sampling.grammar else None
+        self._bind(decoder, prefill_chunk, reserve)
+        self.stats.reused_prompt_tokens = self.filled
+        self._prefilled()
+
+    def _bind(self, decoder: SpeculativeDecoder, prefill_chunk: int | None, reserve: int | None) -> None:
+        """Take ``decoder``'s cache, drafter and k policy, and make every token so far (the prompt; after a
+        preemption, the prompt and the answer so far) the prompt to prefill, but what the cache already holds:
+        the prefix its last generation shares with them (prefix_cache), then the blocks any generation stored
+        (models/prefix_store.py). ``reserve``: cache positions to allocate now (None: all the run may need; the
+        cache grows past them as it fills)."""
+        self.kv, self.drafter, self.policy = decoder.kv, decoder.drafter, decoder.k_policy
         self.prefill_chunk = prefill_chunk or len(self.tokens)
-        self.prompt_end = len(self.tokens) - 1  # the prefill covers all but the last prompt token
-        capacity = len(self.tokens) + self.max_new_tokens + self.drafter.max_nodes(self.policy.k_max) + 1
-        # The prefix the cache kept from the decoder's last generation is not computed again (prefix_cache).
-        reuse = self.prompt_logprobs is None
+        self.prompt_end = len(self.tokens) - 1  # the prefill covers all but the last token: the first round feeds it
+        capacity = self.positions_needed
+        capacity = capacity if reserve is None else min(capacity, reserve)
+        reuse = self.prompt_logprobs is None or self.resumed > 0  # (the prompt's rows are scored once, computed)
         kept = decoder.prefix_reuse.start(self.kv, self.tokens, capacity, decoder.prefix_cache and reuse)
         decoder.prefix_reuse.follow(self.tokens)
-        # ...nor are the blocks of it that any generation on this target stored (models/prefix_store.py).
         self.store = decoder.prefix_store
         if self.store is not None and reuse:
             kept = self.store.fill(self.kv, self.tokens[: self.prompt_end], kept)
-        self.stats.reused_prompt_tokens = self.filled = kept
+        self.filled = kept
         self.kv.taps = self.drafter.feature_layers  # the layer outputs a fused EAGLE head reads beside the hidden rows
         self.policy.reset()
-        self.drafter.begin(self.tokens, sampling, self.generator)
+        self.drafter.begin(self.tokens, self.sampling, self.generator)
+
+    def resume(self, decoder: SpeculativeDecoder, prefill_chunk: int | None = None, reserve: int | None = None):
+        """Go on with ``decoder`` after a preemption took this run's cache away: its tokens so far are prefilled
+        again (or found in the decoder's cache or the prefix store), then it decodes from where it stopped. Its
+        tokens, verifier state, random generator, text and statistics carry on; at int8 and q4 a row's bits do not
+        depend on how its keys were computed (a prefill chunk or one token a round), so a greedy answer is the one
+        the run gives uninterrupted."""
+        self.resumed += 1
+        self._bind(decoder, prefill_chunk, reserve)
         self._prefilled()
+
+    @property
+    def positions_needed(self) -> int:
+        """Cache positions this run may fill by its end: its tokens, the rest of its budget, one draft's nodes."""
+        return len(self.tokens) + self.max_new_tokens - self.produced + self.drafter.max_nodes(self.policy.k_max) + 1
+
+    @property
+    def preemptible(self) -> bool:
+        """Whether the run may give its cache up between rounds and :meth:`resume` later: not while the prefill
+        scores its prompt (those scores are made once)."""
+        return not self.done and not (self.prompt_logprobs is not None and self.prefilling)
+
+    @property
+    def positions_next(self) -> int:
+        """Cache positions this run may fill by the end of its next round (its tokens and one draft's nodes)."""
+        return len(self.tokens) + self.drafter.max_nodes(self.policy.k_max) + 1
 
     @property
     def prefilling(self) -> bool:
@@ -293,7 +330,7 @@ class Run:
         if self.prefilling:
             self.draft = None
             rows = Rows(self.kv, torch.tensor(self.tokens[self.filled: self.filled + self.prefill_rows]),
-                        want=0 if self.prompt_logprobs is None else None)
+                        want=None if self._scoring_prompt else 0)
         else:
             self.draft = draft.within(self.budget)
             if self.constraint is not None and self.sampling.greedy and draft.parents is None:
@@ -308,7 +345,7 @@ class Run:
         if self.draft is None:  # a prefill chunk went in
             if self.drafter.wants_hidden:
                 self.drafter.observe(self.kv.hidden)
-            if self.prompt_logprobs is not None:  # row j of the chunk scores the prompt token after it
+            if self._scoring_prompt:  # row j of the chunk scores the prompt token after it
                 following = self.tokens[self.filled + 1: self.filled + 1 + logits.shape[0]]
                 self.prompt_logprobs += _logprobs(logits, following, self.sampling.prompt_logprobs)
             self.filled = self.kv.length
@@ -365,11 +402,18 @@ class Run:
             pieces += self._end()
         return pieces
 
+    @property
+    def _scoring_prompt(self) -> bool:
+        """Whether the prefill's rows score the prompt (asked for, and not a resumed run's second prefill)."""
+        return self.prompt_logprobs is not None and not self.resumed
+
     def _prefilled(self) -> list[str]:
         if self.prefilling:
             return []
         if self.store is not None:  # the prompt's blocks, for the generations that share its prefix
             self.store.add(self.kv, self.tokens[: self.prompt_end])
+        if self.resumed:
+            return []
         self.stats.prefill_seconds = time.perf_counter() - self.started
         return self._end() if self.max_new_tokens == 0 else []
 

@@ -183,19 +183,25 @@ class FastKVModel:
     def reset(self, capacity: int = 256, keep: int = 0) -> None:
         """Start a new generation; ``keep``: the cached positions to keep (a shared prompt prefix)."""
         self.length = min(self.length, keep)
-        self._ensure(capacity)
+        self._ensure(capacity, exact=True)  # (what the generation may need: its growth, if any, doubles)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the cache buffers held (the server's --kv-memory counts idle decoders by it)."""
         return 0 if self.k_cache is None else self.k_cache.nbytes + self.v_cache.nbytes
 
-    def _ensure(self, needed: int) -> None:
-        """Grow the cache buffers (doubling) so that positions < needed fit; keeps what is cached."""
+    def ensure(self, positions: int) -> None:
+        """Allocate the cache for ``positions`` positions now, no more (rounded to the kernel's key blocks): the
+        server's admission by memory reserves a stretch at a time (server/scheduler.py)."""
+        self._ensure(positions, exact=True)
+
+    def _ensure(self, needed: int, exact: bool = False) -> None:
+        """Grow the cache buffers (doubling, unless ``exact``) so that positions < needed fit; keeps what is
+        cached."""
         have = 0 if self.k_cache is None else self.k_cache.shape[self.k_slot_dim]
         if needed <= have:
             return
-        size = -(-max(needed, 2 * have, 256) // kernel.KEYS) * kernel.KEYS  # the kernel's key blocks
+        size = -(-(needed if exact else max(needed, 2 * have, 256)) // kernel.KEYS) * kernel.KEYS  # key blocks
         width = self.head_dim + (self.attention == "integer")  # integer sums: + a scale column
         shape = (len(self.layers), self.n_kv, size, width)
         k_shape = (len(self.layers), self.n_kv, width, size) if self.k_slot_dim == 3 else shape

@@ -80,6 +80,9 @@ class HFKVModel:
         layers = self.cache.layers if self.cache is not None else ()
         return sum(t.nbytes for layer in layers for t in (layer.keys, layer.values) if t is not None)
 
+    def ensure(self, positions: int) -> None:
+        """(A DynamicCache grows by each forward's rows: nothing to allocate ahead.)"""
+
     def reset(self, capacity: int = 0, keep: int = 0) -> None:
         """Start a new generation; ``keep``: the cached positions to keep (a shared prompt prefix)."""
         from transformers import DynamicCache

@@ -54,6 +54,7 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
     scheduler.on_change = metrics.set_load
     scheduler.on_round = metrics.record_round
     scheduler.on_admit = metrics.queue_time.observe
+    scheduler.on_preempt = metrics.preemptions.inc
     scheduler.plan = BatchPlanner(target)  # --k auto: each round's draft lengths (speculate/policy/batch.py)
 
     @asynccontextmanager
@@ -217,7 +218,8 @@ class Routes:
         loop = asyncio.get_running_loop()
         jobs = [Job(partial(open_run, p, self.decoders, self.scheduler.prefill_chunk), loop, p.prompt_tokens,
                     p.spec.registry_name,
-                    self.kv_per_token * (p.prompt_tokens + p.sampling.max_new_tokens + KV_SLACK)) for p in prepared]
+                    self.kv_per_token * (p.prompt_tokens + p.sampling.max_new_tokens + KV_SLACK), self.kv_per_token)
+                for p in prepared]
         for job in jobs:
             if self.scheduler.too_large(job):
                 gib = 2**30

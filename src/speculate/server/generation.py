@@ -135,13 +135,20 @@ def _budget(target: LoadedModel, ids: list[int], budget: int | None, prompt_para
     return budget
 
 
-def open_run(prepared: Prepared, decoders: Decoders, prefill_chunk: int | None = None) -> tuple[Run, Callable[[], None]]:
+def open_run(prepared: Prepared, decoders: Decoders, prefill_chunk: int | None = None, *, resume: Run | None = None,
+             reserve: int | None = None) -> tuple[Run, Callable[[], None]]:
     """On the generation thread, when the request joins the batch: a decoder for its settings and its
-    :class:`~speculate.engine.Run`, and the function that gives the decoder back once the run has ended well.
-    Raises APIError (400) for settings the engine refuses."""
-    decoder = decoders.take(prepared.spec, prepared.ids)  # build_decoder: SpeculateError → APIError 400
+    :class:`~speculate.engine.Run`, and the function that gives the decoder back once the run has ended well (or was
+    preempted). ``resume``: the request's run, preempted, to go on with this decoder; ``reserve``: cache positions
+    to allocate now (server/scheduler.py, admission by memory). Raises APIError (400) for settings the engine
+    refuses."""
+    decoder = decoders.take(prepared.spec, prepared.ids if resume is None else resume.tokens)  # build_decoder: 400
     try:
-        run = decoder.start(prepared.ids, prepared.sampling, prefill_chunk=prefill_chunk)
+        if resume is not None:
+            resume.resume(decoder, prefill_chunk, reserve)
+            run = resume
+        else:
+            run = decoder.start(prepared.ids, prepared.sampling, prefill_chunk=prefill_chunk, reserve=reserve)
     except SpeculateError as e:
         decoders.give_back(prepared.spec, decoder)  # nothing ran: it is as it was
         raise refused(e) from None

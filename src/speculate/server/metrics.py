@@ -97,8 +97,11 @@ class Metrics:
         self.kv_budget = Gauge("speculate_kv_budget_bytes", "KV cache the running generations may fill together "
                                "(--kv-memory; 0: no limit)", registry=r)
         self.kv_reserved_bytes = Gauge("speculate_kv_reserved_bytes", "KV cache reserved by the running generations "
-                                       "(their prompts and max tokens)", registry=r)
+                                       "(their tokens and a stretch past them)", registry=r)
         self.kv_reserved = lambda: 0
+        self.preemptions = Counter("speculate_preemptions", "Generations preempted for KV memory (--kv-memory): their "
+                                   "cache given up, their tokens recomputed or found cached when they resume",
+                                   registry=r)
         self.store = None  # the server's PrefixStore, if any
         self._tokens = 0
         self._calls = 0

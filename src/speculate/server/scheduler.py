@@ -16,6 +16,14 @@ answer that request gets alone.
 
 A job talks back to its request handler through an asyncio queue fed with ``loop.call_soon_threadsafe``; the
 handler cancels it (client gone) by setting ``job.cancelled``, which the thread checks between rounds.
+
+Admission by memory (--kv-memory): a job that says what a cache position costs it (``Job.position_bytes``) joins the
+batch when its prompt and a first stretch of output (``STRETCH`` positions) fit beside what the running generations
+hold, and its cache is allocated for that much. Before each round a generation whose next round would pass its
+reservation gets another stretch; where the budget has no room for it, the youngest generation is preempted: its
+decoder goes back to the idle ones (its cache may serve its return, or be freed for the others) and its job to the
+front of the waiting line, to resume later from its tokens so far (``Run.resume``: recomputed, or found cached). A job
+without ``position_bytes`` reserves its whole ``kv_bytes`` at once and is never preempted.
 """
 
 from __future__ import annotations
@@ -31,9 +39,21 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..engine import Run, step
-from ..models.kernel import release_openmp_threads
+from ..models.kernel import KEYS, release_openmp_threads
 
 log = logging.getLogger("speculate.server")
+
+STRETCH = 256  # cache positions a generation reserves at a time past its tokens (admission by memory)
+
+
+def _blocks(positions: int) -> int:
+    """``positions`` rounded up to whole blocks of the cache (a lean cache is allocated in blocks of KEYS)."""
+    return -(-positions // KEYS) * KEYS
+
+
+def _held(run: Run) -> int:
+    """Bytes of KV cache ``run`` holds now: the target's and its drafter's (a draft model's)."""
+    return run.kv.nbytes + run.drafter.cache_bytes()
 
 
 class QueueFull(Exception):
@@ -56,12 +76,16 @@ class Job:
     back once the run has ended well; what it raises (settings the engine refuses) goes to the handler as the job's
     error."""
 
-    def __init__(self, open: Callable[[], tuple[Run, Callable[[], None]]], loop: asyncio.AbstractEventLoop,
-                 prompt_tokens: int = 0, drafter: str = "", kv_bytes: int = 0):
+    def __init__(self, open: Callable[..., tuple[Run, Callable[[], None]]], loop: asyncio.AbstractEventLoop,
+                 prompt_tokens: int = 0, drafter: str = "", kv_bytes: int = 0, position_bytes: int = 0):
         self.open = open
         self.prompt_tokens = prompt_tokens  # (admission: a long prompt may wait while shorter ones pass it)
         self.drafter = drafter  # its drafter's name, for the metrics' τ by drafter
-        self.kv_bytes = kv_bytes  # the KV cache its generation may fill: what --kv-memory admission reserves
+        self.kv_bytes = kv_bytes  # the KV cache its generation may fill: never more than the --kv-memory budget
+        # What one cache position costs it (the target's and a draft model's): reserved a stretch at a time, and
+        # open(resume=run, reserve=positions) takes a preempted run back. 0: kv_bytes at once, never preempted.
+        self.position_bytes = position_bytes
+        self.run: Run | None = None  # its run, while it waits to resume after a preemption
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -112,6 +136,8 @@ class _Running:
     job: Job
     run: Run
     release: Callable[[], None]
+    reserved: int = 0  # bytes of the --kv-memory budget it holds
+    positions: int = 0  # cache positions those bytes are (stretch admission; 0: the job's whole kv_bytes)
     first: float | None = None  # when its first text piece went out
     scored: int = 0  # its new tokens' log-probabilities sent so far (a stream that asked for them)
     prompt_scored: bool = False  # its prompt's log-probabilities sent (echo with logprobs), once its prefill is done
@@ -126,7 +152,7 @@ class Scheduler:
     def __init__(self, max_batch: int, max_queue: int, on_change: Callable[[int, int], None] | None = None,
                  plan: Callable[[list[Run]], list[int] | None] | None = None, prefill_chunk: int = 128,
                  prefill_budget: int | None = None, kv_budget: int = 0,
-                 make_room: Callable[[int], None] | None = None):
+                 make_room: Callable[[int], None] | None = None, stretch: int = STRETCH):
         prefill_budget = prefill_budget or 2 * prefill_chunk
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or prefill_budget < 1:
             raise ValueError("need max_batch >= 1, max_queue >= 0, prefill_chunk >= 1 and prefill_budget >= 1")
@@ -142,9 +168,12 @@ class Scheduler:
         # A request that needs more than the whole budget never joins (the handler refuses it: too_large).
         self.kv_budget, self.kv_reserved = kv_budget, 0
         self.make_room = make_room or (lambda most: None)
+        self.stretch = stretch
         self.on_change = on_change or (lambda running, queued: None)
         self.on_round: Callable[[int, int, float], None] = lambda generations, rows, seconds: None
         self.on_admit: Callable[[float], None] = lambda queued_seconds: None
+        self.on_preempt: Callable[[], None] = lambda: None
+        self.preempted = 0  # generations preempted so far
         self.plan = plan or (lambda runs: None)
         self._inbox: queue.Queue = queue.Queue()  # jobs, calls, None (stop)
         self._waiting: deque[Job] = deque()
@@ -284,15 +313,19 @@ class Scheduler:
                 job.stopped()
                 self._forget(job)
                 continue
-            if self.kv_budget and self._running and self.kv_reserved + job.kv_bytes > self.kv_budget:
+            positions = self._first_stretch(job)
+            need = job.position_bytes * positions if positions else job.kv_bytes
+            if self.kv_budget and self._running and self.kv_reserved + need > self.kv_budget:
                 break  # it waits for memory, and those behind it with it (first come, first served)
             del self._waiting[i]
             if self.kv_budget:
-                self.make_room(self.kv_budget - self.kv_reserved - job.kv_bytes)
-            job.started_at = time.perf_counter()
-            self.on_admit(job.started_at - job.submitted_at)
+                self.make_room(self.kv_budget - self.kv_reserved - need)
+            resumed, job.run = job.run, None
+            if resumed is None:
+                job.started_at = time.perf_counter()
+                self.on_admit(job.started_at - job.submitted_at)
             try:
-                run, release = job.open()
+                run, release = (job.open(resume=resumed, reserve=positions) if positions else job.open())
             except Exception as e:  # noqa: BLE001 — the handler's to report (server/app.py, as_api_error)
                 job.emit("error", e)
                 self._forget(job)
@@ -302,13 +335,63 @@ class Scheduler:
                 job.stopped()
                 self._forget(job)
                 continue
-            job.emit("ready")
-            self._running.append(_Running(job, run, release))
-            self.kv_reserved += job.kv_bytes
+            if resumed is None:
+                job.emit("ready")
+            if positions:  # an idle decoder's cache may be larger than the stretch: what it holds counts
+                need = max(need, _held(run))
+            self._running.append(_Running(job, run, release, need, positions))
+            self.kv_reserved += need
             long_prefills += long
             with self._lock:
                 self.running += 1
                 self._changed()
+
+    def _first_stretch(self, job: Job) -> int:
+        """The cache positions ``job`` reserves as it joins: its tokens so far (a preempted run's whole sequence) and
+        a stretch past them, at most all it may need; 0 where it reserves its whole kv_bytes instead."""
+        if not (self.kv_budget and job.position_bytes):
+            return 0
+        most = job.kv_bytes // job.position_bytes if job.run is None else job.run.positions_needed
+        have = job.prompt_tokens if job.run is None else len(job.run.tokens)
+        return _blocks(min(most, have + self.stretch))
+
+    def _grow(self) -> None:
+        """Before a round: each generation whose round could pass its reserved positions gets another stretch,
+        the oldest first; where the budget has no room, the youngest generations that may be are preempted until it
+        has (the growing one itself, if it is the youngest)."""
+        for r in list(self._running):
+            if r not in self._running or not r.positions or r.run.positions_next <= r.positions:
+                continue
+            grant = _blocks(min(r.run.positions_needed, max(r.run.positions_next, r.positions + self.stretch)))
+            extra = (grant - r.positions) * r.job.position_bytes
+            while self.kv_reserved + extra > self.kv_budget:
+                # The youngest that may be preempted (a list in the order they joined), r included.
+                victim = [v for v in self._running if v.run.preemptible or v is r][-1]
+                if len(self._running) == 1:  # alone: its whole need fits the budget (too_large); idle caches go
+                    break
+                self._preempt(victim)
+                if victim is r:
+                    break
+            if r not in self._running:
+                continue
+            r.run.kv.ensure(grant)  # (allocated as reserved: a cache grown by doubling would pass the budget)
+            held = max(r.reserved + extra, _held(r.run))  # (a draft model's cache grows on its own)
+            r.positions, self.kv_reserved, r.reserved = grant, self.kv_reserved + held - r.reserved, held
+            self.make_room(self.kv_budget - self.kv_reserved)
+
+    def _preempt(self, r: _Running) -> None:
+        """Take ``r`` out of the batch between rounds: its decoder back to the idle ones, its job to the front of the
+        waiting line with its run, to :meth:`~speculate.engine.Run.resume` when memory allows."""
+        self._running.remove(r)
+        self.kv_reserved -= r.reserved
+        r.release()
+        r.job.run = r.run
+        self._waiting.appendleft(r.job)
+        self.preempted += 1
+        self.on_preempt()
+        with self._lock:
+            self.running -= 1
+            self._changed()
 
     def _long(self, job: Job) -> bool:
         """Whether ``job``'s prompt takes more than one round's prefill budget."""
@@ -318,6 +401,8 @@ class Scheduler:
         """One speculative round of every running request (engine.step), then each one's text to its handler.
         Prefilling requests share ``prefill_budget`` prompt tokens, the shortest remaining prompt first; one left
         without a share this round sits it out."""
+        if self.kv_budget:
+            self._grow()
         running, left = [r for r in self._running if not r.run.prefilling], self.prefill_budget
         for r in sorted((r for r in self._running if r.run.prefilling), key=lambda r: r.run.prompt_end - r.run.filled):
             if left <= 0:
@@ -353,7 +438,7 @@ class Scheduler:
         """Take ``r`` out of the batch; give its decoder back (``release``) or report ``error`` (the decoder of a
         failed run is dropped: its state is undefined)."""
         self._running.remove(r)
-        self.kv_reserved -= r.job.kv_bytes
+        self.kv_reserved -= r.reserved
         if release:
             r.release()
         if error is not None:  # (the handler tells the client: server/app.py, as_api_error)
