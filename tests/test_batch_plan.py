@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from speculate.engine import step
 from speculate.policy.batch import interpolate, plan
 from speculate.policy.speedup import expected_tokens
 
@@ -65,3 +66,62 @@ def test_fixed_lengths_are_kept_and_their_rows_counted():
     assert plan([None, 0.8], [127, None], [0, 8], [chain, chain], [0.0, 0.0], curve)[0] == 127
     # A draft that costs time of its own (a draft model: c per token) is drafted less.
     assert sum(choose([0.8] * 4, curve, costs=[0.3] * 4)) < sum(choose([0.8] * 4, curve))
+
+
+def test_the_servers_default_k_is_a_cap_the_planner_lowers_where_drafting_does_not_pay(tiny):
+    """A fixed k the request did not name (``Run.k_is_cap``, the server's --k) is planned like auto up to that k: no
+    draft where every row costs a full step, the whole k where rows are free; a k the request named is kept, and so
+    is a draft model's (its cost needs its own profile)."""
+    from speculate import SamplingParams, SpeculativeDecoder
+    from speculate.policy.batch import BatchPlanner
+    from speculate.spec import SpeculativeSpec
+
+    def runs(caps, drafter="lookup", draft_model=None):
+        out = []
+        for cap in caps:
+            spec = SpeculativeSpec(drafter, verifier="greedy", k=5)
+            run = SpeculativeDecoder(tiny[0], spec, draft_model=draft_model).start([3, 4, 5, 6, 3, 4, 5],
+                                                                                  max_new_tokens=20)
+            step([run])  # (the prompt goes in: the planner plans decoding rows)
+            run.k_is_cap = cap
+            out.append(run)
+        return out
+
+    planner = BatchPlanner(tiny[0])
+    planner._curve = {1: 1.0, 2: 2.0, 256: 256.0}  # every row a full step: drafting never pays
+    assert planner(runs([True, True, True])) == [0, 0, 0]
+    # The request that named k=5 keeps it; its 6 rows at α 0.6 make a draft of the others pay a little.
+    lookup_c = runs([True])[0].drafter.relative_cost()
+    assert planner(runs([True, False, True])) == plan([0.6] * 3, [None, 5, None], [5, 0, 5], [chain] * 3,
+                                                      [lookup_c, 0.0, lookup_c], planner._curve) == [1, 5, 1]
+    assert planner(runs([False, False])) is None  # nothing to plan: each keeps its own k
+    assert planner(runs([True, True], "model", tiny[1])) is None  # a draft model's k is kept
+    planner._curve = {1: 1.0, 2: 1.0, 256: 1.0}  # rows for free: the whole cap, never past it
+    assert planner(runs([True, True, False])) == [5, 5, 5]
+    planner._curve = {1: 1.0, 2: 2.0, 256: 256.0}
+    seeded = runs([True, True])
+    seeded[0].sampling = SamplingParams(temperature=0.8, seed=3, max_new_tokens=20)  # its draws follow its drafts
+    ks = planner(seeded)
+    assert ks[0] == 5 and ks[1] < 5  # (the other is planned: a draft of 1 pays beside 6 kept rows, as above)
+
+
+def test_a_request_that_names_its_k_keeps_it_and_the_servers_default_is_a_cap(tiny_folders, tiny):
+    from speculate.server import ServerConfig
+    from speculate.server.decoders import Decoders
+    from speculate.server.generation import build_decoder, open_run, prepare
+    from speculate.server.schemas import CompletionRequest
+    from speculate.spec import SpeculativeSpec
+
+    config = ServerConfig(model=str(tiny_folders[0]), spec=SpeculativeSpec("lookup", k=4))
+
+    def prepared(speculative=None):
+        body = {"model": config.model, "prompt": [3, 4, 5], "max_tokens": 4}
+        if speculative is not None:
+            body["speculative"] = speculative
+        return prepare(config, tiny[0], CompletionRequest.model_validate(body))[0]
+
+    assert not prepared().k_named and not prepared({"drafter": "lookup"}).k_named
+    assert prepared({"k": 4}).k_named and prepared({"k": 2}).spec.k == 2
+    decoders = Decoders(lambda spec: build_decoder(tiny[0], None, spec), keep=2)
+    assert open_run(prepared(), decoders)[0].k_is_cap
+    assert not open_run(prepared({"k": 4}), decoders)[0].k_is_cap

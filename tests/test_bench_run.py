@@ -648,3 +648,12 @@ def test_serve_loads_quarters_are_each_requests_tokens_over_its_own_time():
                answer(40, 10, 2.0), answer(64, 16, 2.0), answer(64, 32, 2.0), answer(32, 8, 0.5)]
     assert _quarters(answers) == {"first_quarter": {"tokens_per_second": 15.0, "tokens_per_call": 1.5},
                                   "last_quarter": {"tokens_per_second": 38.4, "tokens_per_call": 2.4}}
+
+
+def test_serve_loads_methods_name_their_k_or_leave_it_to_the_server():
+    from speculate.bench.serve_load import _speculative
+
+    assert _speculative("none", 6) == {"drafter": "none"}
+    assert _speculative("lookup", "auto") == {"drafter": "lookup", "k": "auto"}
+    assert _speculative("lookup@6", "auto") == {"drafter": "lookup", "k": 6}
+    assert _speculative("lookup@server", 6) == {"drafter": "lookup"}  # the server's default k: a cap

@@ -246,6 +246,9 @@ class Run:
         self.verifier_state, self.produced, self.draft, self.rows_last = None, 0, None, 0
         self.done, self.generation, self.error = False, None, None
         self.resumed = 0  # times it was preempted and resumed (server/scheduler.py: admission by memory)
+        # A fixed k that the batch planner may lower, in a batch where drafting does not pay (the server's default
+        # k; speculate/policy/batch.py). False: the k is kept as given.
+        self.k_is_cap = False
         # Log-probabilities, where asked: of the new tokens (from the verification rows), of the prompt's (from the
         # prefill's rows: so every prompt row is computed, none taken from a cache).
         self.logprobs = [] if sampling.logprobs is not None else None

@@ -3,7 +3,8 @@ and speculative, batched against one generation at a time, against a real `specu
 (in this process).
 
     python -m speculate.bench.serve_load [--model M] [--draft-model D] [--dtype int8] [--clients 1 4 8 16]
-                                         [--requests 16] [--max-tokens 64] [--drafters none lookup retrieval]
+                                         [--requests 16] [--max-tokens 64]
+                                         [--drafters none lookup retrieval lookup@6 lookup@server]
                                          [--k auto] [--prompts copy|paraphrase|mt_bench|json|code-edit]
                                          [--modes one batched]
                                          [--no-prefix-cache] [--out FILE.json]
@@ -81,9 +82,15 @@ def _quarters(answers: list) -> dict:
     return out
 
 
-def _speculative(drafter: str, k) -> dict:
-    """A request's speculative settings: the drafter, and k for the speculative ones."""
-    return {"drafter": drafter} if drafter == "none" else {"drafter": drafter, "k": k}
+def _speculative(method: str, k) -> dict:
+    """A request's speculative settings: the drafter, and k for the speculative ones. ``method``: a drafter's name,
+    or ``NAME@K`` with its own k (a number, ``auto``, or ``server``: the request names none, so the server's default
+    applies, a cap the batch planner may lower)."""
+    drafter, _, own = method.partition("@")
+    k = own or k
+    if drafter == "none" or k == "server":
+        return {"drafter": drafter}
+    return {"drafter": drafter, "k": parse_k(k)}
 
 
 def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters: list[str] = ("none", "lookup"),
@@ -184,9 +191,11 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=16, help="requests per (clients, drafter, mode) cell, at least "
                                                             "one per client")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--drafters", nargs="+", default=["none", "lookup", "retrieval"], choices=list(ALL_DRAFTERS),
-                   help="drafters to compare (requests name them; default none lookup retrieval)")
-    p.add_argument("--k", default="auto", help="the speculative requests' k (default auto: k by batch size)")
+    p.add_argument("--drafters", nargs="+", default=["none", "lookup", "retrieval"], type=_method,
+                   help="drafters to compare (requests name them; default none lookup retrieval); NAME@K gives one its "
+                        "own k, and NAME@server names no k (the server's --k 6 applies: a cap the planner may lower)")
+    p.add_argument("--k", default="auto", help="the speculative requests' k (default auto: k by batch size; server: "
+                                               "none named)")
     p.add_argument("--prompts", default="copy", choices=PROMPTS)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                    help="one (max_batch 1) and/or batched (max_batch = the clients); default both, interleaved")
@@ -196,9 +205,22 @@ def main(argv=None) -> int:
                                                              "text chunks")
     p.add_argument("--out")
     a = p.parse_args(argv)
-    k = parse_k(a.k)
+    k = a.k if a.k == "server" else parse_k(a.k)
     return emit(run(a.model, a.clients, a.requests, a.max_tokens, a.drafters, a.dtype, not a.no_prefix_cache, k,
                     a.prompts, a.draft_model, tuple(a.modes), a.stream), a.out)
+
+
+def _method(value: str) -> str:
+    """--drafters' type: a drafter's name, optionally @K (a number, auto or server)."""
+    drafter, at, k = value.partition("@")
+    if drafter not in ALL_DRAFTERS:
+        raise argparse.ArgumentTypeError(f"unknown drafter {drafter!r}; choose one of: {', '.join(ALL_DRAFTERS)}")
+    if at and k != "server":
+        try:
+            parse_k(k)
+        except Exception as e:  # noqa: BLE001 — parse_k's own message
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 if __name__ == "__main__":

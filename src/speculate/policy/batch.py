@@ -11,7 +11,10 @@ the batch's tokens per unit of time,
 
 greedily: from kᵢ = 0 for every generation whose k is ``auto``, add the one draft token (to the generation whose
 next token adds the most, αᵢ^(kᵢ+1) against its rows) that raises the ratio most, until none does. At a large
-batch that can be k = 0 for all: plain decoding, batched. Generations with a fixed k keep it.
+batch that can be k = 0 for all: plain decoding, batched. A fixed k is a cap planned the same way where it is the
+server's default (``Run.k_is_cap``: the request did not name it) and the drafter's cost is known without a draft
+model (prompt lookup, retrieval, heads); speculation then never costs a batch what plain decoding would not. A k the
+request named, a draft model's, or a seeded sampling request's (its draws follow its drafts) is kept.
 
 T(n) is measured once per model, precision and thread count (auto.py, ``profile_for(batch=True)``: n = 1, 2, 4,
 ..., 256, interpolated between), αᵢ is each generation's running estimate (``AutoK.alpha``).
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 
-from .auto import AutoK, profile_for
+from .auto import AutoK, FixedK, profile_for
 from .speedup import expected_tokens
 
 
@@ -72,8 +75,8 @@ def plan(alphas: list[float | None], fixed: list[int | None], k_max: list[int], 
 
 class BatchPlanner:
     """``planner(runs) -> ks | None``: the scheduler's (server/scheduler.py) per-round choice. None (each run's own
-    policy) for a batch of one, or where no run's k is ``auto``; the batch cost curve is measured at the first
-    batch that needs it."""
+    policy) for a batch of one, or where no run's k may be planned (``auto``, or a cap: module docstring); the batch
+    cost curve is measured at the first batch that needs it (the server measures it at start)."""
 
     def __init__(self, target):
         self.target = target
@@ -85,17 +88,17 @@ class BatchPlanner:
         return self._curve
 
     def __call__(self, runs) -> list[int] | None:
-        auto = [isinstance(run.policy, AutoK) and not run.prefilling for run in runs]
+        auto = [not run.prefilling and (isinstance(run.policy, AutoK) or _capped(run)) for run in runs]
         if len(runs) < 2 or not any(auto):
             return None
         # Fixed-k runs count with their own α so far (the prior's 0.6 before any); a prefill chunk yields no token,
         # its rows are a fixed "draft" of rows - 1.
-        alphas = [None if run.prefilling else run.policy.alpha if a else _alpha(run) for run, a in zip(runs, auto)]
+        alphas = [None if run.prefilling else _alpha(run) for run in runs]
         fixed = [None if a else run.prefill_rows - 1 if run.prefilling else run.draft_length()
                  for run, a in zip(runs, auto)]
         k_max = [max(run.draft_length(run.policy.k_max), 0) if a else 0 for run, a in zip(runs, auto)]
-        rows = [run.policy.rows if a else _chain for run, a in zip(runs, auto)]
-        costs = [run.policy.c if a else 0.0 for run, a in zip(runs, auto)]
+        rows = [_rows(run) if a else _chain for run, a in zip(runs, auto)]
+        costs = [_cost(run) if a else 0.0 for run, a in zip(runs, auto)]
         ks = plan(alphas, fixed, k_max, rows, costs, self.curve())
         return [None if run.prefilling else k for run, k in zip(runs, ks)]
 
@@ -104,6 +107,29 @@ def _chain(k: int) -> int:
     return k + 1
 
 
+def _capped(run) -> bool:
+    """Whether ``run``'s fixed k is a cap the planner may lower (module docstring). Not for a seeded sampling run: its
+    draws follow its drafts, and a seeded request must give the same sample in any batch as alone."""
+    return (isinstance(run.policy, FixedK) and run.k_is_cap and run.policy.k_max > 0
+            and run.drafter.relative_cost() is not None
+            and (run.sampling.greedy or run.sampling.seed is None))
+
+
 def _alpha(run) -> float:
+    """An auto run's running α (its policy's), a fixed-k run's from its statistics (the prior's 0.6 before any)."""
+    if isinstance(run.policy, AutoK):
+        return run.policy.alpha
     estimate = run.stats.alpha_estimate
     return 0.6 if estimate is None else estimate
+
+
+def _rows(run):
+    """k → the rows a draft of depth k verifies (a tree drafter's nodes at depth k, + 1)."""
+    if isinstance(run.policy, AutoK):
+        return run.policy.rows
+    return (lambda k: run.drafter.priced_nodes(k) + 1) if run.drafter.tree else _chain
+
+
+def _cost(run) -> float:
+    """c: a draft token's cost relative to a target forward."""
+    return run.policy.c if isinstance(run.policy, AutoK) else run.drafter.relative_cost()

@@ -42,6 +42,9 @@ class Prepared:
     sampling: SamplingParams  # how it samples and stops, max_new_tokens and log-probabilities included
     spec: SpeculativeSpec  # the speculative settings in force, the verifier named
     echo: str | None = None  # a completion's ``echo``: the prompt's text, put before the answer's
+    # Whether the request named its k. A fixed k it did not name (the server's --k) is a cap that the batch planner
+    # may lower where drafting does not pay (speculate/policy/batch.py); one it named, it keeps.
+    k_named: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -88,9 +91,10 @@ def prepare(config: ServerConfig, target: LoadedModel, req: CompletionRequest | 
         logprobs, prompt_logprobs = req.logprobs, req.logprobs if req.echo else None
         echoes = [(p if isinstance(p, str) else target.tokenizer.decode(ids)) if req.echo else None
                   for p, ids in zip(req.prompts(), prompts)]
+    k_named = req.speculative is not None and req.speculative.k is not None
     try:
         return [Prepared(ids, SamplingParams(req.temperature, req.top_p, max(req.top_k or 0, 0), seed, max_tokens, stops,
-                                             logprobs, prompt_logprobs, grammar), spec, echo)
+                                             logprobs, prompt_logprobs, grammar), spec, echo, k_named)
                 for ids, max_tokens, echo in zip(prompts, checked, echoes) for seed in seeds]
     except SpeculateError as e:  # (the schema's own checks are stricter: not expected)
         raise APIError(400, str(e), None, "invalid_value") from None
@@ -149,6 +153,7 @@ def open_run(prepared: Prepared, decoders: Decoders, prefill_chunk: int | None =
             run = resume
         else:
             run = decoder.start(prepared.ids, prepared.sampling, prefill_chunk=prefill_chunk, reserve=reserve)
+            run.k_is_cap = not prepared.k_named
     except SpeculateError as e:
         decoders.give_back(prepared.spec, decoder)  # nothing ran: it is as it was
         raise refused(e) from None

@@ -28,7 +28,9 @@ def load_models(config: ServerConfig):
         build_decoder(target, draft, request_spec(config, None))
     except APIError as e:
         raise SpeculateError(e.message) from None
-    if config.spec.k == "auto" and config.max_batch > 1:  # k by batch size's cost curve: now, not in the first batch
+    # k by batch size's cost curve (--k auto, or the default k as a cap that drafts only where it pays): now, not in
+    # the first batch.
+    if config.max_batch > 1 and (config.spec.k == "auto" or config.spec.drafter != "none"):
         from ..policy.auto import profile_for
 
         profile_for(target, batch=True)
