@@ -695,8 +695,9 @@ def test_preempted_and_resumed_answers_equal_each_request_alone(models, dtype):
             def open(resume=None, reserve=None):  # a fresh decoder each time: a resumed run recomputes its tokens
                 decoder = maker(target, drafter, draft, k=3)()
                 made.append(i)
-                if resume is None:
-                    return decoder.start(prompt, SamplingParams(max_new_tokens=n), reserve=reserve), lambda: None
+                if resume is None:  # (the scheduler sends log-probabilities as a stream asks for them)
+                    sampling = SamplingParams(max_new_tokens=n, logprobs=1)
+                    return decoder.start(prompt, sampling, reserve=reserve), lambda: None
                 resumed_at.append(resume.produced)
                 resume.resume(decoder, None, reserve)
                 return resume, lambda: None
@@ -734,4 +735,8 @@ def test_preempted_and_resumed_answers_equal_each_request_alone(models, dtype):
     assert [len(ids) for ids in alone] == [n for *_, n in reqs]  # (long enough answers to grow past a stretch)
     assert max(n for n, _ in reserved) == len(reqs)  # all four ran at once on their first stretches...
     assert max(r for _, r in reserved) <= budget and sched.kv_reserved == 0  # ...never past the budget
-    assert [kind for i, kind, _ in events if i == made[-1]].count("ready") == 1  # (a resumed job is not new)
+    for i in range(len(reqs)):  # a resumed job is announced once; its text and log-probabilities go out once
+        assert [kind for j, kind, _ in events if j == i].count("ready") == 1
+        assert "".join(value for j, kind, value in events if j == i and kind == "piece") == done[i].text
+        scored = [lp for j, kind, value in events if j == i and kind == "logprobs" for lp in value]
+        assert [lp.token for lp in scored] == done[i].token_ids

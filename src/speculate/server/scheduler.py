@@ -85,7 +85,8 @@ class Job:
         # What one cache position costs it (the target's and a draft model's): reserved a stretch at a time, and
         # open(resume=run, reserve=positions) takes a preempted run back. 0: kv_bytes at once, never preempted.
         self.position_bytes = position_bytes
-        self.run: Run | None = None  # its run, while it waits to resume after a preemption
+        self.run: Run | None = None  # its run, while it waits to resume after a preemption...
+        self.sent: tuple = ()  # ...and what had gone to its handler (_Running's first, scored, prompt_scored)
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -339,7 +340,8 @@ class Scheduler:
                 job.emit("ready")
             if positions:  # an idle decoder's cache may be larger than the stretch: what it holds counts
                 need = max(need, _held(run))
-            self._running.append(_Running(job, run, release, need, positions))
+            sent, job.sent = job.sent, ()  # (a resumed job's text and log-probabilities went out once already)
+            self._running.append(_Running(job, run, release, need, positions, *sent))
             self.kv_reserved += need
             long_prefills += long
             with self._lock:
@@ -385,7 +387,7 @@ class Scheduler:
         self._running.remove(r)
         self.kv_reserved -= r.reserved
         r.release()
-        r.job.run = r.run
+        r.job.run, r.job.sent = r.run, (r.first, r.scored, r.prompt_scored)
         self._waiting.appendleft(r.job)
         self.preempted += 1
         self.on_preempt()
