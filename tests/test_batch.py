@@ -661,35 +661,30 @@ def test_batched_equals_alone_under_other_code_paths(env, tmp_path):
 
 
 # ------------------------------------------------------------------------------- preempted and resumed
-@pytest.mark.parametrize("dtype", ["int8", "q4"])
-def test_preempted_and_resumed_answers_equal_each_request_alone(models, dtype):
-    """Admission by memory (server/scheduler.py) with a budget too small for every generation's whole cache: each
-    request reserves a stretch of 256 positions at a time (a draft model's cache takes as much at first), the youngest is preempted where the next stretch does not
-    fit, and resumes later on another decoder (its tokens prefilled again). Every answer is token for token the
-    request alone, the reservations never pass the budget, and preemptions happened, mid-answer."""
+def assert_preempted_runs_equal_alone(target, reqs, stretch=256):
+    """Admission by memory (server/scheduler.py) with a budget too small for every generation's whole cache: each of
+    ``reqs`` ((drafter, draft model, prompt, new tokens)) reserves a ``stretch`` of positions at a time (a draft
+    model's cache takes 256 at first), the youngest is preempted where the next stretch does not fit, and resumes
+    later on another decoder (its tokens prefilled again). Every answer is token for token the request alone, the
+    reservations never pass the budget, preemptions happened mid-answer, and each request's text and
+    log-probabilities went to its handler once."""
     import threading
     import time
 
     from speculate.models.kv import position_bytes
     from speculate.server.scheduler import Job, Scheduler
 
-    target = models[dtype]
-    if isinstance(target, Exception):
-        pytest.skip(f"q4 does not load here: {target}")
-    near = models["near"]
-    reqs = [  # (drafter, draft model, prompt, new tokens): drafts a chain, a tree, copies, nothing
-        ("lookup", None, random_prompt(11, 9) * 3, 450),
-        ("none", None, random_prompt(12, 20), 420),
-        ("model-tree", near, random_prompt(13, 7), 400),
-        ("model", near, random_prompt(14, 30), 380),
-    ]
-    alone = [maker(target, d, m, k=3)().generate(p, SamplingParams(max_new_tokens=n)).token_ids
+    def ids(prompt):  # (text prompts as raw text, not a chat)
+        return prompt if isinstance(prompt, list) else target.tokenizer.encode(prompt, add_special_tokens=False)
+
+    alone = [maker(target, d, m, k=3)().generate(ids(p), SamplingParams(max_new_tokens=n)).token_ids
              for d, m, p, n in reqs]
     events, lock, made, resumed_at = [], threading.Lock(), [], []
 
     class Recorded(Job):
         def __init__(self, i):
             drafter, draft, prompt, n = reqs[i]
+            prompt = ids(prompt)
             pb = position_bytes(target) + (position_bytes(draft) if draft is not None else 0)
 
             def open(resume=None, reserve=None):  # a fresh decoder each time: a resumed run recomputes its tokens
@@ -711,18 +706,18 @@ def test_preempted_and_resumed_answers_equal_each_request_alone(models, dtype):
                 events.append((self.i, kind, value))
 
     jobs = [Recorded(i) for i in range(len(reqs))]
-    # Room for the four first stretches (the prompt and 256 positions, in the cache's 64-position blocks) and one
-    # more stretch of a target's cache: not for every generation's whole cache.
-    first = [-(-(len(reqs[i][2]) + 256) // 64) * 64 * job.position_bytes for i, job in enumerate(jobs)]
-    budget = sum(first) + 256 * position_bytes(target)
+    # Room for every first stretch (the prompt and a stretch, in the cache's 64-position blocks) and one more
+    # stretch of a target's cache: not for every generation's whole cache.
+    first = [-(-(job.prompt_tokens + stretch) // 64) * 64 * job.position_bytes for job in jobs]
+    budget = sum(first) + stretch * position_bytes(target)
     assert budget < sum(job.kv_bytes for job in jobs) and max(job.kv_bytes for job in jobs) <= budget
-    sched = Scheduler(max_batch=4, max_queue=8, kv_budget=budget)
+    sched = Scheduler(max_batch=len(reqs), max_queue=8, kv_budget=budget, stretch=stretch)
     reserved = []
     sched.on_round = lambda n, rows, seconds: reserved.append((n, sched.kv_reserved))
     sched.submit(*jobs)
     sched.start()
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while sum(kind == "done" for _, kind, _ in events) < len(reqs):
             assert time.monotonic() < deadline and not any(kind == "error" for _, kind, _ in events), events
             time.sleep(0.01)
@@ -733,10 +728,41 @@ def test_preempted_and_resumed_answers_equal_each_request_alone(models, dtype):
     assert sched.preempted >= 1 and len(made) == len(reqs) + sched.preempted  # (each resumption a new decoder)
     assert len(resumed_at) == sched.preempted and max(resumed_at) > 0  # (resumed mid-answer)
     assert [len(ids) for ids in alone] == [n for *_, n in reqs]  # (long enough answers to grow past a stretch)
-    assert max(n for n, _ in reserved) == len(reqs)  # all four ran at once on their first stretches...
+    assert max(n for n, _ in reserved) == len(reqs)  # all ran at once on their first stretches...
     assert max(r for _, r in reserved) <= budget and sched.kv_reserved == 0  # ...never past the budget
     for i in range(len(reqs)):  # a resumed job is announced once; its text and log-probabilities go out once
         assert [kind for j, kind, _ in events if j == i].count("ready") == 1
         assert "".join(value for j, kind, value in events if j == i and kind == "piece") == done[i].text
         scored = [lp for j, kind, value in events if j == i and kind == "logprobs" for lp in value]
         assert [lp.token for lp in scored] == done[i].token_ids
+
+
+@pytest.mark.parametrize("dtype", ["int8", "q4"])
+def test_preempted_and_resumed_answers_equal_each_request_alone(models, dtype):
+    """Preemption on tiny random models, with drafters that draft a chain, a tree, copies and nothing."""
+    target = models[dtype]
+    if isinstance(target, Exception):
+        pytest.skip(f"q4 does not load here: {target}")
+    near = models["near"]
+    assert_preempted_runs_equal_alone(target, [
+        ("lookup", None, random_prompt(11, 9) * 3, 450),
+        ("none", None, random_prompt(12, 20), 420),
+        ("model-tree", near, random_prompt(13, 7), 400),
+        ("model", near, random_prompt(14, 30), 380),
+    ])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["q4", "int8"])
+def test_default_model_preempted_and_resumed_answers_equal_alone(dtype, default_int8):
+    """Preemption on the default model at q4 (the default) and int8: raw-text continuations of 300 tokens with
+    lookup, retrieval and plain decoding, 64-position stretches, each answer the request's own alone."""
+    from speculate.bench.speed import PARAGRAPHS
+
+    target = default_int8 if dtype == "int8" else load_model(dtype="q4")
+    assert_preempted_runs_equal_alone(target, [
+        ("lookup", None, PARAGRAPHS[0], 300),
+        ("none", None, PARAGRAPHS[2], 300),
+        ("retrieval", None, PARAGRAPHS[2], 300),
+        ("none", None, PARAGRAPHS[0], 300),
+    ], stretch=64)
