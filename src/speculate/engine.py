@@ -266,6 +266,9 @@ class Run:
         (models/prefix_store.py). ``reserve``: cache positions to allocate now (None: all the run may need; the
         cache grows past them as it fills)."""
         self.kv, self.drafter, self.policy = decoder.kv, decoder.drafter, decoder.k_policy
+        # c, a draft token's cost against a target step (None: a draft model's, measured in a profile): read once,
+        # not by the batch planner every round (a head drafter sums its weights' bytes).
+        self.draft_cost = self.drafter.relative_cost()
         self.prefill_chunk = prefill_chunk or len(self.tokens)
         self.prompt_end = len(self.tokens) - 1  # the prefill covers all but the last token: the first round feeds it
         capacity = self.positions_needed
@@ -293,8 +296,8 @@ class Run:
 
     @property
     def positions_needed(self) -> int:
-        """Cache positions this run may fill by its end: its tokens, the rest of its budget, one draft's nodes."""
-        return len(self.tokens) + self.max_new_tokens - self.produced + self.drafter.max_nodes(self.policy.k_max) + 1
+        """Cache positions this run may fill by its end: :attr:`positions_next` and the rest of its budget."""
+        return self.positions_next + self.max_new_tokens - self.produced
 
     @property
     def preemptible(self) -> bool:

@@ -35,6 +35,7 @@ from datetime import date
 
 from ..policy.draft_length import parse_k
 from ..drafters import ALL_DRAFTERS
+from ..errors import SpeculateError
 from ..models import DEFAULT_MODEL, DTYPES
 from ..spec import SpeculativeSpec
 from . import emit, machine_header, script
@@ -212,14 +213,13 @@ def main(argv=None) -> int:
 
 def _method(value: str) -> str:
     """--drafters' type: a drafter's name, optionally @K (a number, auto or server)."""
-    drafter, at, k = value.partition("@")
+    drafter = value.partition("@")[0]
     if drafter not in ALL_DRAFTERS:
         raise argparse.ArgumentTypeError(f"unknown drafter {drafter!r}; choose one of: {', '.join(ALL_DRAFTERS)}")
-    if at and k != "server":
-        try:
-            parse_k(k)
-        except Exception as e:  # noqa: BLE001 — parse_k's own message
-            raise argparse.ArgumentTypeError(str(e)) from None
+    try:
+        _speculative(value, "auto")  # (its k, read as the requests will read it)
+    except SpeculateError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return value
 
 

@@ -111,7 +111,7 @@ def _capped(run) -> bool:
     """Whether ``run``'s fixed k is a cap the planner may lower (module docstring). Not for a seeded sampling run: its
     draws follow its drafts, and a seeded request must give the same sample in any batch as alone."""
     return (isinstance(run.policy, FixedK) and run.k_is_cap and run.policy.k_max > 0
-            and run.drafter.relative_cost() is not None
+            and run.draft_cost is not None
             and (run.sampling.greedy or run.sampling.seed is None))
 
 
@@ -132,4 +132,4 @@ def _rows(run):
 
 def _cost(run) -> float:
     """c: a draft token's cost relative to a target forward."""
-    return run.policy.c if isinstance(run.policy, AutoK) else run.drafter.relative_cost()
+    return run.policy.c if isinstance(run.policy, AutoK) else run.draft_cost
