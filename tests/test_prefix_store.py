@@ -1,6 +1,7 @@
 """The prompt-prefix store shared by every generation on a model (models/prefix_store.py): a prompt's cached blocks
-are copied in whoever computed them and whatever their speculative settings, and the answer is the one a fresh
-decoder gives (int8 and q4: a row's KV does not depend on the forward that computed it)."""
+are mapped in (paged caches) or copied in (contiguous ones) whoever computed them and whatever their speculative
+settings, and the answer is the one a fresh decoder gives (int8 and q4: a row's KV does not depend on the forward that
+computed it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from speculate import SpeculativeDecoder, load_model
 from speculate.spec import SpeculativeSpec
+from speculate.models.paged import BLOCK, CopiedBlock
 from speculate.models.prefix_store import PrefixStore
 
 from test_prefix_cache import Counted
@@ -30,13 +32,13 @@ def ids(seed, n):
 SETTINGS = [("none", "greedy", 1), ("lookup", "greedy", 3), ("lookup", "consultant", 4)]
 
 
-def test_a_prefix_any_request_computed_is_copied_in_and_the_tokens_are_a_fresh_decoders(target):
-    """Three decoders of different settings share one store (blocks of 4 tokens, so that a prompt ends inside a
-    block): each later prompt copies the shared prefix's full blocks and computes only the rest, and every answer
-    is token-identical to a fresh decoder's without the store."""
-    store = PrefixStore(1 << 30, block=4)
-    shared = ids(0, 41)
-    prompts = [shared + ids(i + 1, 6) for i in range(3)]
+def test_a_prefix_any_request_computed_is_taken_and_the_tokens_are_a_fresh_decoders(target):
+    """Three decoders of different settings share one store (blocks of 64 tokens; 130 shared, so that the shared
+    prefix ends inside a block): each later prompt takes the shared prefix's full blocks and computes only the rest,
+    and every answer is token-identical to a fresh decoder's without the store."""
+    store = PrefixStore(1 << 30)
+    shared = ids(0, 2 * BLOCK + 2)
+    prompts = [shared + ids(i + 1, 70) for i in range(3)]
     decoders = [SpeculativeDecoder(target, SpeculativeSpec(d, verifier=v, k=k), prefix_store=store) for d, v,
                 k in SETTINGS]
     fed = [Counted(d.kv) for d in decoders]
@@ -46,23 +48,25 @@ def test_a_prefix_any_request_computed_is_copied_in_and_the_tokens_are_a_fresh_d
         alone = SpeculativeDecoder(target, SpeculativeSpec(d, verifier=v, k=k))
         fresh = alone.generate(prompt, max_new_tokens=12)
         assert out.token_ids == fresh.token_ids
-        # The same bits, not only the same argmax: the cache (copied blocks, and every row computed over them).
+        # The same bits, not only the same argmax: the cache (taken blocks, and every row computed over them).
         n = min(decoder.kv.length, alone.kv.length)
         assert n >= len(prompt) - 1
-        assert torch.equal(*(kv.k_cache.narrow(kv.k_slot_dim, 0, n) for kv in (decoder.kv, alone.kv)))
-        assert torch.equal(*(kv.v_cache.narrow(2, 0, n) for kv in (decoder.kv, alone.kv)))
-        # The first prompt was computed whole (all but its last token); the later ones copied the 40 tokens of
-        # the shared prefix's full blocks (41 shared: the 41st is in a block that differs).
-        assert out.stats.reused_prompt_tokens == (0 if i == 0 else 40)
+        for mine, fresh in zip(decoder.kv.rows(0, n), alone.kv.rows(0, n)):
+            assert torch.equal(mine, fresh)
+        # The first prompt was computed whole (all but its last token); the later ones took the 128 tokens of
+        # the shared prefix's full blocks (130 shared: the rest is in a block that differs).
+        assert out.stats.reused_prompt_tokens == (0 if i == 0 else 2 * BLOCK)
         assert fed[i].fed[0] == len(prompt) - 1 - out.stats.reused_prompt_tokens
-    assert store.blocks == 10 + 3  # the 40 shared tokens, then each prompt's own 11th block
-    assert store.hit_rate == pytest.approx(80 / (3 * (len(prompts[0]) - 1)))
+        if i and decoder.kv.paged is not None:  # mapped, not copied: the very blocks the first request computed
+            assert all(decoder.kv.paged.table[j] is decoders[0].kv.paged.table[j] for j in range(2))
+    assert store.blocks == 2 + 3  # the shared 128 tokens, then each prompt's own third block
+    assert store.hit_rate == pytest.approx(2 * 2 * BLOCK / (3 * (len(prompts[0]) - 1)))
 
 
 def test_a_tree_drafter_and_a_sampled_run_use_the_store_too(target):
-    """Sampling with a seed draws the same tokens with a copied prefix as without (the same bits, the same draws)."""
-    store = PrefixStore(1 << 30, block=8)
-    shared = ids(3, 33)
+    """Sampling with a seed draws the same tokens with a stored prefix as without (the same bits, the same draws)."""
+    store = PrefixStore(1 << 30)
+    shared = ids(3, BLOCK + 1)
     SpeculativeDecoder(target, SpeculativeSpec("none"), prefix_store=store).generate(shared + [7], max_new_tokens=2)
     prompt = shared + ids(4, 5)
     for kwargs in ({"temperature": 0.9, "seed": 5}, {"temperature": 0}):
@@ -70,7 +74,7 @@ def test_a_tree_drafter_and_a_sampled_run_use_the_store_too(target):
                                         prefix_store=store).generate(prompt, max_new_tokens=16,
                                                                                            **kwargs)
         alone = SpeculativeDecoder(target, SpeculativeSpec("lookup", k=3)).generate(prompt, max_new_tokens=16, **kwargs)
-        assert with_store.token_ids == alone.token_ids and with_store.stats.reused_prompt_tokens == 32
+        assert with_store.token_ids == alone.token_ids and with_store.stats.reused_prompt_tokens == BLOCK
 
 
 class FakeKV:
@@ -80,10 +84,11 @@ class FakeKV:
         self.rows = torch.tensor(list(tokens), dtype=torch.float64).reshape(1, 1, -1, 1)
         self.length = len(tokens)
 
-    def read_rows(self, start, n):
-        return self.rows[:, :, start: start + n].clone(), self.rows[:, :, start: start + n].clone()
+    def export_block(self, start, n):
+        return CopiedBlock(self.rows[:, :, start: start + n].clone(), self.rows[:, :, start: start + n].clone())
 
-    def write_rows(self, start, keys, values):
+    def import_block(self, start, block):
+        values = block.values
         n = values.shape[2]
         if self.rows.shape[2] < start + n:
             self.rows = torch.cat([self.rows, torch.zeros(1, 1, start + n - self.rows.shape[2], 1)], dim=2)
@@ -112,8 +117,7 @@ def test_colliding_keys_never_give_another_prefixs_rows():
 
 
 def test_eviction_keeps_the_budget_and_shortens_a_prefix_from_its_end():
-    one = FakeKV([0, 0]).read_rows(0, 2)
-    block_bytes = one[0].nbytes + one[1].nbytes
+    block_bytes = FakeKV([0, 0]).export_block(0, 2).nbytes
     store = PrefixStore(5 * block_bytes, block=2)
     a = [1, 2, 3, 4, 5, 6, 7, 8]  # 4 blocks
     store.add(FakeKV(a), a)
@@ -154,6 +158,6 @@ def test_the_server_reports_cached_prompt_tokens_as_openai_does(tiny_folders):
         server.stop()
     assert got[0]["prompt_tokens_details"]["cached_tokens"] == 0
     cached = got[1]["prompt_tokens_details"]["cached_tokens"]
-    assert cached % 16 == 0 and got[1]["prompt_tokens"] - 64 < cached < got[1]["prompt_tokens"]
+    assert cached % BLOCK == 0 and got[1]["prompt_tokens"] - 2 * BLOCK < cached < got[1]["prompt_tokens"]
     assert f"speculate_cached_prompt_tokens_total {float(cached)}" in metrics
     assert "speculate_prefix_cache_blocks " in metrics

@@ -5,7 +5,9 @@
 
 1. Attention (kernels/attention.c, speculate_attend): both builds on one grid of calls (head layouts of the default
    model, the Qwen pair and others; 1-33 new rows; no mask, causal and random masks; NaNs past the cache's length;
-   1 and 2 threads): every output must be the same bits. Then their time, interleaved call by call.
+   1 and 2 threads): every output must be the same bits. Then their time, interleaved call by call. Both builds
+   must take the paged cache (models/paged.py; kernel.pages lays the keys out): a base before it takes a contiguous
+   cache and cannot be called so.
 2. q4's matmul (kernels/blocks.c, speculate_block_matmul) on the default model's layer shapes, Q4_1 and Q8_0: the
    same bits, and the time, interleaved.
 3. With --model N: the default model at q4 through the lean decoder, N processes of each build alternating,
@@ -66,6 +68,7 @@ def attention(libs) -> None:
             kt, v = torch.randn(kv_heads, d, capacity, generator=g), torch.randn(kv_heads, capacity, d, generator=g)
             for length in sorted({1, 5, 63, 64, 65, 150, capacity} & set(range(1, capacity + 1))):
                 kt[..., length:], v[:, length:] = float("nan"), float("nan")  # never seen: must never count
+                pages = kernel.pages(kt, v)
                 for n in (1, 2, 3, 5, 9, 16, 33):
                     q = torch.randn(n, heads, d, generator=g) * 2
                     for kind in ("none", "causal", "random"):
@@ -79,7 +82,7 @@ def attention(libs) -> None:
                             outs = []
                             for lib in libs:
                                 out = torch.full((n, heads, d), 7.0)
-                                rc = lib.speculate_attend(q.data_ptr(), kt.data_ptr(), v.data_ptr(), capacity,
+                                rc = lib.speculate_attend(q.data_ptr(), pages[2], pages[3], 0, len(pages[2]),
                                                           None if mask is None else mask.data_ptr(), n, heads,
                                                           kv_heads, d, length, 0.125, out.data_ptr(), threads)
                                 assert rc == 0, rc
@@ -92,6 +95,7 @@ def attention(libs) -> None:
 def attention_time(libs, threads: int) -> None:
     capacity = 2048
     kt, v = torch.randn(3, 64, capacity), torch.randn(3, capacity, 64)
+    pages = kernel.pages(kt, v)
     print(f"attention, the default model's heads (9 / 3 KV, d 64), {threads} threads, base / tree µs:")
     for context in (0, 200, 800, 1500):  # 0: a causal prefill of n rows
         cells = []
@@ -103,7 +107,7 @@ def attention_time(libs, threads: int) -> None:
             for _ in range(20):
                 for lib, ts in zip(libs, times):
                     t = time.perf_counter()
-                    lib.speculate_attend(q.data_ptr(), kt.data_ptr(), v.data_ptr(), capacity,
+                    lib.speculate_attend(q.data_ptr(), pages[2], pages[3], 0, len(pages[2]),
                                          None if mask is None else mask.data_ptr(), n, 9, 3, 64, length, 0.125,
                                          out.data_ptr(), threads)
                     ts.append(time.perf_counter() - t)

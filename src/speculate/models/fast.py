@@ -1,5 +1,6 @@
 """A lean decoder for Llama-family models (Llama, Qwen2, Mistral): plain functions over the same weights,
-with a static KV cache written by position (in the manner of gpt-fast).
+with a KV cache written by position (in the manner of gpt-fast; paged where the compiled attention runs:
+models/paged.py).
 
 Why: on these CPUs one SmolLM2 decode step spends ~21 ms in its linear layers and ~12 ms around them
 (per-module Python, separate q/k/v and gate/up matmuls, rotary and norm ops, cache concatenation).
@@ -31,6 +32,7 @@ from torch import nn
 from ..tree_shape import depths_and_ancestors
 from . import exact_attention, exactness, kernel
 from .blocks import BlockLinear
+from .paged import BLOCK, CopiedBlock, PagedCache, pool_for
 from .forward import Rows
 from .loader import LoadedModel
 from .quantize import LinearPart, QuantizedLinear, is_quantized
@@ -160,7 +162,10 @@ class FastKVModel:
         # batched forward in one call a layer, where PyTorch's takes one call each.
         self.invariant, self.kernel, self.attention, self.cache_dtype = cache_layout(model, exact)
         self.exact_bits = exact_attention.budgets(self.head_dim, loaded.context_window)
-        self.k_slot_dim = 3 if self.attention == "kernel" else 2  # the kernel's keys are stored transposed
+        # The kernel's cache is paged (models/paged.py): a block table over the model's pool, whose blocks the
+        # prefix store and other generations may share. The PyTorch attentions keep one contiguous buffer.
+        self.paged = PagedCache(pool_for(model, len(self.layers), self.n_kv, self.head_dim)) \
+            if self.attention == "kernel" else None
         # q4: each layer in five kernel calls (norms, rotary, cache writes and SiLU inside them; _block_layers).
         self.blocks = None
         if self.attention == "kernel" and kernel.load_rope():
@@ -187,8 +192,25 @@ class FastKVModel:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the cache buffers held (the server's --kv-memory counts idle decoders by it)."""
+        """Bytes of the cache held (the server's --kv-memory counts idle decoders by it; a block shared with others
+        counts for each holder)."""
+        if self.paged is not None:
+            return self.paged.nbytes
         return 0 if self.k_cache is None else self.k_cache.nbytes + self.v_cache.nbytes
+
+    @property
+    def capacity(self) -> int:
+        """Positions the cache holds room for."""
+        if self.paged is not None:
+            return self.paged.capacity
+        return 0 if self.k_cache is None else self.k_cache.shape[2]
+
+    def release(self) -> None:
+        """Give the cache's memory back (its blocks to the pool); the next generation allocates again."""
+        self.length = 0
+        if self.paged is not None:
+            self.paged.release()
+        self.k_cache = self.v_cache = None
 
     def ensure(self, positions: int) -> None:
         """Allocate the cache for ``positions`` positions now, no more (rounded to the kernel's key blocks): the
@@ -196,26 +218,24 @@ class FastKVModel:
         self._ensure(positions, exact=True)
 
     def _ensure(self, needed: int, exact: bool = False) -> None:
-        """Grow the cache buffers (doubling, unless ``exact``) so that positions < needed fit; keeps what is
-        cached."""
-        have = 0 if self.k_cache is None else self.k_cache.shape[self.k_slot_dim]
+        """Room for positions < needed; keeps what is cached. Paged: blocks appended. Contiguous: the buffers grown
+        (doubling, unless ``exact``) and copied."""
+        if self.paged is not None:
+            self.paged.ensure(needed)
+            return
+        have = self.capacity
         if needed <= have:
             return
-        size = -(-(needed if exact else max(needed, 2 * have, 256)) // kernel.KEYS) * kernel.KEYS  # key blocks
+        size = -(-(needed if exact else max(needed, 2 * have, 256)) // BLOCK) * BLOCK
         width = self.head_dim + (self.attention == "integer")  # integer sums: + a scale column
         shape = (len(self.layers), self.n_kv, size, width)
-        k_shape = (len(self.layers), self.n_kv, width, size) if self.k_slot_dim == 3 else shape
-        k, v = torch.zeros(k_shape, dtype=self.cache_dtype), torch.zeros(shape, dtype=self.cache_dtype)
+        k, v = torch.zeros(shape, dtype=self.cache_dtype), torch.zeros(shape, dtype=self.cache_dtype)
         if have and self.length:
-            k.narrow(self.k_slot_dim, 0, self.length).copy_(self.k_cache.narrow(self.k_slot_dim, 0, self.length))
+            k[:, :, : self.length] = self.k_cache[:, :, : self.length]
             v[:, :, : self.length] = self.v_cache[:, :, : self.length]
         self.k_cache, self.v_cache = k, v
-        # Per-layer views, made once per buffer: indexing the 4-D buffer by layer costs an op per access; and their
-        # addresses, for the kernel's segment_t (kernel.segments).
+        # Per-layer views, made once per buffer: indexing the 4-D buffer by layer costs an op per access.
         self.k_layers, self.v_layers = list(k.unbind(0)), list(v.unbind(0))
-        layers = len(self.layers)
-        self.k_pointers = (ctypes.c_void_p * layers)(*[t.data_ptr() for t in self.k_layers])
-        self.v_pointers = (ctypes.c_void_p * layers)(*[t.data_ptr() for t in self.v_layers])
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, last: int = 0, tree_parents: list[int] | None = None) -> torch.Tensor:
@@ -393,29 +413,49 @@ class FastKVModel:
 
     @torch.inference_mode()  # the buffers may have been made (grown) inside a forward
     def keep_path(self, start: int, nodes: list[int]) -> None:
-        src = start + torch.tensor(nodes, dtype=torch.long)
-        m = len(nodes)
-        dim = self.k_slot_dim
-        self.k_cache.narrow(dim, start, m).copy_(self.k_cache.index_select(dim, src))
-        self.v_cache[:, :, start: start + m] = self.v_cache[:, :, src]
-        self.length = start + m
+        if self.paged is not None:
+            self.paged.move_rows([start + j for j in nodes], start)
+        else:
+            src = start + torch.tensor(nodes, dtype=torch.long)
+            m = len(nodes)
+            self.k_cache[:, :, start: start + m] = self.k_cache[:, :, src]
+            self.v_cache[:, :, start: start + m] = self.v_cache[:, :, src]
+        self.length = start + len(nodes)
 
-    # Rows copied out of and into the cache, for prompt prefixes shared across generations (models/prefix_store.py).
+    # Prompt blocks shared across generations (models/prefix_store.py): a paged cache hands out and maps its very
+    # blocks; a contiguous one copies rows out and in.
     shares_prefixes = True
 
     @torch.inference_mode()
-    def read_rows(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of the keys and values of positions start..start+n-1 (every layer, the cache's own layout)."""
-        return (self.k_cache.narrow(self.k_slot_dim, start, n).clone(),
-                self.v_cache.narrow(2, start, n).clone())
+    def rows(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of positions start..start+n-1: keys and values [layers, kv heads, n, width] (tests compare caches
+        by it, whatever their layout)."""
+        if self.paged is not None:
+            keys, values = self.paged.rows(start, n)
+            return keys.transpose(2, 3).contiguous(), values
+        return self.k_cache[:, :, start: start + n].clone(), self.v_cache[:, :, start: start + n].clone()
 
     @torch.inference_mode()
-    def write_rows(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Put :meth:`read_rows`'s copy at positions start.. (the buffers hold them: reset sized them)."""
-        n = values.shape[2]
-        self._ensure(start + n)
-        self.k_cache.narrow(self.k_slot_dim, start, n).copy_(keys)
-        self.v_cache.narrow(2, start, n).copy_(values)
+    def export_block(self, start: int, n: int):
+        """Positions start..start+n-1 (one block of the store) for the prefix store to hold: the cache's own block,
+        shared (paged; ``n`` must then be the block), or a copy."""
+        if self.paged is not None:
+            if start % BLOCK or n != BLOCK:
+                raise ValueError(f"a paged cache shares whole blocks of {BLOCK} positions, not {start}..+{n}")
+            return self.paged.block(start // BLOCK)
+        return CopiedBlock(*self.rows(start, n))
+
+    @torch.inference_mode()
+    def import_block(self, start: int, block) -> None:
+        """Hold :meth:`export_block`'s block at positions start.. (mapped where paged, copied otherwise)."""
+        if self.paged is not None:
+            self.paged.map(start // BLOCK, block)
+            n = BLOCK
+        else:
+            n = block.values.shape[2]
+            self._ensure(start + n)
+            self.k_cache[:, :, start: start + n] = block.keys
+            self.v_cache[:, :, start: start + n] = block.values
         self.length = max(self.length, start + n)
 
 
@@ -436,6 +476,8 @@ def _segment(item: Rows) -> _Segment:
     n, start = tokens.shape[0], kv.length
     end = start + n
     kv._ensure(end)
+    if kv.paged is not None:
+        kv.paged.writable(start, end)  # (a block shared with the prefix store or another request is copied first)
     if item.tree_parents is None:
         positions = torch.arange(start, end)
         # One new token attends to everything cached: no mask. A chain: causal within the new block.
@@ -449,9 +491,9 @@ def _segment(item: Rows) -> _Segment:
 
 
 def _kernel_segments(segments: list[_Segment]):
-    """The kernel's segment_t array for a forward's segments (and the masks it points into)."""
+    """The kernel's segment_t array for a forward's segments (their block tables; and the masks it points into)."""
     return kernel.segments([(len(s.tokens), s.allowed.shape[1] if s.allowed is not None else s.start + len(s.tokens),
-                             s.start, s.allowed, s.kv.k_pointers, s.kv.v_pointers, s.kv.k_layers[0].shape[2])
+                             s.start, s.allowed, *s.kv.paged.pointers(), s.kv.paged.pool.layer_floats)
                             for s in segments])
 
 

@@ -40,7 +40,7 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-tr
          "-shared", "-fPIC"]
 if platform.machine().lower() in ("x86_64", "amd64"):
     FLAGS.insert(2, "-mprefer-vector-width=512")  # where AVX-512 is there, use it (~20 % at 8 rows); x86-only flag
-KEYS = 64  # the kernel's block of keys: cache capacities are multiples of it
+KEYS = 64  # the kernel's block of keys, and the paged cache's block of positions (models/paged.py)
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
@@ -89,7 +89,7 @@ def _compiler() -> str | None:
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # name: (result type, argument types), as the C sources declare them.
 SIGNATURES = {
-    "speculate_attend": (_I, [_P, _P, _P, _I64, _P, _I, _I, _I, _I, _I, _F, _P, _I]),
+    "speculate_attend": (_I, [_P, _P, _P, _I64, _I64, _P, _I, _I, _I, _I, _I, _F, _P, _I]),
     "speculate_rope_write": (None, [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I64, _I64, _P]),
     "speculate_block_matmul": (_I, [_I, _P, _I64, _I64, _P, _I64, _P, _F, _I, _P, _P, _P, _I64, _I, _I]),
     "speculate_block_group": (_I, []),
@@ -136,21 +136,21 @@ class Layer(ctypes.Structure):
 
 
 class Segment(ctypes.Structure):
-    """kernels/attention.c's segment_t: one generation's rows in a batched forward, and its cache's buffers."""
+    """kernels/attention.c's segment_t: one generation's rows in a batched forward, and its cache's block table."""
     _fields_ = [("rows", ctypes.c_int), ("length", ctypes.c_int), ("start", ctypes.c_int64),
-                ("capacity", ctypes.c_int64), ("allowed", ctypes.c_void_p), ("kt", ctypes.POINTER(ctypes.c_void_p)),
-                ("v", ctypes.POINTER(ctypes.c_void_p))]
+                ("blocks", ctypes.c_int64), ("allowed", ctypes.c_void_p), ("kb", ctypes.POINTER(ctypes.c_void_p)),
+                ("vb", ctypes.POINTER(ctypes.c_void_p)), ("layer", ctypes.c_int64)]
 
 
 def segments(parts) -> tuple[ctypes.Array, list]:
-    """The segment_t array of a batched forward from (rows, length, start, allowed [rows, length] or None, per-layer
-    key pointers, per-layer value pointers, capacity) per generation; with the masks it points into (keep them
-    alive for the call)."""
+    """The segment_t array of a batched forward from (rows, length, start, allowed [rows, length] or None, the
+    blocks' key pointers, their value pointers, floats per layer in a block) per generation (models/paged.py's
+    layout); with the masks it points into (keep them alive for the call)."""
     out, masks = (Segment * len(parts))(), []
-    for i, (rows, length, start, allowed, kt, v, capacity) in enumerate(parts):
+    for i, (rows, length, start, allowed, kb, vb, layer) in enumerate(parts):
         m = mask(allowed)
         masks.append(m)
-        out[i] = Segment(rows, length, start, capacity, None if m is None else m.data_ptr(), kt, v)
+        out[i] = Segment(rows, length, start, len(kb), None if m is None else m.data_ptr(), kb, vb, layer)
     return out, masks
 
 
@@ -243,16 +243,34 @@ def mask(allowed: torch.Tensor | None) -> torch.Tensor | None:
     return out
 
 
+def pages(keys_t: torch.Tensor, values: torch.Tensor, order: list[int] | None = None):
+    """One layer's contiguous keys_t [kv heads, d, capacity] and values [kv heads, capacity, d] (capacity a
+    multiple of KEYS) as the kernel's blocks: (key blocks, value blocks, their key pointers, value pointers).
+    ``order``: where each block goes in memory (a permutation; None: in order), to check that placement changes
+    nothing."""
+    kv, d, capacity = keys_t.shape
+    nb = capacity // KEYS
+    kb = keys_t.reshape(kv, d, nb, KEYS).permute(2, 0, 1, 3)  # [block, kv, d, KEYS]
+    vb = values.reshape(kv, nb, KEYS, d).permute(1, 0, 2, 3)  # [block, kv, KEYS, d]
+    order = list(range(nb)) if order is None else order
+    k_mem, v_mem = torch.empty(nb, kv, d, KEYS), torch.empty(nb, kv, KEYS, d)
+    k_mem[order], v_mem[order] = kb, vb  # block j lives at order[j]
+    kp = (ctypes.c_void_p * nb)(*[k_mem[order[j]].data_ptr() for j in range(nb)])
+    vp = (ctypes.c_void_p * nb)(*[v_mem[order[j]].data_ptr() for j in range(nb)])
+    return k_mem, v_mem, kp, vp
+
+
 def attend(fn, q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-           length: int, scaling: float) -> torch.Tensor:
+           length: int, scaling: float, order: list[int] | None = None) -> torch.Tensor:
     """q [n, heads, d] over slots 0..length-1 of keys_t [kv heads, d, capacity] / values [kv heads, capacity, d]
-    (one layer's buffers, contiguous); ``mask``: :func:`mask`'s, or None (all slots). Returns [n, heads · d] fp32."""
+    (one layer's keys and values, laid out in blocks as :func:`pages` does, in ``order``); ``mask``: :func:`mask`'s,
+    or None (all slots). Returns [n, heads · d] fp32."""
     n, heads, d = q.shape
     q = q.contiguous()
     out = torch.empty(n, heads, d, dtype=torch.float32)
-    rc = fn(q.data_ptr(), keys_t.data_ptr(), values.data_ptr(), keys_t.shape[2],
-            None if mask is None else mask.data_ptr(), n, heads, keys_t.shape[0], d, length, scaling, out.data_ptr(),
-            torch.get_num_threads())
+    k_mem, v_mem, kp, vp = pages(keys_t, values, order)
+    rc = fn(q.data_ptr(), kp, vp, 0, len(kp), None if mask is None else mask.data_ptr(), n, heads, keys_t.shape[0],
+            d, length, scaling, out.data_ptr(), torch.get_num_threads())
     if rc:
         raise RuntimeError(f"attention kernel failed ({rc}): capacity {keys_t.shape[2]}, length {length}")
     return out.view(n, heads * d)

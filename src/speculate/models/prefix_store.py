@@ -1,12 +1,15 @@
 """Prompt prefixes' KV shared by every generation on one model, whatever its speculative settings.
 
-A generation's cache (models/kv.py, fast.py) is its own contiguous buffer, so two requests that share a long system
-prompt or the same few-shot examples each computed it. The store keeps the keys and values of prompts in full blocks
-of :data:`BLOCK` tokens; a block's key is the hash of its tokens *and* of every token before it (the hash of the
-previous block's key and its own tokens: vLLM's automatic prefix caching), so a block is found only after the same
-whole prefix. A new generation copies the blocks of its prompt's longest cached prefix into its cache and computes the
-rest (:meth:`PrefixStore.fill`); once its prompt is in the cache, the blocks not yet stored are copied out
-(:meth:`PrefixStore.add`). Copying a block costs a memcpy; computing it, a forward of every layer.
+Without it, two requests that share a long system prompt or the same few-shot examples each computed it. The store
+keeps the keys and values of prompts in full blocks of :data:`BLOCK` tokens; a block's key is the hash of its tokens
+*and* of every token before it (the hash of the previous block's key and its own tokens: vLLM's automatic prefix
+caching), so a block is found only after the same whole prefix. Once a generation's prompt is in its cache, the blocks
+not yet stored go into the store (:meth:`PrefixStore.add`); a new generation takes the blocks of its prompt's longest
+cached prefix and computes the rest (:meth:`PrefixStore.fill`). Where the cache is paged (the compiled attention,
+models/paged.py) a block is not copied either way: the store holds the generation's very block (counted, never written
+again: a table that would write into a shared block copies it first), and a later generation maps it into its block
+table, so a prefix that any number of running requests share is held once. The PyTorch attentions' contiguous caches
+copy rows out and in (a memcpy; computing them is a forward of every layer).
 
 A hash never decides alone: each entry keeps its tokens and its parent's key, and a lookup takes a block only when
 both match what it looks for, so two prefixes whose keys collide are never confused (the tests force a tiny hash
@@ -15,8 +18,8 @@ blocks are used deepest first, so that eviction shortens a cached prefix from it
 could no longer be reached).
 
 Exactness: at int8 and q4 a row's keys and values do not depend on the other rows of the forward that computed them
-(batch-invariant kernels, models/exactness.py), so a copied block has the bits a fresh prefill would give and a
-generation's tokens are the same with or without the store. At fp32 they may differ in the last bits (as the
+(batch-invariant kernels, models/exactness.py), so a stored block has the bits a fresh prefill would give, the kernel
+reads a block wherever it sits, and a generation's tokens are the same with or without the store. At fp32 they may differ in the last bits (as the
 decoder's own prefix reuse, engine.SpeculativeDecoder ``prefix_cache``), so a near-tie may resolve otherwise.
 Only the lean Llama-family caches (models/fast.py) take part; the Hugging Face path computes its prompt.
 """
@@ -30,25 +33,24 @@ from dataclasses import dataclass
 
 import torch
 
-BLOCK = 16  # tokens per block: small enough to catch most of a shared prefix, large enough that a lookup is cheap
+from .paged import BLOCK  # tokens per block: the paged cache's, so that a stored block is one of its blocks
 
 
 @dataclass
 class _Entry:
     parent: bytes | None  # the key of the block before it (None: the first block)
     tokens: tuple[int, ...]
-    keys: torch.Tensor  # the cache's layout (FastKVModel.read_rows)
-    values: torch.Tensor
+    block: object  # the cache's export_block: a paged.Block held by the store, or a CopiedBlock
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return self.block.nbytes
 
 
 class PrefixStore:
     """Full prompt blocks' KV of one loaded model, shared by all its generations (see the module's docstring).
-    ``budget``: bytes at most; ``block``: tokens per block; ``digest_size``: bytes of each key (a test makes it tiny
-    to force collisions)."""
+    ``budget``: bytes at most; ``block``: tokens per block (a paged cache's block size: a contiguous cache takes any);
+    ``digest_size``: bytes of each key (a test makes it tiny to force collisions)."""
 
     def __init__(self, budget: int, block: int = BLOCK, digest_size: int = 16):
         if budget < 0 or block < 1:
@@ -82,9 +84,10 @@ class PrefixStore:
 
     # -- a generation's side -----------------------------------------------------------------------------
     def fill(self, kv, tokens: list[int], have: int = 0) -> int:
-        """Copy into ``kv`` (reset for this generation, holding its first ``have`` positions already) the cached
-        blocks of the longest cached prefix of ``tokens`` (the prompt tokens the prefill would compute); returns the
-        positions ``kv`` now holds: ``have``, or the end of the last block copied where that is further."""
+        """Put into ``kv`` (reset for this generation, holding its first ``have`` positions already) the cached
+        blocks of the longest cached prefix of ``tokens`` (the prompt tokens the prefill would compute: mapped where
+        ``kv`` is paged, else copied); returns the positions ``kv`` now holds: ``have``, or the end of the last block
+        taken where that is further."""
         with self._lock:
             found = []
             for parent, key, part, start in self._chain(tokens):
@@ -102,7 +105,7 @@ class PrefixStore:
             self.hit_tokens += end
             for start, _, entry in found:
                 if start + self.block > have:  # (the positions below have are there already)
-                    kv.write_rows(start, entry.keys, entry.values)
+                    kv.import_block(start, entry.block)
         kv.length = end
         return end
 
@@ -115,8 +118,7 @@ class PrefixStore:
                 if self._find(parent, key, part) is None:
                     if key in self._entries:  # a colliding key holds another prefix: keep that one, stop here
                         break
-                    keys, values = kv.read_rows(start, self.block)
-                    entry = _Entry(parent, part, keys, values)
+                    entry = _Entry(parent, part, kv.export_block(start, self.block))
                     self._entries[key] = entry
                     self.bytes += entry.nbytes
                 chain.append(key)
@@ -124,6 +126,7 @@ class PrefixStore:
             while self.bytes > self.budget:
                 _, entry = self._entries.popitem(last=False)
                 self.bytes -= entry.nbytes
+                entry.block.release()  # (a paged block still mapped by a running request stays with it)
 
     def _touch(self, chain: list[bytes]) -> None:
         """Mark a prefix's blocks used: the deepest first, so that its first block is the last of them to go."""

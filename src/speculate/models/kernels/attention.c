@@ -10,9 +10,14 @@
  * fixed trip counts (no scalar remainders) and multiply-adds are explicit fmaf, so vector and scalar code
  * compute every element alike; compiled without fast-math (models/kernel.py).
  *
- * Layout: q [n, heads, d]; keys transposed per KV head, kt [kv_heads, d, capacity]; values
- * v [kv_heads, capacity, d]; allowed: NULL (each row sees slots 0..length-1) or [n, padded] bytes, padded =
- * length rounded up to KEYS (zeros past length); out [n, heads, d]. capacity: a multiple of KEYS, >= padded.
+ * Layout: the cache is paged (models/paged.py): slot l lives in block l / KEYS of the generation's block table, at
+ * row l % KEYS. A block holds KEYS slots of every layer: keys transposed, [layers][kv_heads][d][KEYS], values
+ * [layers][kv_heads][KEYS][d]; kb[j] / vb[j] point at block j's layer 0, ``offset`` (floats) selects the layer.
+ * Where a block sits changes no operation: every sum runs over slots in slot order, whatever block holds them, so
+ * a row's bits do not depend on which blocks hold its keys (shared prompt blocks, a preempted and recomputed
+ * answer, blocks reused from other requests). q [n, heads, d]; allowed: NULL (each row sees slots 0..length-1) or
+ * [n, padded] bytes, padded = length rounded up to KEYS (zeros past length); out [n, heads, d]. The table holds
+ * >= padded / KEYS blocks.
  */
 #include <math.h>
 #include <stdint.h>
@@ -64,11 +69,11 @@ static void exp_block(float *restrict b, float m) {
  * multiply-adds over i = 0..d-1 as for that row alone; TILE rows at a time, so the keys are read once and the rows'
  * independent chains fill the multiply-add units. Inlined with a constant d. */
 static inline __attribute__((always_inline)) void score_tile(const float *const qs[TILE], const float *restrict keys,
-                                                             int64_t capacity, int d, int nr, float acc[TILE][KEYS]) {
+                                                             int d, int nr, float acc[TILE][KEYS]) {
     for (int j = 0; j < nr; j++)
         for (int t = 0; t < KEYS; t++) acc[j][t] = 0.f;
     for (int i = 0; i < d; i++) {
-        const float *ki = keys + (int64_t)i * capacity;
+        const float *ki = keys + (int64_t)i * KEYS;
         for (int j = 0; j < nr; j++) {
             const float qi = qs[j][i];
             for (int t = 0; t < KEYS; t++) acc[j][t] = fmaf(qi, ki[t], acc[j][t]);
@@ -77,16 +82,17 @@ static inline __attribute__((always_inline)) void score_tile(const float *const 
 }
 
 /* o[j] = inv[j] * sum over l of e[j][l] * values[l], for TILE rows: each a left fold of fused multiply-adds over
- * keys, a key of zero weight skipped for that row (its value may be anything: a masked sibling's), as alone.
- * Inlined with a constant d, the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void weigh(const float *const e[TILE], const float *restrict values,
+ * keys in slot order (block by block: values[b] is block b's rows of this head), a key of zero weight skipped for
+ * that row (its value may be anything: a masked sibling's), as alone. Inlined with a constant d, the accumulators
+ * stay in registers. */
+static inline __attribute__((always_inline)) void weigh(const float *const e[TILE], const float *const *values,
                                                         int64_t padded, int d, int nr, const float inv[TILE],
                                                         float *const o[TILE]) {
     float acc[TILE][MAX_D];
     for (int j = 0; j < nr; j++)
         for (int i = 0; i < d; i++) acc[j][i] = 0.f;
     for (int64_t l = 0; l < padded; l++) {
-        const float *vl = values + l * d;
+        const float *vl = values[l / KEYS] + (l % KEYS) * d;
         for (int j = 0; j < nr; j++) {
             const float w = e[j][l];
             if (w == 0.f) continue;
@@ -107,14 +113,13 @@ static inline __attribute__((always_inline)) void weigh(const float *const e[TIL
 #define BY_ROWS(CALL) switch (nr) { case 1: BY_D(CALL, 1); break; default: BY_D(CALL, 2); }
 #endif
 
-static void score_rows(const float *const qs[TILE], const float *restrict keys, int64_t capacity, int d, int nr,
-                       float acc[TILE][KEYS]) {
-#define SCORE(D, N) score_tile(qs, keys, capacity, D, N, acc)
+static void score_rows(const float *const qs[TILE], const float *restrict keys, int d, int nr, float acc[TILE][KEYS]) {
+#define SCORE(D, N) score_tile(qs, keys, D, N, acc)
     BY_ROWS(SCORE);
 #undef SCORE
 }
 
-static void weigh_rows(const float *const e[TILE], const float *restrict values, int64_t padded, int d, int nr,
+static void weigh_rows(const float *const e[TILE], const float *const *values, int64_t padded, int d, int nr,
                        const float inv[TILE], float *const o[TILE]) {
 #define WEIGH(D, N) weigh(e, values, padded, D, N, inv, o)
     BY_ROWS(WEIGH);
@@ -124,11 +129,11 @@ static void weigh_rows(const float *const e[TILE], const float *restrict values,
 /* Rotary embedding of the q and k heads of new rows, and their keys and values written into the cache. qkv
  * [n, (heads + 2 kv_heads) d] (q heads, k heads, v heads); cos, sin [n, d]; x·cos + rotate_half(x)·sin, element i:
  * x_i c_i − x_{i+h} s_i below h = d/2, x_i c_i + x_{i−h} s_i above, each product and the sum rounded on its own.
- * Row r goes to slot start + r of kt [kv_heads, d, capacity] (transposed) and v [kv_heads, capacity, d]; the
- * rotated queries to q [n, heads, d]. */
+ * Row r goes to slot start + r of the paged cache (kb, vb, offset: the layout above); the rotated queries to
+ * q [n, heads, d]. */
 void speculate_rope_write(const float *restrict qkv, int n, int heads, int kv_heads, int d,
-                          const float *restrict cos, const float *restrict sin, float *restrict kt,
-                          float *restrict v, int64_t capacity, int64_t start, float *restrict q) {
+                          const float *restrict cos, const float *restrict sin, float *const *kb, float *const *vb,
+                          int64_t offset, int64_t start, float *restrict q) {
     const int h = d / 2, width = (heads + 2 * kv_heads) * d;
     for (int r = 0; r < n; r++) {
         const float *row = qkv + (int64_t)r * width, *c = cos + (int64_t)r * d, *s = sin + (int64_t)r * d;
@@ -140,21 +145,23 @@ void speculate_rope_write(const float *restrict qkv, int n, int heads, int kv_he
             if (head < heads) {
                 memcpy(q + ((int64_t)r * heads + head) * d, out, sizeof(float) * d);
             } else {
-                float *keys = kt + (int64_t)(head - heads) * d * capacity + start + r;
-                for (int i = 0; i < d; i++) keys[(int64_t)i * capacity] = out[i];
+                float *keys = kb[(start + r) / KEYS] + offset + (int64_t)(head - heads) * d * KEYS + (start + r) % KEYS;
+                for (int i = 0; i < d; i++) keys[(int64_t)i * KEYS] = out[i];
             }
         }
         for (int g = 0; g < kv_heads; g++)
-            memcpy(v + ((int64_t)g * capacity + start + r) * d, row + (heads + kv_heads + g) * d, sizeof(float) * d);
+            memcpy(vb[(start + r) / KEYS] + offset + ((int64_t)g * KEYS + (start + r) % KEYS) * d,
+                   row + (heads + kv_heads + g) * d, sizeof(float) * d);
     }
 }
 
-int speculate_attend(const float *restrict q, const float *restrict kt, const float *restrict v, int64_t capacity,
-                     const uint8_t *restrict allowed, int n, int heads, int kv_heads, int d, int length,
-                     float scaling, float *restrict out, int threads) {
+/* n rows of queries q over the slots of a paged cache (kb, vb, offset: the layout above; n_blocks in its table). */
+int speculate_attend(const float *restrict q, const float *const *kb, const float *const *vb, int64_t offset,
+                     int64_t n_blocks, const uint8_t *restrict allowed, int n, int heads, int kv_heads, int d,
+                     int length, float scaling, float *restrict out, int threads) {
     const int rep = heads / kv_heads, rows = n * rep;
     const int64_t padded = ((int64_t)length + KEYS - 1) / KEYS * KEYS;
-    if (padded > capacity || capacity % KEYS || d > MAX_D || length < 1) return -1;
+    if (padded > n_blocks * KEYS || d > MAX_D || length < 1) return -1;
     int64_t *last = malloc(sizeof(int64_t) * n);
     if (!last) return -2;
     /* The last slot each row may see: key blocks past it are not scored (a causal prefill's upper half). */
@@ -171,15 +178,17 @@ int speculate_attend(const float *restrict q, const float *restrict kt, const fl
 #pragma omp parallel num_threads(threads) if (threads > 1 && items > 1 && (int64_t)rows * padded >= 512)
     {
         float *s = malloc(sizeof(float) * BLOCK * padded); /* this thread's scores, one row of the block each */
-        if (!s) {
+        const float **values = malloc(sizeof(float *) * (padded / KEYS + 1)); /* a KV head's rows, block by block */
+        if (!s || !values) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < items; item++) {
-            if (!s) continue;
+            if (!s || !values) continue;
             const int g = item / blocks, b0 = (item % blocks) * BLOCK, nb = rows - b0 < BLOCK ? rows - b0 : BLOCK;
-            const float *keys = kt + (int64_t)g * d * capacity, *values = v + (int64_t)g * capacity * d;
+            const int64_t head_keys = offset + (int64_t)g * d * KEYS; /* this KV head's part of a block */
+            for (int64_t b = 0; b < padded / KEYS; b++) values[b] = vb[b] + offset + (int64_t)g * KEYS * d;
             /* Key blocks past the item's last visible one are never touched: their scores would be -inf, their
              * weights 0, which add nothing to a sum and are skipped by weigh (the same values as over all). */
             int64_t end = 0;
@@ -199,7 +208,7 @@ int speculate_attend(const float *restrict q, const float *restrict kt, const fl
                     int seen = 0; /* whether any row of the tile may look at this block */
                     for (int j = 0; j < nr; j++) seen |= l0 <= last[(r0 + j) / rep];
                     float acc[TILE][KEYS];
-                    if (seen) score_rows(qs, keys + l0, capacity, d, nr, acc);
+                    if (seen) score_rows(qs, kb[l0 / KEYS] + head_keys, d, nr, acc);
                     for (int j = 0; j < nr; j++) {
                         const int r = r0 + j;
                         float *sj = s + (int64_t)(r - b0) * padded + l0;
@@ -244,6 +253,7 @@ int speculate_attend(const float *restrict q, const float *restrict kt, const fl
             }
         }
         free(s);
+        free(values);
     }
     free(last);
     return failed ? -2 : 0;
@@ -253,9 +263,10 @@ int speculate_attend(const float *restrict q, const float *restrict kt, const fl
  * cache, what they may see. */
 typedef struct segment {
     int rows, length;             /* new rows; the slots they may see (allowed's width, or start + rows) */
-    int64_t start, capacity;      /* the slot of the first new row; the slots of the cache buffers */
+    int64_t start, blocks;        /* the slot of the first new row; the blocks in its table */
     const uint8_t *allowed;       /* NULL (every slot below length) or [rows, length padded to KEYS] */
-    float *const *kt, *const *v;  /* per layer: this generation's cache buffers (layout as speculate_attend's) */
+    float *const *kb, *const *vb; /* its block table: each block's keys and values (layout as speculate_attend's) */
+    int64_t layer;                /* floats per layer in a block (kv_heads * d * KEYS) */
 } segment_t;
 
 /* One layer's attention for every generation of a batched forward, in one call: each segment's rows (consecutive
@@ -270,8 +281,9 @@ int speculate_attention_many(const float *restrict qkv, const float *restrict co
     for (int s = 0; s < n_segs; s++) {
         const segment_t *g = segs + s;
         first[s] = r0;
-        speculate_rope_write(qkv + r0 * width, g->rows, heads, kv_heads, d, cos + r0 * d, sin + r0 * d, g->kt[layer],
-                             g->v[layer], g->capacity, g->start, q + r0 * heads * d);
+        if ((g->start + g->rows + KEYS - 1) / KEYS > g->blocks) return -1;
+        speculate_rope_write(qkv + r0 * width, g->rows, heads, kv_heads, d, cos + r0 * d, sin + r0 * d, g->kb, g->vb,
+                             layer * g->layer, g->start, q + r0 * heads * d);
         r0 += g->rows;
     }
     /* Several generations: one each per thread (a generation's KV heads alone are too little work to split); one:
@@ -284,14 +296,16 @@ int speculate_attention_many(const float *restrict qkv, const float *restrict co
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : rc)
         for (int s = 0; s < n_segs; s++) {
             const segment_t *g = segs + s;
-            rc |= speculate_attend(q + first[s] * heads * d, g->kt[layer], g->v[layer], g->capacity, g->allowed,
-                                   g->rows, heads, kv_heads, d, g->length, scaling, out + first[s] * heads * d, 1);
+            rc |= speculate_attend(q + first[s] * heads * d, (const float *const *)g->kb, (const float *const *)g->vb,
+                                   layer * g->layer, g->blocks, g->allowed, g->rows, heads, kv_heads, d, g->length,
+                                   scaling, out + first[s] * heads * d, 1);
         }
     } else {
         for (int s = 0; s < n_segs && !rc; s++) {
             const segment_t *g = segs + s;
-            rc = speculate_attend(q + first[s] * heads * d, g->kt[layer], g->v[layer], g->capacity, g->allowed,
-                                  g->rows, heads, kv_heads, d, g->length, scaling, out + first[s] * heads * d, threads);
+            rc = speculate_attend(q + first[s] * heads * d, (const float *const *)g->kb, (const float *const *)g->vb,
+                                  layer * g->layer, g->blocks, g->allowed, g->rows, heads, kv_heads, d, g->length,
+                                  scaling, out + first[s] * heads * d, threads);
         }
     }
     return rc;

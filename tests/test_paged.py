@@ -1,0 +1,111 @@
+"""The paged KV cache (models/paged.py): the kernel reads a block table, a block's place in memory changes no bit,
+blocks are shared by reference between the prefix store and running generations, and a shared block is never
+written (copy on write)."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+from speculate import SpeculativeDecoder, load_model
+from speculate.models import kernel
+from speculate.models.paged import BLOCK
+from speculate.models.prefix_store import PrefixStore
+from speculate.spec import SpeculativeSpec
+
+
+@pytest.fixture(scope="module")
+def fn():
+    f = kernel.load()
+    if f is None:
+        pytest.skip("no C compiler here: the kernel cannot be built")
+    return f
+
+
+def test_a_rows_bits_do_not_depend_on_where_its_blocks_sit(fn):
+    """The same keys and values in blocks laid out in memory in order, reversed and shuffled: every row's output is
+    the same bits, for a causal chain and for a tree mask (sums run in slot order whatever block holds a slot)."""
+    g = torch.Generator().manual_seed(0)
+    kv_heads, heads, d, blocks = 2, 6, 64, 5
+    capacity = blocks * BLOCK
+    keys_t, values = torch.randn(kv_heads, d, capacity, generator=g), torch.randn(kv_heads, capacity, d, generator=g)
+    q = torch.randn(7, heads, d, generator=g)
+    length = 4 * BLOCK + 9
+    chain = torch.ones(7, length, dtype=torch.bool).tril_(length - 7)
+    tree = chain.clone()
+    tree[3, length - 5] = tree[6, length - 2] = False  # siblings a row may not see
+    orders = [list(range(blocks)), list(reversed(range(blocks))), random.Random(1).sample(range(blocks), blocks)]
+    for allowed in (None, chain, tree):
+        n_rows = 1 if allowed is None else 7
+        outs = [kernel.attend(fn, q[:n_rows], keys_t, values, kernel.mask(allowed), length, 0.125, order=o)
+                for o in orders]
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            q[:n_rows].transpose(0, 1), keys_t.transpose(1, 2)[:, :length].repeat_interleave(3, 0),
+            values[:, :length].repeat_interleave(3, 0), attn_mask=allowed, scale=0.125).transpose(0, 1)
+        assert torch.allclose(outs[0], reference.reshape(n_rows, -1), atol=1e-5)
+
+
+@pytest.fixture(scope="module", params=["int8", "q4"])
+def target(request, tiny_folders):
+    if kernel.load() is None:
+        pytest.skip("no C compiler here: the cache is not paged")
+    return load_model(str(tiny_folders[0] if request.param == "int8" else tiny_folders[2]), dtype=request.param)
+
+
+def ids(seed, n):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 259) for _ in range(n)]
+
+
+def test_running_generations_share_prompt_blocks_and_never_write_into_them(target):
+    """Two decoders map the store's blocks of a shared prompt (one copy, counted three times); one of them then
+    starts a generation that keeps its cache up to a position inside a shared block and writes there: it copies
+    that block first, so the store's blocks keep their bits, and every answer is a fresh decoder's."""
+    store = PrefixStore(1 << 30)
+    shared = ids(0, 3 * BLOCK)
+    first = SpeculativeDecoder(target, SpeculativeSpec("lookup", k=3), prefix_store=store, prefix_cache=True)
+    first.generate(shared + ids(1, 5), max_new_tokens=4)
+    stored = [first.kv.paged.table[j] for j in range(3)]
+    before = [(b.keys.clone(), b.values.clone()) for b in stored]
+    second = SpeculativeDecoder(target, SpeculativeSpec("none"), prefix_store=store)
+    second.generate(shared + ids(2, 5), max_new_tokens=4)
+    assert all(second.kv.paged.table[j] is stored[j] for j in range(3))
+    assert [b.refs for b in stored] == [3, 3, 3]  # the first decoder's table, the store, the second's table
+    # The first decoder's own prefix reuse: the new prompt leaves the shared tokens inside block 1, so its next
+    # writes land in a block that the store and the second decoder hold.
+    prompt = shared[: BLOCK + 10] + ids(3, 40)
+    out = first.generate(prompt, max_new_tokens=8)
+    alone = SpeculativeDecoder(target, SpeculativeSpec("lookup", k=3)).generate(prompt, max_new_tokens=8)
+    assert out.token_ids == alone.token_ids
+    assert out.stats.reused_prompt_tokens >= BLOCK  # (it did reuse: block 0 is still mapped)
+    assert first.kv.paged.table[0] is stored[0] and first.kv.paged.table[1] is not stored[1]
+    for block, (keys, values) in zip(stored, before):
+        assert torch.equal(block.keys, keys) and torch.equal(block.values, values)
+    # The second decoder still answers from the untouched blocks as alone.
+    again = second.generate(shared + ids(2, 5), max_new_tokens=4)
+    fresh = SpeculativeDecoder(target, SpeculativeSpec("none")).generate(shared + ids(2, 5), max_new_tokens=4)
+    assert again.token_ids == fresh.token_ids
+
+
+def test_blocks_go_back_when_nobody_holds_them(target):
+    """A pool counts its live blocks: a dropped decoder and an evicting store give theirs back, and a block the store
+    evicts while a generation still maps it stays with that generation."""
+    pool = SpeculativeDecoder(target, SpeculativeSpec("none")).kv.paged.pool
+    gc.collect()
+    base = pool.live
+    store = PrefixStore(1 << 30)
+    decoder = SpeculativeDecoder(target, SpeculativeSpec("none"), prefix_store=store)
+    decoder.generate(ids(5, 2 * BLOCK + 3), max_new_tokens=2)
+    held = len(decoder.kv.paged.table)
+    assert pool.live == base + held and store.blocks == 2
+    block = decoder.kv.paged.table[0]
+    store.budget = 0
+    store.add(decoder.kv, [])  # (evicts down to the budget)
+    assert store.blocks == 0 and block.refs == 1 and pool.live == base + held
+    del decoder
+    gc.collect()
+    assert pool.live == base and block.refs == 0
