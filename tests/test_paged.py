@@ -109,3 +109,16 @@ def test_blocks_go_back_when_nobody_holds_them(target):
     del decoder
     gc.collect()
     assert pool.live == base and block.refs == 0
+
+
+def test_a_store_of_smaller_blocks_copies_into_a_paged_cache(target):
+    """A store whose blocks are not the pool's (16 tokens) cannot hand out the cache's blocks: it copies rows out and
+    in instead, and the tokens are still a fresh decoder's."""
+    store = PrefixStore(1 << 30, block=16)
+    shared = ids(6, 100)
+    SpeculativeDecoder(target, SpeculativeSpec("none"), prefix_store=store).generate(shared + [9], max_new_tokens=2)
+    prompt = shared + ids(7, 20)
+    out = SpeculativeDecoder(target, SpeculativeSpec("lookup", k=3), prefix_store=store).generate(prompt,
+                                                                                                  max_new_tokens=12)
+    alone = SpeculativeDecoder(target, SpeculativeSpec("lookup", k=3)).generate(prompt, max_new_tokens=12)
+    assert out.token_ids == alone.token_ids and out.stats.reused_prompt_tokens == 96

@@ -161,3 +161,55 @@ def test_the_server_reports_cached_prompt_tokens_as_openai_does(tiny_folders):
     assert cached % BLOCK == 0 and got[1]["prompt_tokens"] - 2 * BLOCK < cached < got[1]["prompt_tokens"]
     assert f"speculate_cached_prompt_tokens_total {float(cached)}" in metrics
     assert "speculate_prefix_cache_blocks " in metrics
+    # The target's pool holds the store's blocks and the idle decoders' caches, in whole blocks.
+    gauge = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+             if line.startswith(("speculate_kv_pool_bytes ", "speculate_prefix_cache_bytes ",
+                                 "speculate_prefix_cache_blocks "))}
+    block_bytes = gauge["speculate_prefix_cache_bytes"] / gauge["speculate_prefix_cache_blocks"]
+    pool = gauge["speculate_kv_pool_bytes"]
+    assert pool % block_bytes == 0 and gauge["speculate_prefix_cache_bytes"] < pool
+
+
+def test_requests_that_start_together_compute_their_shared_prefix_once(tiny_folders):
+    """Four requests sent at once whose prompts share ~300 tokens: while one prefills a block of the shared prefix,
+    the others wait for it and take it from the store (server/scheduler.py, engine.Run.catch_up), so together they
+    compute it about once; each answer is the text a server without the store gives."""
+    import threading
+
+    import httpx
+
+    from speculate.server import ServerConfig, build_app
+    from speculate.server.background import BackgroundServer
+
+    shared = " ".join(f"item {i} is fine." for i in range(22))  # ~310 characters: ~4.8 blocks of the tiny tokenizer
+    prompts = [shared + f" question {i}: {'xyz' * (i + 1)}" for i in range(4)]
+    texts, usages = {}, {}
+    for prefix_cache in (True, False):
+        config = ServerConfig(model=str(tiny_folders[2]), dtype="q4", spec=SpeculativeSpec("none"), max_batch=4,
+                              prefix_cache=prefix_cache)
+        server = BackgroundServer(build_app(config))
+        go = threading.Barrier(4)
+        try:
+            def ask(i, http=httpx.Client(timeout=120)):
+                go.wait()
+                r = http.post(server.url + "/v1/completions",
+                              json={"model": config.model, "prompt": prompts[i], "max_tokens": 8, "temperature": 0})
+                assert r.status_code == 200, r.text
+                texts[prefix_cache, i] = r.json()["choices"][0]["text"]
+                usages[prefix_cache, i] = r.json()["usage"]
+
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            server.stop()
+    assert all(texts[True, i] == texts[False, i] for i in range(4))
+    # One request computed the shared prefix; the three others took its full blocks (5 here) from the store.
+    from transformers import AutoTokenizer
+
+    tokenized = [AutoTokenizer.from_pretrained(tiny_folders[2])(p)["input_ids"] for p in prompts]
+    common = next(j for j in range(len(tokenized[0])) if len({tuple(t[: j + 1]) for t in tokenized}) > 1)
+    cached = [usages[True, i]["prompt_tokens_details"]["cached_tokens"] for i in range(4)]
+    assert sorted(cached) == [0] + [common // BLOCK * BLOCK] * 3 and common // BLOCK == 5, (cached, common)

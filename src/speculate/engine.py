@@ -276,7 +276,7 @@ class Run:
         reuse = self.prompt_logprobs is None or self.resumed > 0  # (the prompt's rows are scored once, computed)
         kept = decoder.prefix_reuse.start(self.kv, self.tokens, capacity, decoder.prefix_cache and reuse)
         decoder.prefix_reuse.follow(self.tokens)
-        self.store = decoder.prefix_store
+        self.store, self.reuse = decoder.prefix_store, reuse
         if self.store is not None and reuse:
             kept = self.store.fill(self.kv, self.tokens[: self.prompt_end], kept)
         self.filled = kept
@@ -293,6 +293,16 @@ class Run:
         self.resumed += 1
         self._bind(decoder, prefill_chunk, reserve)
         self._prefilled()
+
+    def catch_up(self) -> None:
+        """While prefilling: take the blocks of this prompt that other runs stored since this run started (runs
+        that share its prefix and prefill beside it: server/scheduler.py lets this run wait a round while another
+        computes its next block)."""
+        if self.prefilling and self.store is not None and self.reuse:
+            filled = self.store.fill(self.kv, self.tokens[: self.prompt_end], self.filled, again=True)
+            if filled > self.filled:
+                self.stats.reused_prompt_tokens += filled - self.filled
+                self.filled = filled
 
     @property
     def positions_needed(self) -> int:
@@ -355,6 +365,8 @@ class Run:
                 following = self.tokens[self.filled + 1: self.filled + 1 + logits.shape[0]]
                 self.prompt_logprobs += _logprobs(logits, following, self.sampling.prompt_logprobs)
             self.filled = self.kv.length
+            if self.store is not None and self.prefilling:  # the chunk's full blocks, for runs prefilling beside it
+                self.store.add(self.kv, self.tokens[: self.filled])
             return self._prefilled()
         draft, kv, drafter = self.draft, self.kv, self.drafter
         raw = logits

@@ -438,19 +438,22 @@ class FastKVModel:
     @torch.inference_mode()
     def export_block(self, start: int, n: int):
         """Positions start..start+n-1 (one block of the store) for the prefix store to hold: the cache's own block,
-        shared (paged; ``n`` must then be the block), or a copy."""
+        shared (paged, where the store's blocks are the cache's), or a copy."""
         if self.paged is not None:
-            if start % BLOCK or n != BLOCK:
-                raise ValueError(f"a paged cache shares whole blocks of {BLOCK} positions, not {start}..+{n}")
-            return self.paged.block(start // BLOCK)
+            if start % BLOCK == 0 and n == BLOCK:
+                return self.paged.block(start // BLOCK)
+            return CopiedBlock(*self.paged.rows(start, n))
         return CopiedBlock(*self.rows(start, n))
 
     @torch.inference_mode()
     def import_block(self, start: int, block) -> None:
         """Hold :meth:`export_block`'s block at positions start.. (mapped where paged, copied otherwise)."""
-        if self.paged is not None:
+        if self.paged is not None and not isinstance(block, CopiedBlock):
             self.paged.map(start // BLOCK, block)
             n = BLOCK
+        elif self.paged is not None:
+            n = block.values.shape[2]
+            self.paged.write(start, block.keys, block.values)
         else:
             n = block.values.shape[2]
             self._ensure(start + n)

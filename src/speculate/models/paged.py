@@ -111,6 +111,12 @@ def pool_for(model: torch.nn.Module, layers: int, kv_heads: int, head_dim: int) 
         return pool
 
 
+def pool_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the blocks held now in ``model``'s pool (0 where it has none: no paged cache made yet)."""
+    pool = _pools.get(model)
+    return 0 if pool is None else pool.live * pool.block_bytes
+
+
 def _release_all(table: list[Block]) -> None:
     for block in table:
         block.release()
@@ -190,6 +196,19 @@ class PagedCache:
             values.append(block.values[:, :, lo:hi])
             p += hi - lo
         return torch.cat(keys, dim=3), torch.cat(values, dim=2)
+
+    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Put :meth:`rows`' copy at positions start.. (copied; the blocks made this table's own first)."""
+        n = values.shape[2]
+        self.ensure(start + n)
+        self.writable(start, start + n)
+        p = start
+        while p < start + n:
+            block, lo = self.table[p // BLOCK], p % BLOCK
+            hi = min(BLOCK, lo + start + n - p)
+            block.keys[..., lo:hi] = keys[..., p - start: p - start + hi - lo]
+            block.values[:, :, lo:hi] = values[:, :, p - start: p - start + hi - lo]
+            p += hi - lo
 
     def block(self, j: int) -> Block:
         """Block j, shared with the caller (the prefix store holds it from now on)."""

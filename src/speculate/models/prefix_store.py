@@ -83,11 +83,12 @@ class PrefixStore:
         return entry
 
     # -- a generation's side -----------------------------------------------------------------------------
-    def fill(self, kv, tokens: list[int], have: int = 0) -> int:
+    def fill(self, kv, tokens: list[int], have: int = 0, again: bool = False) -> int:
         """Put into ``kv`` (reset for this generation, holding its first ``have`` positions already) the cached
         blocks of the longest cached prefix of ``tokens`` (the prompt tokens the prefill would compute: mapped where
         ``kv`` is paged, else copied); returns the positions ``kv`` now holds: ``have``, or the end of the last block
-        taken where that is further."""
+        taken where that is further. ``again``: a second look for the same prompt (engine.Run.catch_up): its tokens
+        are not counted as looked up again, and only what it takes counts as a hit."""
         with self._lock:
             found = []
             for parent, key, part, start in self._chain(tokens):
@@ -96,13 +97,14 @@ class PrefixStore:
                     break
                 found.append((start, key, entry))
             self._touch([key for _, key, _ in found])
-            self.lookups += 1
-            self.looked_up_tokens += len(tokens)
+            if not again:
+                self.lookups += 1
+                self.looked_up_tokens += len(tokens)
             end = found[-1][0] + self.block if found else 0
             if end <= have:
-                self.hit_tokens += have
+                self.hit_tokens += 0 if again else have
                 return have
-            self.hit_tokens += end
+            self.hit_tokens += end - have if again else end
             for start, _, entry in found:
                 if start + self.block > have:  # (the positions below have are there already)
                     kv.import_block(start, entry.block)

@@ -24,6 +24,7 @@ from ..errors import SpeculateError
 from ..models.loader import LoadedModel
 from ..drafters.suffix import indexes as suffix_indexes
 from ..models.kv import position_bytes
+from ..models.paged import pool_bytes
 from ..models.prefix_store import PrefixStore
 from .auth import check_api_key
 from .body import read_json
@@ -114,6 +115,7 @@ class Routes:
         self.kv_per_token = position_bytes(target) + (position_bytes(draft) if draft is not None else 0)
         metrics.kv_budget.set(scheduler.kv_budget)
         metrics.kv_reserved = lambda: scheduler.kv_reserved
+        metrics.kv_pool = partial(pool_bytes, target.model)
         self.model_id = config.model
         self.public_name = Path(target.name).name  # an alias, or a local folder's last component: never its path
         self.created = int(time.time())

@@ -99,6 +99,10 @@ class Metrics:
         self.kv_reserved_bytes = Gauge("speculate_kv_reserved_bytes", "KV cache reserved by the running generations "
                                        "(their tokens and a stretch past them)", registry=r)
         self.kv_reserved = lambda: 0
+        self.kv_pool_bytes = Gauge("speculate_kv_pool_bytes", "KV blocks held in the target's pool (running and idle "
+                                   "generations and the prompt-prefix store; a block they share counted once)",
+                                   registry=r)
+        self.kv_pool = lambda: 0
         self.preemptions = Counter("speculate_preemptions", "Generations preempted for KV memory (--kv-memory): their "
                                    "cache given up, their tokens recomputed or found cached when they resume",
                                    registry=r)
@@ -154,6 +158,7 @@ class Metrics:
             self.prefix_store_blocks.set(self.store.blocks)
             self.prefix_hit_rate.set(self.store.hit_rate)
         self.kv_reserved_bytes.set(self.kv_reserved())
+        self.kv_pool_bytes.set(self.kv_pool())
         indexes = self.indexes()
         self.index_tokens.set(sum(i.tokens for i in indexes))
         self.index_answers.set(sum(len(i.answers) for i in indexes))

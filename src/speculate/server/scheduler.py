@@ -51,6 +51,16 @@ def _blocks(positions: int) -> int:
     return -(-positions // KEYS) * KEYS
 
 
+def _computed_beside(run: Run, chosen: list[Run]) -> bool:
+    """Whether a run chosen to prefill this round completes, from the same tokens, the prompt block that ``run``
+    would complete next (a block of the prefix store, models/prefix_store.py, which it then takes next round)."""
+    end = (run.filled // KEYS + 1) * KEYS  # the end of the block run's next chunk completes first
+    if run.store is None or not run.reuse or end > run.prompt_end or run.store.block != KEYS:
+        return False
+    return any(c.store is run.store and c.filled <= run.filled and c.filled + c.prefill_rows >= end
+               and c.tokens[:end] == run.tokens[:end] for c in chosen)
+
+
 def _held(run: Run) -> int:
     """Bytes of KV cache ``run`` holds now: the target's and its drafter's (a draft model's)."""
     return run.kv.nbytes + run.drafter.cache_bytes()
@@ -402,16 +412,24 @@ class Scheduler:
     def _round(self) -> None:
         """One speculative round of every running request (engine.step), then each one's text to its handler.
         Prefilling requests share ``prefill_budget`` prompt tokens, the shortest remaining prompt first; one left
-        without a share this round sits it out."""
+        without a share this round sits it out. So does one whose next prompt block another request computes this
+        round from the same tokens: it takes that block from the prefix store next round (:meth:`Run.catch_up`),
+        so requests that share a prompt prefix and start together compute it once."""
         if self.kv_budget:
             self._grow()
+        for r in self._running:
+            r.run.catch_up()
         running, left = [r for r in self._running if not r.run.prefilling], self.prefill_budget
+        chosen = []
         for r in sorted((r for r in self._running if r.run.prefilling), key=lambda r: r.run.prompt_end - r.run.filled):
             if left <= 0:
                 break
+            if _computed_beside(r.run, chosen):
+                continue
             r.run.prefill_chunk = min(self.prefill_chunk, left)
             left -= r.run.prefill_rows
             running.append(r)
+            chosen.append(r.run)
         runs = [r.run for r in running]
         t0 = time.perf_counter()
         pieces = step(runs, self.plan(runs))
