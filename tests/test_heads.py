@@ -663,3 +663,87 @@ def test_eagle_chain_confidence_gate(tiny, tmp_path):
     assert gates["eagle-chain"].min_confidence == gates["eagle-chain+lookup"].base.min_confidence == 0.35
     assert gates["eagle"].min_confidence == gates["eagle+lookup"].base.min_confidence == 0.0
     assert get_drafter("eagle-chain", None, loaded, heads=tmp_path, min_confidence=0).min_confidence == 0.0
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle-fused"])
+def test_heads_take_a_stored_prefix_and_draft_as_they_do_alone(tiny_folders, tmp_path, monkeypatch, kind):
+    """The prefix store with the heads (int8: the paged cache): Medusa's last prompt row is computed, EAGLE's head
+    gets the target's hidden rows of the blocks it takes (stored beside them by a generation whose drafter read
+    them; a block stored without them, by a lookup run, is computed again). Tokens, accepted drafts and target calls
+    are each the decoder's alone without the store."""
+    import random
+
+    from speculate import SpeculativeDecoder, load_model
+    from speculate.models.paged import BLOCK
+    from speculate.models.prefix_store import PrefixStore
+    from speculate.spec import SpeculativeSpec
+
+    monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path / "cache"))
+    loaded = load_model(str(tiny_folders[2]), dtype="int8")
+    kind, layers = heads_kind(kind)
+    save_heads(tmp_path / "heads", random_heads(kind, loaded, 120, seed=3, feature_layers=layers), loaded.name, 259)
+    rng = random.Random(0)
+    shared = [rng.randrange(3, 259) for _ in range(2 * BLOCK + 5)]
+    prompts = [shared + [rng.randrange(3, 259) for _ in range(9)] for _ in range(3)] + [shared[: 2 * BLOCK + 1]]
+    store = PrefixStore(1 << 30)
+    # A lookup run stores the shared blocks without hidden rows.
+    SpeculativeDecoder(loaded, SpeculativeSpec("lookup", k=3), prefix_store=store).generate(prompts[0], max_new_tokens=4)
+    def recorded():  # a drafter whose every proposal is kept: the heads' drafts show the features they read
+        drafter = drafter_for(kind, loaded, tmp_path / "heads", False)
+        drafter.drafts, propose = [], drafter.propose
+        drafter.propose = lambda tokens, k: drafter.drafts.append(propose(tokens, k)) or drafter.drafts[-1]
+        return drafter
+
+    reused = []
+    for prompt in prompts[1:]:
+        mine, fresh = recorded(), recorded()
+        with_store = SpeculativeDecoder(loaded, drafter=mine, prefix_store=store).generate(prompt, max_new_tokens=20)
+        alone = SpeculativeDecoder(loaded, drafter=fresh).generate(prompt, max_new_tokens=20)
+        assert with_store.token_ids == alone.token_ids
+        assert [d.tokens.tolist() for d in mine.drafts] == [d.tokens.tolist() for d in fresh.drafts]
+        assert mine.drafts[0].tokens.numel() > 0
+        reused.append(with_store.stats.reused_prompt_tokens)
+    # Medusa takes the lookup run's blocks at once; EAGLE only once a head's run has stored their hidden rows. The
+    # last prompt (its prefill: exactly two blocks, all stored by the run before) shows the rest: Medusa computes
+    # its last block for its last row; EAGLE takes both blocks and their rows.
+    assert reused == ([2 * BLOCK] * 2 + [BLOCK] if kind == "medusa" else [0, 2 * BLOCK, 2 * BLOCK])
+
+
+def test_a_prefilling_run_waits_only_for_blocks_it_could_take(tiny_folders, tmp_path, monkeypatch):
+    """The scheduler lets a prefilling run wait a round for the block another run computes from the same tokens
+    (server/scheduler.py, _computed_beside) only where it could take that block from the store: not an EAGLE run
+    beside a run that stores no hidden rows, not Medusa for the block that ends at its last prompt row, not with a
+    store that keeps nothing."""
+    import random
+
+    from speculate import SpeculativeDecoder, load_model
+    from speculate.models.paged import BLOCK
+    from speculate.models.prefix_store import PrefixStore
+    from speculate.sampling import SamplingParams
+    from speculate.server.scheduler import _computed_beside
+    from speculate.spec import SpeculativeSpec
+
+    monkeypatch.setenv("SPECULATE_CACHE", str(tmp_path / "cache"))
+    loaded = load_model(str(tiny_folders[2]), dtype="int8")
+    for kind in ("medusa", "eagle"):
+        save_heads(tmp_path / kind, random_heads(kind, loaded, 120, seed=3), loaded.name, 259)
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, 259) for _ in range(BLOCK + 1)]  # the prefill: one block, ending at the last row
+    longer = prompt + [rng.randrange(3, 259) for _ in range(BLOCK)]
+
+    def run(store, tokens, drafter=None):
+        decoder = SpeculativeDecoder(loaded, drafter=drafter, prefix_store=store)
+        r = decoder.start(tokens, SamplingParams(max_new_tokens=2), prefill_chunk=BLOCK)
+        r.prefill_chunk = BLOCK
+        return r
+
+    store = PrefixStore(1 << 30)
+    plain, plain_long = run(store, prompt), run(store, longer)
+    eagle, eagle_long = (run(store, t, drafter_for("eagle", loaded, tmp_path / "eagle", False)) for t in (prompt, longer))
+    medusa, medusa_long = (run(store, t, drafter_for("medusa", loaded, tmp_path / "medusa", False))
+                           for t in (prompt, longer))
+    assert _computed_beside(plain_long, [plain]) and _computed_beside(medusa_long, [plain])
+    assert _computed_beside(eagle_long, [eagle]) and not _computed_beside(eagle_long, [plain])
+    assert not _computed_beside(medusa, [plain])  # (its one block ends at its last prompt row)
+    empty = PrefixStore(0)
+    assert not _computed_beside(run(empty, longer), [run(empty, prompt)])

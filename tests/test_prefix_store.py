@@ -206,10 +206,12 @@ def test_requests_that_start_together_compute_their_shared_prefix_once(tiny_fold
         finally:
             server.stop()
     assert all(texts[True, i] == texts[False, i] for i in range(4))
-    # One request computed the shared prefix; the three others took its full blocks (5 here) from the store.
+    # Each full block of the shared prefix (5 here) was computed by one request and taken by the three others from
+    # the store: which request computed which block depends on when each arrived.
     from transformers import AutoTokenizer
 
     tokenized = [AutoTokenizer.from_pretrained(tiny_folders[2])(p)["input_ids"] for p in prompts]
     common = next(j for j in range(len(tokenized[0])) if len({tuple(t[: j + 1]) for t in tokenized}) > 1)
     cached = [usages[True, i]["prompt_tokens_details"]["cached_tokens"] for i in range(4)]
-    assert sorted(cached) == [0] + [common // BLOCK * BLOCK] * 3 and common // BLOCK == 5, (cached, common)
+    shared_blocks = common // BLOCK * BLOCK
+    assert sum(cached) == 3 * shared_blocks and max(cached) == shared_blocks and common // BLOCK == 5, (cached, common)

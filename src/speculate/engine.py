@@ -119,8 +119,10 @@ class SpeculativeDecoder:
     the last bits, so a near-tie may resolve differently than in a fresh decoder. Not for drafters that
     read the target's features (the heads observe every prompt row).
     ``prefix_store``: a :class:`~speculate.models.prefix_store.PrefixStore` shared by every decoder of this target
-    (the server's): a prompt's blocks that any generation computed, whatever its settings, are copied in instead of
+    (the server's): a prompt's blocks that any generation computed, whatever its settings, are taken instead of
     computed, and this generation's prompt blocks are added for the next (the same caveats as ``prefix_cache``).
+    The heads get what they read: Medusa's last prompt row is always computed; EAGLE's head takes the target's
+    hidden rows of the blocks it takes, kept beside them in the store (:meth:`Run._from_store`).
     """
 
     def __init__(self, target: LoadedModel, spec: SpeculativeSpec | None = None, *,
@@ -136,7 +138,7 @@ class SpeculativeDecoder:
         self.prefix_cache = prefix_cache and not self.drafter.wants_hidden
         self.drafter.reuse_prefix = self.prefix_cache
         self.prefix_reuse = PrefixReuse()  # which tokens the target's cache holds, for prefix_cache
-        self.prefix_store = prefix_store if self.kv.shares_prefixes and not self.drafter.wants_hidden else None
+        self.prefix_store = prefix_store if self.kv.shares_prefixes else None
         self.built_verifier = verifier
         if is_auto(spec.verifier_params.get("eps")):  # consultant's eps, the one 'auto' a verifier declares
             self.spec = replace(self.spec, params={**spec.verifier_params, "eps": calibrate_eps(target)})
@@ -277,12 +279,31 @@ class Run:
         kept = decoder.prefix_reuse.start(self.kv, self.tokens, capacity, decoder.prefix_cache and reuse)
         decoder.prefix_reuse.follow(self.tokens)
         self.store, self.reuse = decoder.prefix_store, reuse
-        if self.store is not None and reuse:
-            kept = self.store.fill(self.kv, self.tokens[: self.prompt_end], kept)
-        self.filled = kept
+        # A drafter that observes every prompt row (EAGLE): the target's hidden rows of positions 0..filled-1, taken
+        # from the store or computed, to be stored beside the blocks this run adds.
+        self.hidden_rows = [] if self.store is not None and self.drafter.wants_hidden and \
+            self.drafter.observes_prompt else None
+        taken = self._from_store(kept) if self.store is not None and reuse else None
+        self.filled = kept if taken is None else taken
         self.kv.taps = self.drafter.feature_layers  # the layer outputs a fused EAGLE head reads beside the hidden rows
         self.policy.reset()
         self.drafter.begin(self.tokens, self.sampling, self.generator)
+        if self.hidden_rows:
+            self.drafter.observe(torch.cat(self.hidden_rows))
+
+    def _from_store(self, have: int, again: bool = False) -> int:
+        """Take from the prefix store the blocks of this run's prompt past ``have`` (its cache's positions); returns
+        the positions its cache holds then. A drafter that reads the target's hidden rows gets what it needs:
+        Medusa's heads read the last prompt row only, so that one is always computed (the blocks taken end before
+        it); EAGLE's head reads every row, so only blocks stored with their hidden rows are taken (for its taps),
+        and those rows go to ``hidden_rows`` (the caller hands them to the drafter)."""
+        drafter, tokens = self.drafter, self.tokens[: self.prompt_end]
+        if not drafter.wants_hidden:
+            return self.store.fill(self.kv, tokens, have, again=again)
+        if not drafter.observes_prompt:
+            return self.store.fill(self.kv, tokens[:-1], have, again=again)
+        return self.store.fill(self.kv, tokens, have, again=again, hidden=drafter.feature_layers,
+                               rows=self.hidden_rows)
 
     def resume(self, decoder: SpeculativeDecoder, prefill_chunk: int | None = None, reserve: int | None = None):
         """Go on with ``decoder`` after a preemption took this run's cache away: its tokens so far are prefilled
@@ -294,12 +315,28 @@ class Run:
         self._bind(decoder, prefill_chunk, reserve)
         self._prefilled()
 
+    def could_take(self, end: int, other: "Run") -> bool:
+        """Whether this run could take from the prefix store the prompt blocks up to position ``end`` once
+        ``other`` (prefilling the same tokens) has stored them (see :meth:`_from_store`)."""
+        if self.store is None or not self.reuse or other.store is not self.store:
+            return False
+        drafter = self.drafter
+        if drafter.wants_hidden and not drafter.observes_prompt:  # Medusa: its last prompt row is computed
+            return end <= self.prompt_end - 1
+        if drafter.wants_hidden:  # EAGLE: only blocks stored with the hidden rows of its taps
+            return end <= self.prompt_end and other.hidden_rows is not None and \
+                other.drafter.feature_layers == drafter.feature_layers
+        return end <= self.prompt_end
+
     def catch_up(self) -> None:
         """While prefilling: take the blocks of this prompt that other runs stored since this run started (runs
         that share its prefix and prefill beside it: server/scheduler.py lets this run wait a round while another
         computes its next block)."""
         if self.prefilling and self.store is not None and self.reuse:
-            filled = self.store.fill(self.kv, self.tokens[: self.prompt_end], self.filled, again=True)
+            seen = len(self.hidden_rows or ())
+            filled = self._from_store(self.filled, again=True)
+            if self.hidden_rows and len(self.hidden_rows) > seen:  # (EAGLE: the rows of the blocks just taken)
+                self.drafter.observe(torch.cat(self.hidden_rows[seen:]))
             if filled > self.filled:
                 self.stats.reused_prompt_tokens += filled - self.filled
                 self.filled = filled
@@ -361,12 +398,14 @@ class Run:
         if self.draft is None:  # a prefill chunk went in
             if self.drafter.wants_hidden:
                 self.drafter.observe(self.kv.hidden)
+                if self.hidden_rows is not None:
+                    self.hidden_rows.append(self.kv.hidden.clone())
             if self._scoring_prompt:  # row j of the chunk scores the prompt token after it
                 following = self.tokens[self.filled + 1: self.filled + 1 + logits.shape[0]]
                 self.prompt_logprobs += _logprobs(logits, following, self.sampling.prompt_logprobs)
             self.filled = self.kv.length
             if self.store is not None and self.prefilling:  # the chunk's full blocks, for runs prefilling beside it
-                self.store.add(self.kv, self.tokens[: self.filled])
+                self._to_store(self.filled)
             return self._prefilled()
         draft, kv, drafter = self.draft, self.kv, self.drafter
         raw = logits
@@ -429,11 +468,20 @@ class Run:
         if self.prefilling:
             return []
         if self.store is not None:  # the prompt's blocks, for the generations that share its prefix
-            self.store.add(self.kv, self.tokens[: self.prompt_end])
+            self._to_store(self.prompt_end)
+            self.hidden_rows = None  # (the prompt is in: no more rows to store)
         if self.resumed:
             return []
         self.stats.prefill_seconds = time.perf_counter() - self.started
         return self._end() if self.max_new_tokens == 0 else []
+
+    def _to_store(self, end: int) -> None:
+        """The full blocks of positions 0..end-1 into the prefix store, with the hidden rows an EAGLE head reads."""
+        if self.hidden_rows is None:
+            self.store.add(self.kv, self.tokens[:end])
+        else:
+            self.store.add(self.kv, self.tokens[:end], hidden=self.drafter.feature_layers,
+                           rows=torch.cat(self.hidden_rows) if self.hidden_rows else None)
 
     def _end(self) -> list[str]:
         self.stats.wall_seconds = time.perf_counter() - self.started

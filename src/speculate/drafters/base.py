@@ -123,6 +123,9 @@ class Drafter:
     tree = False  # True: proposals may be trees (Draft.parents); the verifier must have a tree rule
     wants_hidden = False  # True: the engine hands over the target's hidden states through observe()
     feature_layers: tuple[int, ...] = ()  # decoder layers whose outputs observe() also wants (EAGLE-3)
+    # With wants_hidden: True where observe() reads every prompt row (EAGLE's head feeds each position), False where
+    # it reads the last only (Medusa's heads): what a prompt taken from the prefix store must come with.
+    observes_prompt = True
     # Set by the engine (its ``prefix_cache``): a drafter with its own KV cache may keep the prefix the
     # next prompt shares with the last generation (models/kv.py, PrefixReuse).
     reuse_prefix = False

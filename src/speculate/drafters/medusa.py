@@ -40,6 +40,7 @@ class MedusaDrafter(Drafter):
     params = (HEADS,)
     variants = (Variant("tree", True, "draft the static candidate tree (false: a chain)", suffix="-chain"), LOOKUP)
     wants_hidden = True
+    observes_prompt = False  # (the heads read the last row only: observe keeps hidden[-1:])
 
     @classmethod
     def options(cls, tree=True, lookup=False):

@@ -66,6 +66,7 @@ class WithLookup(Drafter):
         self.base, self.base_k, self.lookup = base, base_k, lookup or LookupDrafter(max_copy=0)
         self.name = name or f"{base.name}+lookup"
         self.wants_hidden, self.feature_layers = base.wants_hidden, base.feature_layers
+        self.observes_prompt = base.observes_prompt
 
     def begin(self, prompt_ids, sampling, generator):
         super().begin(prompt_ids, sampling, generator)

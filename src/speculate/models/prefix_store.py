@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,10 +41,13 @@ class _Entry:
     parent: bytes | None  # the key of the block before it (None: the first block)
     tokens: tuple[int, ...]
     block: object  # the cache's export_block: a paged.Block held by the store, or a CopiedBlock
+    # The target's hidden rows of the block's positions, by the layers tapped beside the final-normed rows (an
+    # EAGLE head's feature_layers: kv.hidden's width), where a generation whose drafter reads them computed it.
+    hidden: dict = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return self.block.nbytes
+        return self.block.nbytes + sum(rows.nbytes for rows in self.hidden.values())
 
 
 class PrefixStore:
@@ -83,17 +86,20 @@ class PrefixStore:
         return entry
 
     # -- a generation's side -----------------------------------------------------------------------------
-    def fill(self, kv, tokens: list[int], have: int = 0, again: bool = False) -> int:
+    def fill(self, kv, tokens: list[int], have: int = 0, again: bool = False, hidden: tuple | None = None,
+             rows: list | None = None) -> int:
         """Put into ``kv`` (reset for this generation, holding its first ``have`` positions already) the cached
         blocks of the longest cached prefix of ``tokens`` (the prompt tokens the prefill would compute: mapped where
         ``kv`` is paged, else copied); returns the positions ``kv`` now holds: ``have``, or the end of the last block
         taken where that is further. ``again``: a second look for the same prompt (engine.Run.catch_up): its tokens
-        are not counted as looked up again, and only what it takes counts as a hit."""
+        are not counted as looked up again, and only what it takes counts as a hit. ``hidden`` (the tapped layers,
+        () for none): take only blocks stored with those hidden rows, and append to ``rows`` the rows of the
+        positions taken past ``have``."""
         with self._lock:
             found = []
             for parent, key, part, start in self._chain(tokens):
                 entry = self._find(parent, key, part)
-                if entry is None:
+                if entry is None or (hidden is not None and hidden not in entry.hidden):
                     break
                 found.append((start, key, entry))
             self._touch([key for _, key, _ in found])
@@ -108,21 +114,28 @@ class PrefixStore:
             for start, _, entry in found:
                 if start + self.block > have:  # (the positions below have are there already)
                     kv.import_block(start, entry.block)
+                    if hidden is not None:
+                        rows.append(entry.hidden[hidden][max(0, have - start):])
         kv.length = end
         return end
 
-    def add(self, kv, tokens: list[int]) -> None:
+    def add(self, kv, tokens: list[int], hidden: tuple | None = None, rows=None) -> None:
         """Store the full blocks of ``tokens`` (whose KV ``kv`` holds at positions 0..len(tokens)-1) that are not
-        stored yet, then evict the least recently used blocks beyond the budget."""
+        stored yet, then evict the least recently used blocks beyond the budget. ``rows``: the target's hidden rows
+        of those positions (taps ``hidden``), kept with each block that lacks them."""
         with self._lock:
             chain = []
             for parent, key, part, start in self._chain(tokens[: kv.length]):
-                if self._find(parent, key, part) is None:
+                entry = self._find(parent, key, part)
+                if entry is None:
                     if key in self._entries:  # a colliding key holds another prefix: keep that one, stop here
                         break
                     entry = _Entry(parent, part, kv.export_block(start, self.block))
                     self._entries[key] = entry
                     self.bytes += entry.nbytes
+                if rows is not None and hidden not in entry.hidden and rows.shape[0] >= start + self.block:
+                    entry.hidden[hidden] = rows[start: start + self.block].clone()
+                    self.bytes += entry.hidden[hidden].nbytes
                 chain.append(key)
             self._touch(chain)
             while self.bytes > self.budget:

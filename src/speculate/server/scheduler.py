@@ -55,9 +55,9 @@ def _computed_beside(run: Run, chosen: list[Run]) -> bool:
     """Whether a run chosen to prefill this round completes, from the same tokens, the prompt block that ``run``
     would complete next (a block of the prefix store, models/prefix_store.py, which it then takes next round)."""
     end = (run.filled // KEYS + 1) * KEYS  # the end of the block run's next chunk completes first
-    if run.store is None or not run.reuse or end > run.prompt_end or run.store.block != KEYS:
-        return False
-    return any(c.store is run.store and c.filled <= run.filled and c.filled + c.prefill_rows >= end
+    if run.store is None or run.store.block != KEYS or not run.store.budget:
+        return False  # (a store that keeps nothing: the block would not be there to take)
+    return any(c.filled <= run.filled and c.filled + c.prefill_rows >= end and run.could_take(end, c)
                and c.tokens[:end] == run.tokens[:end] for c in chosen)
 
 
