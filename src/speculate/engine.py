@@ -298,6 +298,7 @@ class Run:
         it); EAGLE's head reads every row, so only blocks stored with their hidden rows are taken (for its taps),
         and those rows go to ``hidden_rows`` (the caller hands them to the drafter)."""
         drafter, tokens = self.drafter, self.tokens[: self.prompt_end]
+        self.looked_at = self.store.version
         if not drafter.wants_hidden:
             return self.store.fill(self.kv, tokens, have, again=again)
         if not drafter.observes_prompt:
@@ -332,7 +333,7 @@ class Run:
         """While prefilling: take the blocks of this prompt that other runs stored since this run started (runs
         that share its prefix and prefill beside it: server/scheduler.py lets this run wait a round while another
         computes its next block)."""
-        if self.prefilling and self.store is not None and self.reuse:
+        if self.prefilling and self.store is not None and self.reuse and self.store.version != self.looked_at:
             seen = len(self.hidden_rows or ())
             filled = self._from_store(self.filled, again=True)
             if self.hidden_rows and len(self.hidden_rows) > seen:  # (EAGLE: the rows of the blocks just taken)

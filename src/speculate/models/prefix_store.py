@@ -26,12 +26,11 @@ Only the lean Llama-family caches (models/fast.py) take part; the Hugging Face p
 
 from __future__ import annotations
 
+import array
 import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-
-import torch
 
 from .paged import BLOCK  # tokens per block: the paged cache's, so that a stored block is one of its blocks
 
@@ -62,12 +61,13 @@ class PrefixStore:
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self.bytes = 0
         self.lookups = self.hit_tokens = self.looked_up_tokens = 0  # /metrics: the hit rate over prompt tokens
+        self.version = 0  # blocks stored so far: a run that looked up at this version has nothing new to find
         self._lock = threading.Lock()
 
     def _key(self, parent: bytes | None, tokens) -> bytes:
         h = hashlib.blake2b(digest_size=self.digest_size)
         h.update(parent or b"")
-        h.update(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes())
+        h.update(array.array("q", tokens).tobytes())  # (int64s, as torch's were: the same keys, 4x faster)
         return h.digest()
 
     def _chain(self, tokens: list[int]):
@@ -133,9 +133,11 @@ class PrefixStore:
                     entry = _Entry(parent, part, kv.export_block(start, self.block))
                     self._entries[key] = entry
                     self.bytes += entry.nbytes
+                    self.version += 1
                 if rows is not None and hidden not in entry.hidden and rows.shape[0] >= start + self.block:
                     entry.hidden[hidden] = rows[start: start + self.block].clone()
                     self.bytes += entry.hidden[hidden].nbytes
+                    self.version += 1
                 chain.append(key)
             self._touch(chain)
             while self.bytes > self.budget:
