@@ -205,13 +205,6 @@ class FastKVModel:
             return self.paged.capacity
         return 0 if self.k_cache is None else self.k_cache.shape[2]
 
-    def release(self) -> None:
-        """Give the cache's memory back (its blocks to the pool); the next generation allocates again."""
-        self.length = 0
-        if self.paged is not None:
-            self.paged.release()
-        self.k_cache = self.v_cache = None
-
     def ensure(self, positions: int) -> None:
         """Allocate the cache for ``positions`` positions now, no more (rounded to the kernel's key blocks): the
         server's admission by memory reserves a stretch at a time (server/scheduler.py)."""

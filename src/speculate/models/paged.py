@@ -130,7 +130,7 @@ class PagedCache:
         self.pool = pool
         self.table: list[Block] = []
         self._pointers = None
-        # A cache dropped without release() (a decoder let go) gives its blocks back when it is collected.
+        # A dropped cache (a decoder let go) gives its blocks back when it is collected.
         self._finalizer = weakref.finalize(self, _release_all, self.table)
 
     @property
@@ -146,11 +146,6 @@ class PagedCache:
         while len(self.table) * BLOCK < needed:
             self.table.append(self.pool.allocate())
             self._pointers = None
-
-    def release(self) -> None:
-        """Give every block back (the cache is empty and holds nothing)."""
-        _release_all(self.table)
-        self._pointers = None
 
     def writable(self, start: int, end: int) -> None:
         """Make the blocks of positions start..end-1 this table's alone (copy on write), before a write there."""
