@@ -733,9 +733,7 @@ def test_a_prefilling_run_waits_only_for_blocks_it_could_take(tiny_folders, tmp_
 
     def run(store, tokens, drafter=None):
         decoder = SpeculativeDecoder(loaded, drafter=drafter, prefix_store=store)
-        r = decoder.start(tokens, SamplingParams(max_new_tokens=2), prefill_chunk=BLOCK)
-        r.prefill_chunk = BLOCK
-        return r
+        return decoder.start(tokens, SamplingParams(max_new_tokens=2), prefill_chunk=BLOCK)
 
     store = PrefixStore(1 << 30)
     plain, plain_long = run(store, prompt), run(store, longer)

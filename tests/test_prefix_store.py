@@ -175,6 +175,7 @@ def test_requests_that_start_together_compute_their_shared_prefix_once(tiny_fold
     the others wait for it and take it from the store (server/scheduler.py, engine.Run.catch_up), so together they
     compute it about once; each answer is the text a server without the store gives."""
     import threading
+    from concurrent.futures import ThreadPoolExecutor
 
     import httpx
 
@@ -190,19 +191,16 @@ def test_requests_that_start_together_compute_their_shared_prefix_once(tiny_fold
         server = BackgroundServer(build_app(config))
         go = threading.Barrier(4)
         try:
-            def ask(i, http=httpx.Client(timeout=120)):
-                go.wait()
-                r = http.post(server.url + "/v1/completions",
-                              json={"model": config.model, "prompt": prompts[i], "max_tokens": 8, "temperature": 0})
-                assert r.status_code == 200, r.text
-                texts[prefix_cache, i] = r.json()["choices"][0]["text"]
-                usages[prefix_cache, i] = r.json()["usage"]
+            with httpx.Client(timeout=120) as http, ThreadPoolExecutor(4) as pool:
+                def ask(i):
+                    go.wait()  # (the four leave together)
+                    return http.post(server.url + "/v1/completions", json={
+                        "model": config.model, "prompt": prompts[i], "max_tokens": 8, "temperature": 0})
 
-            threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+                for i, r in enumerate(pool.map(ask, range(4))):  # (an error in a request fails the test here)
+                    assert r.status_code == 200, r.text
+                    texts[prefix_cache, i] = r.json()["choices"][0]["text"]
+                    usages[prefix_cache, i] = r.json()["usage"]
         finally:
             server.stop()
     assert all(texts[True, i] == texts[False, i] for i in range(4))

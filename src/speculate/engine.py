@@ -291,20 +291,26 @@ class Run:
         if self.hidden_rows:
             self.drafter.observe(torch.cat(self.hidden_rows))
 
-    def _from_store(self, have: int, again: bool = False) -> int:
-        """Take from the prefix store the blocks of this run's prompt past ``have`` (its cache's positions); returns
-        the positions its cache holds then. A drafter that reads the target's hidden rows gets what it needs:
-        Medusa's heads read the last prompt row only, so that one is always computed (the blocks taken end before
-        it); EAGLE's head reads every row, so only blocks stored with their hidden rows are taken (for its taps),
-        and those rows go to ``hidden_rows`` (the caller hands them to the drafter)."""
-        drafter, tokens = self.drafter, self.tokens[: self.prompt_end]
-        self.looked_at = self.store.version
+    def _store_terms(self) -> tuple[int, tuple | None]:
+        """What this run may take from the prefix store: (the prompt positions it may take, at most; the taps whose
+        hidden rows a taken block must come with, or None). A drafter that reads the target's hidden rows gets what
+        it needs: Medusa's heads read the last prompt row only, so that one is always computed; EAGLE's head reads
+        every row, so only blocks stored with their hidden rows (for its taps) are taken."""
+        drafter = self.drafter
         if not drafter.wants_hidden:
-            return self.store.fill(self.kv, tokens, have, again=again)
+            return self.prompt_end, None
         if not drafter.observes_prompt:
-            return self.store.fill(self.kv, tokens[:-1], have, again=again)
-        return self.store.fill(self.kv, tokens, have, again=again, hidden=drafter.feature_layers,
-                               rows=self.hidden_rows)
+            return self.prompt_end - 1, None
+        return self.prompt_end, drafter.feature_layers
+
+    def _from_store(self, have: int, again: bool = False) -> int:
+        """Take from the prefix store the blocks of this run's prompt past ``have`` (its cache's positions), within
+        :meth:`_store_terms`; returns the positions its cache holds then. Hidden rows taken go to ``hidden_rows``
+        (the caller hands them to the drafter)."""
+        most, hidden = self._store_terms()
+        self.looked_at = self.store.version
+        return self.store.fill(self.kv, self.tokens[:most], have, again=again, hidden=hidden,
+                               rows=self.hidden_rows if hidden is not None else None)
 
     def resume(self, decoder: SpeculativeDecoder, prefill_chunk: int | None = None, reserve: int | None = None):
         """Go on with ``decoder`` after a preemption took this run's cache away: its tokens so far are prefilled
@@ -321,13 +327,9 @@ class Run:
         ``other`` (prefilling the same tokens) has stored them (see :meth:`_from_store`)."""
         if self.store is None or not self.reuse or other.store is not self.store:
             return False
-        drafter = self.drafter
-        if drafter.wants_hidden and not drafter.observes_prompt:  # Medusa: its last prompt row is computed
-            return end <= self.prompt_end - 1
-        if drafter.wants_hidden:  # EAGLE: only blocks stored with the hidden rows of its taps
-            return end <= self.prompt_end and other.hidden_rows is not None and \
-                other.drafter.feature_layers == drafter.feature_layers
-        return end <= self.prompt_end
+        most, hidden = self._store_terms()
+        return end <= most and (hidden is None or (other.hidden_rows is not None
+                                                   and other.drafter.feature_layers == hidden))
 
     def catch_up(self) -> None:
         """While prefilling: take the blocks of this prompt that other runs stored since this run started (runs
