@@ -45,7 +45,7 @@ def random_prompt(seed: int, n: int) -> list[int]:
 # ------------------------------------------------------------------------------------------- the driver
 @dataclass
 class Request:
-    """One generation for :func:`run_batch`: ``make`` builds its decoder (a fresh one: a decoder holds one cache),
+    """One generation for :func:`run_batch`: ``make`` builds its decoder,
     ``kwargs`` go to ``start`` / ``generate``; it joins the batch before step ``join`` and, with ``cancel``, is
     removed before step ``cancel`` without finishing."""
 
@@ -101,8 +101,11 @@ def alone(request: Request):
 
 
 def alone_with_drafts(request: Request):
-    decoder = request.make()
-    return decoder.generate(**request.kwargs), decoder.drafter.drafts
+    run = request.make().start(**request.kwargs)
+    while not run.done:
+        step([run])
+    assert run.error is None, run.error
+    return run.generation, getattr(run, "drafts", [])
 
 
 def assert_same_as_alone(batch: Batch, requests: list[Request], skip=(), same_drafts: bool = True):
@@ -120,7 +123,7 @@ def assert_same_as_alone(batch: Batch, requests: list[Request], skip=(), same_dr
         assert "".join(batch.pieces[i]) == got.text, r.name
         assert got.stats.new_tokens == len(got.token_ids)
         if same_drafts:
-            assert run.drafter.drafts == drafts, r.name
+            assert getattr(run, "drafts", []) == drafts, r.name
             assert (got.stats.target_calls, got.stats.drafted_tokens, got.stats.accepted_draft_tokens) == \
                    (ref.stats.target_calls, ref.stats.drafted_tokens, ref.stats.accepted_draft_tokens), r.name
 
@@ -174,31 +177,16 @@ def models(tiny_folders, tmp_path_factory):
             shutil.rmtree(quantized_cache_folder(str(folder), folder, kind), ignore_errors=True)
 
 
-def recording(decoder: SpeculativeDecoder) -> SpeculativeDecoder:
-    """The decoder, its drafter keeping the drafts of its current generation in ``drafter.drafts`` (each round's
-    tokens and tree as verified, recorded by :func:`record_drafts`; reset at begin)."""
-    drafter = decoder.drafter
-    begin = drafter.begin
-    drafter.drafts = []
-
-    def begun(*args):
-        drafter.drafts = []
-        begin(*args)
-
-    drafter.begin = begun
-    return decoder
-
-
 @pytest.fixture(autouse=True)
 def record_drafts():
     """Every round's draft, as the run hands it to the target (whichever way the engine asked the drafter: one by
-    one, or a draft-model class's batched ``propose_many``), appended to its drafter's ``drafts``."""
+    one, or a draft-model class's batched ``propose_many``), appended to the run's ``drafts``."""
     rows = Run.rows
 
     def recorded(run, *args, **kwargs):
         out = rows(run, *args, **kwargs)
-        if run.draft is not None and hasattr(run.drafter, "drafts"):
-            run.drafter.drafts.append((run.draft.tokens.tolist(), run.draft.parents))
+        if run.draft is not None:
+            run.__dict__.setdefault("drafts", []).append((run.draft.tokens.tolist(), run.draft.parents))
         return out
 
     with pytest.MonkeyPatch.context() as mp:  # (its own: the tests' monkeypatch.undo() leaves it)
@@ -207,12 +195,12 @@ def record_drafts():
 
 
 def maker(target, drafter, draft_model=None, k=4, verifier="greedy", **kw):
-    """A decoder factory (recording its drafts); ``drafter`` a name or a callable building a Drafter (a fresh one
+    """A decoder factory; ``drafter`` a name or a callable building a Drafter (a fresh one
     per decoder)."""
     def make():
         built = drafter() if callable(drafter) else None
         spec = SpeculativeSpec("auto" if built else drafter, verifier=verifier, params=kw, k=k)
-        return recording(SpeculativeDecoder(target, spec, drafter=built, draft_model=draft_model))
+        return SpeculativeDecoder(target, spec, drafter=built, draft_model=draft_model)
     return make
 
 
@@ -248,8 +236,8 @@ def test_mixed_drafters_batched_equal_each_request_alone(models, dtype, monkeypa
     gens = [run.generation for run in batch.runs]
     assert all(g.stats.exactness == "batched" for g in gens)
     assert all(len(g.token_ids) == r.kwargs["max_new_tokens"] for g, r in zip(gens, reqs) if g.finish_reason == "length")
-    assert all(any(tokens for tokens, _ in run.drafter.drafts) for run in batch.runs[1:])  # (compared: not empty)
-    assert any(parents for _, parents in batch.runs[4].drafter.drafts)  # model-tree's trees
+    assert all(any(tokens for tokens, _ in run.drafts) for run in batch.runs[1:])  # (compared: not empty)
+    assert any(parents for _, parents in batch.runs[4].drafts)  # model-tree's trees
     # The drafts were used: accepted and rejected, by the draft models too.
     assert sum(g.stats.accepted_draft_tokens for g in gens[2:6]) > 0
     assert sum(g.stats.drafted_tokens - g.stats.accepted_draft_tokens for g in gens) > 0
@@ -346,7 +334,7 @@ def test_self_drafting_heads_with_and_without_tapped_layers_batched_equal_alone(
     batch = run_batch(reqs)
     assert max(batch.sizes) == len(reqs)
     assert_same_as_alone(batch, reqs)
-    assert all(run.drafter.drafts and any(tokens for tokens, _ in run.drafter.drafts) for run in batch.runs[:4])
+    assert all(any(tokens for tokens, _ in run.drafts) for run in batch.runs[:4])
 
 
 # ----------------------------------------------------------------------------------- 2. the default model
@@ -384,13 +372,13 @@ def test_default_model_int8_drafters_batched_equal_alone(default_int8):
     for name in drafters:
         decoder = maker(target, name, k=4)()
         for p, prompt in enumerate(PROMPTS):
-            out = decoder.generate(prompt, max_new_tokens=24, chat=False if isinstance(prompt, str) else None)
-            refs[name, p] = out, decoder.drafter.drafts
+            refs[name, p] = alone_with_drafts(Request(lambda: decoder, dict(
+                prompt=prompt, max_new_tokens=24, chat=False if isinstance(prompt, str) else None)))
     for run, r in zip(batch.runs, reqs):
         name, p = r.name.split()
         ref, drafts = refs[name, int(p)]
         assert run.error is None and run.generation.token_ids == ref.token_ids, r.name
-        assert run.drafter.drafts == drafts, r.name  # the heads drafted from the same features
+        assert run.drafts == drafts, r.name  # the heads drafted from the same features
     assert "Paris" in refs["none", 0][0].text
     accepted = Counter()
     for run, r in zip(batch.runs, reqs):
@@ -424,7 +412,7 @@ def test_seeded_sampling_batched_equals_alone(models):
     assert_same_as_alone(batch, reqs)
     gens = [run.generation for run in batch.runs]
     assert gens[0].token_ids != gens[1].token_ids  # the seeds matter: it did sample
-    assert all(any(tokens for tokens, _ in run.drafter.drafts) for run in batch.runs[:5])
+    assert all(any(tokens for tokens, _ in run.drafts) for run in batch.runs[:5])
     assert sum(g.stats.accepted_draft_tokens for g in gens[:5]) > 0
     assert sum(g.stats.drafted_tokens - g.stats.accepted_draft_tokens for g in gens[:5]) > 0
 

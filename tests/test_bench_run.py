@@ -125,16 +125,19 @@ def test_skip_leaves_out_the_first_samples(tmp_path, tiny_folders):
 
 
 def test_prefix_cache_reaches_every_decoder(tmp_path, tiny_folders):
-    """prefix_cache = true (TOML) / --prefix-cache: plain decoding and every engine method keep the prompt
-    prefix they share with their last generation — here the chat template's and the copy prompts' opening
-    words — and the run records the setting; a value that is not a boolean is refused."""
+    """prefix_cache = true (TOML) / --prefix-cache: plain decoding and every engine method take from a store of their
+    own the blocks of their earlier generations — here an MT-Bench question's second turn, which starts with the first
+    turn and its answer — and the run records the setting; a value that is not a boolean is refused."""
     import argparse
 
     sd = engine_method("lookup", "greedy", 3)
-    out = run_bench(_config(tmp_path, tiny_folders[0], [sd], prefix_cache=True, limit=3), progress=False)
+    out = run_bench(_config(tmp_path, tiny_folders[0], [sd], prefix_cache=True, datasets=["mt_bench"]),
+                    progress=False)
     records = read_records(out / "samples.jsonl")
     assert {r["method"] for r in records} == {"plain", sd.name}
-    assert all(r["turns"][0]["stats"]["reused_prompt_tokens"] > 0 for r in records)
+    assert all(r["turns"][1]["stats"]["reused_prompt_tokens"] >= 64 for r in records)
+    off = run_bench(_config(tmp_path / "off", tiny_folders[0], [sd], datasets=["mt_bench"]), progress=False)
+    assert all(r["turns"][1]["stats"]["reused_prompt_tokens"] == 0 for r in read_records(off / "samples.jsonl"))
     assert json.loads((out / "run.json").read_text())["settings"]["prefix_cache"] is True
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -167,7 +167,7 @@ def test_a_failed_self_check_falls_back_to_exact_row_by_row_verification(tiny_fo
     target = load_model(str(tiny_folders[0]), dtype="int8")
     with pytest.warns(SpeculateWarning, match="one at a time"):
         plain = SpeculativeDecoder(target, SpeculativeSpec("none"))
-    assert plain.kv.row_by_row
+    assert plain.new_cache().row_by_row
     draft = noisy_copy(target, 0.05)
     accepted = 0
     for seed in range(3):

@@ -183,7 +183,7 @@ def spec_greedy(loaded, drafter, prompt, n, k, fast=True):
     Returns (tokens, accepted drafts, rounds); the tokens stop early only at EOS."""
     decoder = SpeculativeDecoder(loaded, SpeculativeSpec(verifier="greedy", k=k), drafter=drafter)
     if not fast:
-        decoder.kv = KVModel(loaded, fast=False)
+        decoder.new_cache = lambda: KVModel(loaded, fast=False)
     g = decoder.generate(list(prompt), max_new_tokens=n)
     assert len(g.token_ids) == n or g.finish_reason == "stop"
     return g.token_ids, g.stats.accepted_draft_tokens, g.stats.target_calls

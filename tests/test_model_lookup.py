@@ -11,6 +11,7 @@ from scipy import stats as sstats
 
 from speculate import SpeculateError, SpeculativeDecoder
 from speculate.spec import SpeculativeSpec
+from speculate.engine import step
 from speculate.cli import main
 from speculate.drafters import get_drafter, parse_options
 from speculate.drafters.model_lookup import ModelWithLookup
@@ -101,9 +102,12 @@ def test_k_auto_learns_only_from_the_draft_models_rounds(tiny, tmp_path, monkeyp
     drafter = Recording(noisy_copy(target, 0.1), target, min_match=1)
     decoder = SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k="auto"), drafter=drafter)
     prompt = repetitive_prompt(3)
-    assert decoder.generate(prompt, max_new_tokens=48).token_ids == \
+    run = decoder.start(prompt, max_new_tokens=48)
+    while not run.done:
+        step([run])
+    assert run.generation.token_ids == \
         SpeculativeDecoder(target, SpeculativeSpec("none")).generate(prompt, max_new_tokens=48).token_ids
-    policy = decoder.k_policy
+    policy = run.policy  # (each run's own: the decoder's is the prior it starts from)
     assert isinstance(policy, AutoK)
     prior_successes, prior_failures = policy.alpha0 * policy.prior_weight, (1 - policy.alpha0) * policy.prior_weight
     model_rounds = [(n, acc) for copied, n, acc in drafter.rounds if not copied and n]

@@ -16,6 +16,8 @@ from speculate.models.paged import BLOCK
 from speculate.models.prefix_store import PrefixStore
 from speculate.spec import SpeculativeSpec
 
+from test_prefix_cache import Counted
+
 
 @pytest.fixture(scope="module")
 def fn():
@@ -62,51 +64,62 @@ def ids(seed, n):
 
 
 def test_running_generations_share_prompt_blocks_and_never_write_into_them(target):
-    """Two decoders map the store's blocks of a shared prompt (one copy, counted three times); one of them then
-    starts a generation that keeps its cache up to a position inside a shared block and writes there: it copies
-    that block first, so the store's blocks keep their bits, and every answer is a fresh decoder's."""
+    """Two generations map the store's blocks of a shared prompt (one copy, counted three times); a cache that then
+    keeps its positions up to one inside a shared block and writes there copies that block first, so the store's
+    blocks keep their bits, and its logits and every answer are a fresh cache's."""
     store = PrefixStore(1 << 30)
     shared = ids(0, 3 * BLOCK)
-    first = SpeculativeDecoder(target, SpeculativeSpec("lookup", k=3), prefix_store=store, prefix_cache=True)
+    first = SpeculativeDecoder(target, SpeculativeSpec("lookup", k=3), prefix_store=store)
+    first_kv = Counted(first)  # (holds the run's cache after its end)
     first.generate(shared + ids(1, 5), max_new_tokens=4)
-    stored = [first.kv.paged.table[j] for j in range(3)]
+    stored = [first_kv.kv.paged.table[j] for j in range(3)]
     before = [(b.keys.clone(), b.values.clone()) for b in stored]
     second = SpeculativeDecoder(target, SpeculativeSpec("none"), prefix_store=store)
+    second_kv = Counted(second)
     second.generate(shared + ids(2, 5), max_new_tokens=4)
-    assert all(second.kv.paged.table[j] is stored[j] for j in range(3))
-    assert [b.refs for b in stored] == [3, 3, 3]  # the first decoder's table, the store, the second's table
-    # The first decoder's own prefix reuse: the new prompt leaves the shared tokens inside block 1, so its next
-    # writes land in a block that the store and the second decoder hold.
-    prompt = shared[: BLOCK + 10] + ids(3, 40)
-    out = first.generate(prompt, max_new_tokens=8)
-    alone = SpeculativeDecoder(target, SpeculativeSpec("lookup", k=3)).generate(prompt, max_new_tokens=8)
-    assert out.token_ids == alone.token_ids
-    assert out.stats.reused_prompt_tokens >= BLOCK  # (it did reuse: block 0 is still mapped)
-    assert first.kv.paged.table[0] is stored[0] and first.kv.paged.table[1] is not stored[1]
+    assert all(second_kv.kv.paged.table[j] is stored[j] for j in range(3))
+    assert [b.refs for b in stored] == [3, 3, 3]  # the first generation's table, the store, the second's table
+    # A cache holding the shared blocks rolls back into block 1 and goes on with other tokens: its writes land in a
+    # block that the store and both generations hold.
+    kv = first.new_cache()
+    kv.reset(4 * BLOCK)
+    assert store.fill(kv, shared) == 3 * BLOCK and kv.paged.table[1] is stored[1]
+    kv.keep(BLOCK + 10)
+    rest = torch.tensor(ids(3, 40))
+    logits = kv.forward(rest)
+    fresh = first.new_cache()
+    fresh.reset(4 * BLOCK)
+    fresh.forward(torch.tensor(shared[: BLOCK + 10]))
+    assert torch.equal(logits, fresh.forward(rest))
+    assert kv.paged.table[0] is stored[0] and kv.paged.table[1] is not stored[1]
     for block, (keys, values) in zip(stored, before):
         assert torch.equal(block.keys, keys) and torch.equal(block.values, values)
     # The second decoder still answers from the untouched blocks as alone.
     again = second.generate(shared + ids(2, 5), max_new_tokens=4)
     fresh = SpeculativeDecoder(target, SpeculativeSpec("none")).generate(shared + ids(2, 5), max_new_tokens=4)
-    assert again.token_ids == fresh.token_ids
+    assert again.token_ids == fresh.token_ids and again.stats.reused_prompt_tokens == 3 * BLOCK
 
 
 def test_blocks_go_back_when_nobody_holds_them(target):
     """A pool counts its live blocks: a dropped decoder and an evicting store give theirs back, and a block the store
     evicts while a generation still maps it stays with that generation."""
-    pool = SpeculativeDecoder(target, SpeculativeSpec("none")).kv.paged.pool
+    pool = SpeculativeDecoder(target, SpeculativeSpec("none")).new_cache().paged.pool
     gc.collect()
     base = pool.live
     store = PrefixStore(1 << 30)
     decoder = SpeculativeDecoder(target, SpeculativeSpec("none"), prefix_store=store)
     decoder.generate(ids(5, 2 * BLOCK + 3), max_new_tokens=2)
-    held = len(decoder.kv.paged.table)
-    assert pool.live == base + held and store.blocks == 2
-    block = decoder.kv.paged.table[0]
+    assert pool.live == base + 2 and store.blocks == 2  # the run's cache went; the store's two blocks stay
+    caches = Counted(decoder)  # (keeps the next run's cache after its end)
+    decoder.generate(ids(5, 2 * BLOCK + 3), max_new_tokens=2)
+    kv = caches.kv
+    held = len(kv.paged.table)
+    assert held == 3 and pool.live == base + held  # two blocks mapped from the store, one its own
+    block = kv.paged.table[0]
     store.budget = 0
-    store.add(decoder.kv, [])  # (evicts down to the budget)
+    store.add(kv, [])  # (evicts down to the budget)
     assert store.blocks == 0 and block.refs == 1 and pool.live == base + held
-    del decoder
+    del caches, kv, decoder  # (the decoder's new_cache holds the recorder)
     gc.collect()
     assert pool.live == base and block.refs == 0
 

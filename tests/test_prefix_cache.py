@@ -1,5 +1,7 @@
-"""``prefix_cache``: a decoder keeps the KV of the prefix a new prompt shares with its last generation
-(models/kv.py, PrefixReuse), for the target and the draft model."""
+"""One decoder, many generations: each run has its own KV cache and drafter state (``SpeculativeDecoder.new_cache``,
+``new_drafter``), so generations on one decoder run at once; ``prefix_cache`` gives a decoder a prefix store of its
+own, from which a prompt takes what earlier generations computed — the target's blocks and the draft model's, the
+prompt's and the answer's (the next turn of a chat)."""
 
 from __future__ import annotations
 
@@ -9,15 +11,16 @@ import pytest
 import torch
 
 from speculate import SpeculativeDecoder, load_model
-from speculate.spec import SpeculativeSpec
 from speculate.drafters.none import NoDrafter
-from speculate.models.kv import PrefixReuse
+from speculate.engine import step
+from speculate.models.paged import BLOCK
+from speculate.spec import SpeculativeSpec
 
 
 @pytest.fixture(scope="module")
 def int8_pair(tiny_folders):
     """An int8 target and an int8 draft model (another tiny model with the same tokenizer): at int8 every
-    row is computed as it would be alone, so a kept prefix is bit-identical to a fresh prefill."""
+    row is computed as it would be alone, so a stored block is bit-identical to a fresh prefill."""
     return load_model(str(tiny_folders[0]), dtype="int8"), load_model(str(tiny_folders[1]), dtype="int8")
 
 
@@ -26,117 +29,166 @@ def ids(seed, n):
     return [rng.randrange(3, 259) for _ in range(n)]
 
 
-class Counted:
-    """Wraps a lean KV model's forward (every forward goes through ``forward_many``), recording how many tokens each
-    call fed."""
+def _draft_kv(drafter):
+    return drafter.drafter.kv if hasattr(drafter, "drafter") else drafter.kv  # model+lookup wraps a model drafter
 
-    def __init__(self, kv):
-        self.fed, forward_many = [], kv.forward_many
+
+class Counted:
+    """Records every cache ``decoder`` makes from now on — the target's (``new_cache``), or with ``draft`` its
+    drafter's draft model's — and the tokens each of its forwards fed (every forward of a cache goes through its
+    ``forward_many``). ``kv`` / ``fed``: the last cache's."""
+
+    def __init__(self, decoder, draft: bool = False):
+        self.caches, self.feeds = [], []
+        name = "new_drafter" if draft else "new_cache"
+        make = getattr(decoder, name)
+
+        def made():
+            part = make()
+            self._count(_draft_kv(part) if draft else part)
+            return part
+
+        setattr(decoder, name, made)
+
+    def _count(self, kv):
+        fed, forward_many = [], kv.forward_many
+        self.caches.append(kv)
+        self.feeds.append(fed)
 
         def counted(items):
-            self.fed.append(sum(int(item.tokens.shape[0]) for item in items if item.kv is kv))
+            fed.append(sum(int(item.tokens.shape[0]) for item in items if item.kv is kv))
             return forward_many(items)
 
         kv.forward_many = counted
+
+    @property
+    def kv(self):
+        return self.caches[-1]
+
+    @property
+    def fed(self) -> list[int]:
+        return self.feeds[-1]
+
+
+def plain(target, prompt, n):
+    return SpeculativeDecoder(target, SpeculativeSpec("none")).generate(prompt, max_new_tokens=n).token_ids
 
 
 @pytest.mark.parametrize("drafter", ["model", "model-tree", "model+lookup"])
 def test_a_shared_prefix_is_not_computed_again_and_the_tokens_are_a_fresh_decoders(int8_pair, drafter):
     target, draft = int8_pair
-    shared = ids(0, 40)
+    shared = ids(0, 2 * BLOCK + 2)  # two full blocks and two tokens
     first, second = shared + ids(1, 8), shared + ids(2, 8)
-    assert first[40] != second[40]
-    decoder = SpeculativeDecoder(target, SpeculativeSpec(drafter, verifier="greedy", k=3), draft_model=draft,
-                                 prefix_cache=True)
+    assert first[len(shared)] != second[len(shared)]
+    spec = SpeculativeSpec(drafter, verifier="greedy", k=3)
+    decoder = SpeculativeDecoder(target, spec, draft_model=draft, prefix_cache=True)
     decoder.generate(first, max_new_tokens=20)
-    target_fed, draft_fed = Counted(decoder.kv), Counted(_draft_kv(decoder.drafter))
-    out = decoder.generate(second, max_new_tokens=20)
-    fresh = SpeculativeDecoder(target, SpeculativeSpec(drafter, verifier="greedy", k=3), draft_model=draft)
-    fresh = fresh.generate(second, max_new_tokens=20)
-    plain = SpeculativeDecoder(target, SpeculativeSpec("none")).generate(second, max_new_tokens=20)
-    assert out.token_ids == fresh.token_ids == plain.token_ids
-    assert out.stats.reused_prompt_tokens == 40 and fresh.stats.reused_prompt_tokens == 0
-    # The target prefilled only the prompt past the shared prefix (all but its last token); the draft
-    # model's first forward fed only what its cache did not keep (the rest of the prompt).
-    assert target_fed.fed[0] == len(second) - 40 - 1
-    assert draft_fed.fed[0] == len(second) - 40
-    # The next turn of a chat: the prompt is the last one, its answer and a new message.
+    target_fed, draft_fed = Counted(decoder), Counted(decoder, draft=True)
+    out = decoder.generate(second, max_new_tokens=60)
+    fresh = SpeculativeDecoder(target, spec, draft_model=draft).generate(second, max_new_tokens=60)
+    assert out.token_ids == fresh.token_ids == plain(target, second, 60)
+    assert out.stats.reused_prompt_tokens == 2 * BLOCK and fresh.stats.reused_prompt_tokens == 0
+    # The target prefilled only the prompt past the stored blocks (all but its last token); the draft model's first
+    # forward fed only what it did not take from the store (the rest of the prompt).
+    assert target_fed.fed[0] == len(second) - 2 * BLOCK - 1
+    assert draft_fed.fed[0] == len(second) - 2 * BLOCK
+    # The next turn of a chat: the last prompt, its answer and a new message. The answer's tokens filled a third
+    # block (138 + 60 > 192), stored at the end of that generation, by the target and the draft model alike.
     turn = second + out.token_ids + ids(3, 6)
+    assert len(second) + len(out.token_ids) - 1 >= 3 * BLOCK
     again = decoder.generate(turn, max_new_tokens=12)
-    assert again.stats.reused_prompt_tokens >= len(second)
-    assert again.token_ids == SpeculativeDecoder(target,
-                                                 SpeculativeSpec("none")).generate(turn, max_new_tokens=12).token_ids
+    assert again.stats.reused_prompt_tokens == 3 * BLOCK
+    assert target_fed.fed[0] == len(turn) - 3 * BLOCK - 1 and draft_fed.fed[0] == len(turn) - 3 * BLOCK
+    assert again.token_ids == plain(target, turn, 12)
 
 
-def _draft_kv(drafter):
-    return drafter.drafter.kv if hasattr(drafter, "drafter") else drafter.kv  # model+lookup wraps a model drafter
+def test_every_stored_block_holds_committed_tokens(int8_pair):
+    """What the store keeps at a generation's end is the tokens it committed, never a rejected draft's: each block of
+    the target's and the draft model's is a block of one of the generations' sequences, and its keys are the ones a
+    fresh prefill of that sequence computes."""
+    target, draft = int8_pair
+    decoder = SpeculativeDecoder(target, SpeculativeSpec("model", verifier="greedy", k=4), draft_model=draft,
+                                 prefix_cache=True)
+    sequences = []
+    for seed in range(3):
+        prompt = ids(10 + seed, 70)
+        sequences.append(prompt + decoder.generate(prompt, max_new_tokens=80, stop=[]).token_ids)
+    store = decoder.prefix_store
+    entries = list(store._entries.values())
+    assert len(entries) >= 2 * 3 * 2  # (two models, three sequences of 150 tokens: two blocks each)
+    by_parent = {}
+    for key, entry in store._entries.items():
+        by_parent[key] = entry
+    for entry in entries:
+        chain = [entry]
+        while chain[-1].parent in by_parent:
+            chain.append(by_parent[chain[-1].parent])
+        tokens = [t for e in reversed(chain) for t in e.tokens]
+        assert any(seq[: len(tokens)] == tokens for seq in sequences)
+    # Bits: the target's stored blocks of the first sequence equal a fresh cache's rows.
+    fresh = decoder.new_cache()
+    fresh.reset(len(sequences[0]))
+    fresh.forward(torch.tensor(sequences[0][: 2 * BLOCK]))
+    taken = decoder.new_cache()
+    taken.reset(len(sequences[0]))
+    assert store.fill(taken, sequences[0][: 2 * BLOCK]) == 2 * BLOCK
+    for mine, theirs in zip(taken.rows(0, 2 * BLOCK), fresh.rows(0, 2 * BLOCK)):
+        assert torch.equal(mine, theirs)
 
 
-def test_off_by_default_and_for_drafters_that_read_the_targets_features(int8_pair):
+def test_generations_on_one_decoder_run_at_once(int8_pair):
+    """A decoder holds no generation's state: runs started on it, stepped together, each give the tokens they give
+    alone — a draft model's drafter included (each run's own draft cache), and with the decoder's store."""
+    target, draft = int8_pair
+    for drafter in ("model", "lookup"):
+        decoder = SpeculativeDecoder(target, SpeculativeSpec(drafter, verifier="greedy", k=3), draft_model=draft,
+                                     prefix_cache=True)
+        prompts = [ids(20, 30), ids(21, 75), ids(20, 30) + ids(22, 5)]
+        runs = [decoder.start(p, max_new_tokens=24) for p in prompts]
+        assert len({id(r.kv) for r in runs}) == 3 and len({id(r.drafter) for r in runs}) == 3
+        while not all(r.done for r in runs):
+            step(runs)
+        assert [r.generation.token_ids for r in runs] == [plain(target, p, 24) for p in prompts], drafter
+        assert all(r.kv is None and r.drafter is None for r in runs)  # given up at the end
+
+
+def test_off_by_default_and_the_heads_get_the_rows_they_read(int8_pair):
     target, _ = int8_pair
-    prompt = ids(4, 30)
-    plain = SpeculativeDecoder(target, SpeculativeSpec("lookup", verifier="greedy", k=3))
-    plain.generate(prompt, max_new_tokens=8)
-    assert plain.generate(prompt, max_new_tokens=8).stats.reused_prompt_tokens == 0
+    prompt = ids(4, BLOCK + 10)
+    decoder = SpeculativeDecoder(target, SpeculativeSpec("lookup", verifier="greedy", k=3))
+    assert decoder.prefix_store is None
+    decoder.generate(prompt, max_new_tokens=8)
+    assert decoder.generate(prompt, max_new_tokens=8).stats.reused_prompt_tokens == 0
 
-    class Observing(NoDrafter):  # stands for the heads: they observe every prompt row's features
+    class Observing(NoDrafter):  # stands for EAGLE's head: it observes every prompt row's features
         wants_hidden = True
 
         def observe(self, hidden):
-            self.rows = getattr(self, "rows", 0) + hidden.shape[0]
+            self.rows.append(hidden.clone())
 
     drafter = Observing()
     decoder = SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k=3), drafter=drafter, prefix_cache=True)
-    assert decoder.prefix_cache is False
-    decoder.generate(prompt, max_new_tokens=4)
-    drafter.rows = 0
-    assert decoder.generate(prompt, max_new_tokens=4).stats.reused_prompt_tokens == 0
-    assert drafter.rows >= len(prompt) - 1  # it saw the whole prompt's rows again
+    seen = []
+    for _ in range(2):
+        drafter.rows = []
+        out = decoder.generate(prompt, max_new_tokens=4)
+        seen.append(torch.cat(drafter.rows)[: len(prompt) - 1])
+    # The second generation took the stored block, with the hidden rows the first one computed for it.
+    assert out.stats.reused_prompt_tokens == BLOCK
+    assert torch.equal(seen[0], seen[1])
 
 
-def test_what_a_cache_holds_is_never_past_the_committed_tokens():
-    class FakeKV:
-        length, kept = 0, None
-
-        def reset(self, capacity, keep=0):
-            self.kept = keep
-            self.length = min(self.length, keep)
-
-    kv, held = FakeKV(), PrefixReuse()
-    committed = [5, 6, 7, 8]
-    held.follow(committed)
-    kv.length = 7  # e.g. stopped at a stop string inside an accepted draft: the cache ran past the list
-    assert held.start(kv, [5, 6, 7, 8, 9, 10], 64, enabled=True) == 4
-    held.follow([5, 6, 9])
-    kv.length = 3
-    assert held.start(kv, [5, 6, 7, 8], 64, enabled=True) == 2  # the shared prefix only
-    held.follow([5, 6, 7, 8])
-    kv.length = 4
-    assert held.start(kv, [5, 6, 7, 8], 64, enabled=True) == 3  # never the last prompt token: it is fed next
-    assert held.start(kv, [5, 6, 7, 8], 64, enabled=True) == 0  # start() forgets: nothing followed since
-    held.follow([5, 6, 7, 8])
-    kv.length = 2  # the cache holds only the first two (e.g. a draft model that had not caught up)
-    assert held.start(kv, [5, 6, 7, 8, 9], 64, enabled=True) == 2
-
-
-def test_the_hugging_face_path_keeps_a_prefix_too(tiny, monkeypatch):
-    """Models the lean path does not take run on Hugging Face's modules with a DynamicCache: keeping a
-    prefix crops it. (fp32: equality with a fresh decoder is what this tiny model gives on this path, not a
-    guarantee in general; see SpeculativeDecoder's docstring.)"""
+def test_the_hugging_face_path_takes_stored_blocks_too(tiny, monkeypatch):
+    """Models the lean path does not take run on Hugging Face's modules with a DynamicCache: blocks are copied out
+    of it and appended into it. (fp32: equality with a fresh decoder is what this tiny model gives on this path, not
+    a guarantee in general; see SpeculativeDecoder's docstring.)"""
     monkeypatch.setattr("speculate.models.fast.supports", lambda model: False)
     target = tiny[0]
     decoder = SpeculativeDecoder(target, SpeculativeSpec("lookup", verifier="greedy", k=3), prefix_cache=True)
-    assert type(decoder.kv).__name__ == "HFKVModel"
-    shared = ids(5, 30)
+    fed = Counted(decoder)
+    shared = ids(5, BLOCK + 2)
     decoder.generate(shared + ids(6, 5), max_new_tokens=10)
-    fed = Counted(decoder.kv)
+    assert type(fed.kv).__name__ == "HFKVModel"
     out = decoder.generate(shared + ids(7, 5), max_new_tokens=10)
-    assert out.stats.reused_prompt_tokens == 30 and fed.fed[0] == 5 - 1
-    plain = SpeculativeDecoder(target, SpeculativeSpec("none"))
-    assert out.token_ids == plain.generate(shared + ids(7, 5), max_new_tokens=10).token_ids
-    # A forward that failed half-way leaves some layers longer than the others: nothing is kept from that.
-    kv = decoder.kv
-    layer = kv.cache.layers[0]
-    layer.keys, layer.values = [torch.cat([t, t[..., -1:, :]], dim=-2) for t in (layer.keys, layer.values)]
-    kv.reset(64, keep=5)
-    assert kv.length == 0 and kv.cache.get_seq_length() == 0
+    assert out.stats.reused_prompt_tokens == BLOCK and fed.fed[0] == 2 + 5 - 1
+    assert out.token_ids == plain(target, shared + ids(7, 5), 10)

@@ -27,6 +27,7 @@ from speculate.models.kv import HFKVModel
 from speculate.server import ServerConfig, create_app, load_models
 from speculate.server.background import BackgroundServer
 from speculate.server.errors import APIError
+from speculate.models.paged import BLOCK
 from speculate.spec import SpeculativeSpec
 
 from conftest import serve_subprocess
@@ -154,9 +155,9 @@ def test_openai_client_streamed_text_equals_whole_text(served, client):
     assert all(c.usage is None for c in bare) and bare[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     counts = ("prompt_tokens", "completion_tokens", "total_tokens")
     assert [getattr(chunks[-1].usage, n) for n in counts] == [getattr(whole.usage, n) for n in counts]
-    # The same prompt again: all of it but the last token came from a cache (the store's full blocks at least).
+    # The same prompt again: the store's full blocks of it (all but its last token) came from a cache.
     cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
-    assert whole.usage.prompt_tokens - 16 <= cached < whole.usage.prompt_tokens
+    assert cached == BLOCK * ((whole.usage.prompt_tokens - 1) // BLOCK)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].message.content and streamed == whole.choices[0].message.content
@@ -168,9 +169,7 @@ def test_openai_client_streamed_text_equals_whole_text(served, client):
     timings = ("wall_seconds", "prefill_seconds", "tokens_per_second", "target_seconds", "draft_seconds",
                "first_draft_seconds")
     assert stats == {**again, **{key: stats[key] for key in timings}, "reused_prompt_tokens": stats["reused_prompt_tokens"]}
-    # The second request got the first one's decoder back, which kept the whole prompt (but its last token,
-    # fed with the first draft): prefix reuse across requests (server/decoders.py).
-    assert again["reused_prompt_tokens"] == whole.usage.prompt_tokens - 1
+    assert again["reused_prompt_tokens"] == cached  # (the stats and usage say the same)
     assert stats["new_tokens"] == whole.usage.completion_tokens
     assert stats["drafter"] == "lookup" and stats["verifier"] == "greedy" and stats["k"] == 3
 
@@ -694,33 +693,33 @@ def test_a_request_may_ask_for_model_lookup_with_the_servers_draft_model(tiny, m
     assert build_decoder(tiny[0], tiny[0], lookup).drafter.name == "lookup"
 
 
-def test_idle_decoders_are_kept_per_settings_and_matched_by_prefix(tiny):
-    """server/decoders.py: a decoder given back is handed out again for the same settings — the idle one
-    whose cached tokens share the longest prefix with the prompt — never for other settings; at most
-    ``keep`` stay idle, the least recently returned leaving first."""
+def test_one_decoder_per_settings_is_kept_and_shared(tiny):
+    """server/decoders.py: the decoder built for some settings is handed out again for the same settings, to any
+    number of requests at once (each run has its own cache), never for other settings; at most ``keep`` are kept,
+    the least recently used leaving first."""
+    from speculate.engine import step
     from speculate.server.decoders import Decoders
 
     built = []
 
-    def build(settings):
-        built.append(SpeculativeDecoder(tiny[0], SpeculativeSpec(settings["drafter"]), prefix_cache=True))
+    def build(spec):
+        built.append(SpeculativeDecoder(tiny[0], spec))
         return built[-1]
 
     pool = Decoders(build, keep=2)
-    lookup, plain = {"drafter": "lookup"}, {"drafter": "none"}
-    a, b = pool.take(lookup, [1]), pool.take(lookup, [1])
-    assert a is not b and len(built) == 2
-    a.generate([5, 6, 7, 8, 9], max_new_tokens=3)
-    b.generate([5, 6, 40, 41], max_new_tokens=3)
-    pool.give_back(lookup, a)
-    pool.give_back(lookup, b)
-    assert pool.take(plain, [5, 6, 40]) is built[2]  # other settings: a new decoder
-    assert pool.take(lookup, [5, 6, 40, 50]) is b  # shares 3 tokens with b's, 2 with a's
-    assert pool.take(lookup, [9]) is a and pool.take(lookup, [9]) is built[3]
-    for d in built[:3]:
-        pool.give_back(lookup, d)
-    assert pool.take(lookup, [1]) in built[1:3] and pool.take(lookup, [1]) in built[1:3]  # a left first
-    assert pool.take(lookup, [1]) is built[4]
+    lookup, plain, tree = SpeculativeSpec("lookup"), SpeculativeSpec("none"), SpeculativeSpec("lookup", k=2)
+    a, b = pool.get(lookup), pool.get(SpeculativeSpec("lookup"))
+    assert a is b and len(built) == 1  # equal settings: one decoder
+    runs = [a.start([5, 6, 7, 8, 9], max_new_tokens=6), b.start([5, 6, 40, 41], max_new_tokens=6)]
+    while not all(r.done for r in runs):
+        step(runs)
+    alone = [SpeculativeDecoder(tiny[0], lookup).generate(p, max_new_tokens=6).token_ids
+             for p in ([5, 6, 7, 8, 9], [5, 6, 40, 41])]
+    assert [r.generation.token_ids for r in runs] == alone
+    assert pool.get(plain) is built[1]  # other settings: a new decoder
+    assert pool.get(lookup) is a  # (now the most recently used)
+    assert pool.get(tree) is built[2]  # a third: the least recently used (plain) goes
+    assert pool.get(lookup) is a and pool.get(plain) is built[3]
 
 
 def test_serve_loads_its_models_on_the_generation_thread(tiny_folders, tiny, monkeypatch):

@@ -575,14 +575,13 @@ def test_a_short_request_is_not_starved_by_long_prompts(tiny):
 # ------------------------------------------------------------------------------------------------ KV memory
 def test_admission_by_kv_memory(tiny):
     """--kv-memory: with room for the KV of two requests at once, four requests in a batch of four run two at a time
-    (never more reserved than the budget), first come first served, idle caches are trimmed to what is left, and all
-    four finish with plain decoding's tokens."""
+    (never more reserved than the budget), first come first served, and all four finish with plain decoding's tokens."""
     import threading
 
     from speculate import SamplingParams, SpeculativeDecoder
     from speculate.server.scheduler import Job, Scheduler
 
-    events, lock, trims = [], threading.Lock(), []
+    events, lock = [], threading.Lock()
     params = SamplingParams(max_new_tokens=6, temperature=0)
     prompts = [[3 + i, 4, 5, 6, 7 + i] for i in range(4)]
     plain = [SpeculativeDecoder(tiny[0], SpeculativeSpec("none")).generate(p, params).token_ids for p in prompts]
@@ -598,7 +597,7 @@ def test_admission_by_kv_memory(tiny):
             with lock:
                 events.append((self.name, kind, value))
 
-    sched = Scheduler(max_batch=4, max_queue=8, kv_budget=250, make_room=trims.append)
+    sched = Scheduler(max_batch=4, max_queue=8, kv_budget=250)
     most = []
     sched.on_round = lambda n, rows, seconds: most.append((n, sched.kv_reserved))
     jobs = [Recorded(f"r{i}", p) for i, p in enumerate(prompts)]
@@ -614,7 +613,7 @@ def test_admission_by_kv_memory(tiny):
         sched.stop()
     assert max(n for n, _ in most) == 2 and max(r for _, r in most) == 200  # two at a time: 200 of 250 bytes
     assert [name for name, kind, _ in events if kind == "ready"] == ["r0", "r1", "r2", "r3"]
-    assert trims[:2] == [150, 50] and sched.kv_reserved == 0  # room left for the idle caches; all returned
+    assert sched.kv_reserved == 0  # all returned
     done = {name: value.generation.token_ids for name, kind, value in events if kind == "done"}
     assert [done[f"r{i}"] for i in range(4)] == plain
 
@@ -680,30 +679,6 @@ def test_requests_past_the_kv_memory_are_preempted_and_answer_as_alone(tiny_fold
         server.stop()
 
 
-def test_idle_decoders_are_trimmed_to_the_room_left(tiny):
-    """Decoders.trim (the scheduler's make_room): idle decoders go, the least recently returned first, until their
-    caches hold at most the bytes asked."""
-    from speculate import SpeculativeDecoder
-    from speculate.server.decoders import Decoders, _kv_bytes
-    from speculate.spec import SpeculativeSpec
-
-    decoders = Decoders(lambda spec: SpeculativeDecoder(tiny[0], SpeculativeSpec("none")), keep=8)
-    spec = SpeculativeSpec("none")
-    made = []
-    for i in range(3):
-        d = decoders.take(spec, [1, 2, 3])
-        d.generate([3 + i, 4, 5], max_new_tokens=4)
-        made.append(d)
-    for d in made:
-        decoders.give_back(spec, d)
-    each = _kv_bytes(made[0])
-    assert each > 0 and all(_kv_bytes(d) == each for d in made)
-    decoders.trim(2 * each)
-    assert [d for _, d in decoders._idle] == made[1:]
-    decoders.trim(each - 1)
-    assert decoders._idle == []
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "int8", "q4"])
 def test_a_positions_kv_bytes_are_what_the_cache_allocates(tiny_folders, dtype):
     """--kv-memory counts a token as models/kv.position_bytes: the bytes per position of the cache KVModel builds."""
@@ -718,14 +693,16 @@ def test_a_positions_kv_bytes_are_what_the_cache_allocates(tiny_folders, dtype):
     assert kv.nbytes == position_bytes(loaded) * positions
 
 
-def test_a_decoders_kv_bytes_count_a_draft_models_cache_however_it_is_held(tiny):
-    """Decoders.trim counts a decoder's target cache and its draft model's: held by the drafter itself (model) or by
-    the drafter it wraps (model+lookup)."""
+def test_a_runs_held_bytes_count_a_draft_models_cache_however_it_is_held(tiny):
+    """The scheduler counts a running request's target cache and its draft model's (scheduler._held): held by the
+    drafter itself (model) or by the drafter it wraps (model+lookup)."""
     from speculate import SpeculativeDecoder
-    from speculate.server.decoders import _kv_bytes
+    from speculate.engine import step
+    from speculate.server.scheduler import _held
 
     for name in ("model", "model+lookup"):
         d = SpeculativeDecoder(tiny[0], SpeculativeSpec(name, k=3), draft_model=tiny[0])
-        d.generate([3, 4, 5, 3, 4], max_new_tokens=6)
-        draft = d.drafter.kv if name == "model" else d.drafter.drafter.kv
-        assert draft.nbytes > 0 and _kv_bytes(d) == d.kv.nbytes + draft.nbytes, name
+        run = d.start([3, 4, 5, 3, 4], max_new_tokens=6)
+        step([run])
+        draft = run.drafter.kv if name == "model" else run.drafter.drafter.kv
+        assert draft.nbytes > 0 and _held(run) == run.kv.nbytes + draft.nbytes, name

@@ -266,10 +266,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="on SIGTERM or Ctrl-C: seconds running generations get to finish before they end with an "
                         "error (a stream: an error event, then [DONE]); queued requests get 503 at once (default 10)")
     s.add_argument("--no-prefix-cache", action="store_true",
-                   help="prefill every prompt whole in a fresh decoder (default: decoders are kept between "
-                        "requests, and a prompt reuses the KV of the prefix it shares with any earlier one)")
+                   help="prefill every prompt whole (default: a prompt takes the KV blocks of the prefix it shares "
+                        "with any earlier request's prompt and answer, whatever its speculative settings)")
     s.add_argument("--prefix-cache-gib", type=float, default=1.0,
-                   help="memory for prompts' KV blocks shared by all requests, whatever their speculative settings "
+                   help="memory for the KV blocks shared by all requests, whatever their speculative settings "
                         "(GiB; the least recently used go first; default 1)")
     s.add_argument("--kv-memory", type=float, default=None, metavar="GIB",
                    help="KV cache the running requests may fill together (GiB; a request joins the batch when its "

@@ -26,6 +26,8 @@ way the engine makes one call, ``verifier.judge``, and gets one verdict type, wi
 
 from __future__ import annotations
 
+import copy
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Iterator
@@ -38,7 +40,7 @@ from .drafters.base import Draft
 from .errors import SpeculateError
 from .grammar import Constraint
 from .models import exactness
-from .models.kv import KVModel, PrefixReuse, Rows, forward_many
+from .models.kv import KVModel, Rows, forward_many
 from .models.prefix_store import PrefixStore
 from .models.loader import LoadedModel, check_thread
 from .sampling import SamplingParams, one_hot, warp
@@ -46,6 +48,9 @@ from .spec import SpeculativeSpec, build_drafter
 from .stats import Stats
 from .text import Detokenizer, check_prompt, encode_prompt, eos_ids
 from .verifiers import Verdict, Verifier, get_verifier, tree_rule_missing, verifier_class, verifier_for
+
+# A decoder's own prefix store (``prefix_cache`` without a store given): its generations' blocks, 64 MiB at most.
+PREFIX_CACHE_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -113,16 +118,19 @@ class SpeculativeDecoder:
     ``draft_model``: the loaded draft model, for a spec whose drafter takes one (the others leave it unused).
     ``drafter`` / ``verifier``: parts built by the caller (a custom class, a head with options of its own), in
     place of the spec's drafter (which then stays ``auto``) / verifier (then neither named nor given parameters).
-    ``prefix_cache``: keep, between this decoder's generations, the KV of the prefix a new prompt shares
-    with the last generation's tokens (target and draft model), instead of prefilling it again. At int8 the
-    kept rows are bit-identical to a fresh prefill's (batch-invariant kernels); at fp32 they can differ in
-    the last bits, so a near-tie may resolve differently than in a fresh decoder. Not for drafters that
-    read the target's features (the heads observe every prompt row).
-    ``prefix_store``: a :class:`~speculate.models.prefix_store.PrefixStore` shared by every decoder of this target
+    ``prefix_store``: a :class:`~speculate.models.prefix_store.PrefixStore` shared by every decoder of this process
     (the server's): a prompt's blocks that any generation computed, whatever its settings, are taken instead of
-    computed, and this generation's prompt blocks are added for the next (the same caveats as ``prefix_cache``).
-    The heads get what they read: Medusa's last prompt row is always computed; EAGLE's head takes the target's
-    hidden rows of the blocks it takes, kept beside them in the store (:meth:`Run._from_store`).
+    computed — the target's and a draft model's alike — and each generation's blocks (its prompt as soon as it is in,
+    its whole sequence at its end: the next turn of a chat) are added for the next. At int8 and q4 a taken block has
+    the bits a fresh prefill computes (batch-invariant kernels); at fp32 they can differ in the last bits, so a
+    near-tie may resolve differently. The heads get what they read: Medusa's last prompt row is always computed;
+    EAGLE's head takes the target's hidden rows of the blocks it takes, kept beside them in the store
+    (:meth:`Run._from_store`). ``prefix_cache``: where no store is given, a store of this decoder's own
+    (:data:`PREFIX_CACHE_BYTES`), so that its generations reuse each other's prefixes.
+
+    A decoder is immutable once built: the models, the settings and the built parts. Each generation (a :class:`Run`)
+    gets its own KV cache (:meth:`new_cache`, blocks of the model's pool) and its own drafter state
+    (:meth:`new_drafter`), so any number of generations run on one decoder at once.
     """
 
     def __init__(self, target: LoadedModel, spec: SpeculativeSpec | None = None, *,
@@ -133,18 +141,43 @@ class SpeculativeDecoder:
         _check_parts(spec, drafter, verifier)
         self.target = target
         self.spec = spec if drafter is not None else spec.resolved(target)
-        self.kv = KVModel(target)
+        # The drafter as built: what it declares (tree, wants_hidden, its cost) and what its forks share (weights, a
+        # draft model, a learned index); a generation drafts with a fork (new_drafter).
         self.drafter = drafter if drafter is not None else build_drafter(self.spec, target, draft_model)
-        self.prefix_cache = prefix_cache and not self.drafter.wants_hidden
-        self.drafter.reuse_prefix = self.prefix_cache
-        self.prefix_reuse = PrefixReuse()  # which tokens the target's cache holds, for prefix_cache
-        self.prefix_store = prefix_store if self.kv.shares_prefixes else None
+        self._lent = False  # whether a run drafts with self.drafter now (new_drafter)
+        self._lock = threading.Lock()
+        if prefix_store is None and prefix_cache:
+            prefix_store = PrefixStore(PREFIX_CACHE_BYTES)
+        self.prefix_store = prefix_store
+        # How the target's rows equal one-token decoding here (models/exactness.py): its self-check runs once per
+        # loaded model, at the first cache, so that its warning comes as the decoder is built.
+        self.exactness = exactness.mode(KVModel(target))
         self.built_verifier = verifier
         if is_auto(spec.verifier_params.get("eps")):  # consultant's eps, the one 'auto' a verifier declares
             self.spec = replace(self.spec, params={**spec.verifier_params, "eps": calibrate_eps(target)})
         self.k_policy = self._k_policy(spec.k)
         self.eos = eos_ids(target)
         self._verifier(SamplingParams())  # build the verifier once now (its tree rule), not at the first request
+
+    def new_cache(self):
+        """A generation's KV cache on the target (models/kv.py: paged on the lean path, blocks from the model's pool)."""
+        return KVModel(self.target)
+
+    def new_drafter(self) -> Drafter:
+        """A generation's drafter, drawing on the prefix store for a draft model's prompt: the decoder's own while no
+        other run drafts with it (so one generation at a time runs with the drafter as built, and whoever built it
+        sees its state), else a fork of it (``Drafter.fork``: the weights, draft model and indexes shared, the
+        per-generation state its own). :meth:`Run.release` gives the decoder's own back."""
+        with self._lock:
+            lend, self._lent = not self._lent, True
+        drafter = self.drafter if lend else self.drafter.fork()
+        drafter.use_store(self.prefix_store)
+        return drafter
+
+    def _given_back(self, drafter: Drafter) -> None:
+        if drafter is self.drafter:
+            with self._lock:
+                self._lent = False
 
     def _k_policy(self, k):
         if not is_auto(k):
@@ -239,7 +272,7 @@ class Run:
         prompt_ids, sampling = request.prompt_ids, request.sampling
         self.sampling, self.verifier, self.generator = sampling, request.verifier, sampling.generator()
         self.eos, self.max_new_tokens = decoder.eos, sampling.max_new_tokens
-        self.stats = Stats(exactness=exactness.mode(decoder.kv), prompt_tokens=len(prompt_ids))
+        self.stats = Stats(prompt_tokens=len(prompt_ids))
         self.detok = Detokenizer(decoder.target.tokenizer, list(sampling.stop))
         self.finish = "length"  # "stop" (EOS or a stop string) or "length" (max_new_tokens)
         self.started = time.perf_counter()
@@ -262,29 +295,29 @@ class Run:
         self._prefilled()
 
     def _bind(self, decoder: SpeculativeDecoder, prefill_chunk: int | None, reserve: int | None) -> None:
-        """Take ``decoder``'s cache, drafter and k policy, and make every token so far (the prompt; after a
-        preemption, the prompt and the answer so far) the prompt to prefill, but what the cache already holds:
-        the prefix its last generation shares with them (prefix_cache), then the blocks any generation stored
-        (models/prefix_store.py). ``reserve``: cache positions to allocate now (None: all the run may need; the
-        cache grows past them as it fills)."""
-        self.kv, self.drafter, self.policy = decoder.kv, decoder.drafter, decoder.k_policy
+        """Take a cache, a drafter and a k policy of ``decoder``'s, this run's own, and make every token so far (the
+        prompt; after a preemption, the prompt and the answer so far) the prompt to prefill, but the blocks any
+        generation stored (models/prefix_store.py). ``reserve``: cache positions to allocate now (None: all the run
+        may need; the cache grows past them as it fills)."""
+        self.decoder = decoder
+        self.kv, self.drafter, self.policy = decoder.new_cache(), decoder.new_drafter(), copy.copy(decoder.k_policy)
+        self.stats.exactness = decoder.exactness
         # c, a draft token's cost against a target step (None: a draft model's, measured in a profile): read once,
         # not by the batch planner every round (a head drafter sums its weights' bytes).
         self.draft_cost = self.drafter.relative_cost()
+        self.most_nodes = self.drafter.max_nodes(self.policy.k_max)  # (a draft's rows at most, for positions_next)
         self.prefill_chunk = prefill_chunk or len(self.tokens)
         self.prompt_end = len(self.tokens) - 1  # the prefill covers all but the last token: the first round feeds it
         capacity = self.positions_needed
         capacity = capacity if reserve is None else min(capacity, reserve)
         reuse = self.prompt_logprobs is None or self.resumed > 0  # (the prompt's rows are scored once, computed)
-        kept = decoder.prefix_reuse.start(self.kv, self.tokens, capacity, decoder.prefix_cache and reuse)
-        decoder.prefix_reuse.follow(self.tokens)
+        self.kv.reset(capacity)
         self.store, self.reuse = decoder.prefix_store, reuse
         # A drafter that observes every prompt row (EAGLE): the target's hidden rows of positions 0..filled-1, taken
         # from the store or computed, to be stored beside the blocks this run adds.
         self.hidden_rows = [] if self.store is not None and self.drafter.wants_hidden and \
             self.drafter.observes_prompt else None
-        taken = self._from_store(kept) if self.store is not None and reuse else None
-        self.filled = kept if taken is None else taken
+        self.filled = self._from_store(0) if self.store is not None and reuse else 0
         self.kv.taps = self.drafter.feature_layers  # the layer outputs a fused EAGLE head reads beside the hidden rows
         self.policy.reset()
         self.drafter.begin(self.tokens, self.sampling, self.generator)
@@ -358,7 +391,7 @@ class Run:
     @property
     def positions_next(self) -> int:
         """Cache positions this run may fill by the end of its next round (its tokens and one draft's nodes)."""
-        return len(self.tokens) + self.drafter.max_nodes(self.policy.k_max) + 1
+        return len(self.tokens) + self.most_nodes + 1
 
     @property
     def prefilling(self) -> bool:
@@ -491,13 +524,24 @@ class Run:
         tail = self.detok.flush()
         self.generation = Generation(self.detok.text, list(self.detok.ids), self.stats, self.finish,
                                      self.prompt_tokens, self.logprobs, self.prompt_logprobs)
+        if self.store is not None:  # its whole sequence's full blocks: the next turn of a chat starts with them
+            self.store.add(self.kv, self.tokens)
         self.drafter.end(self.tokens)
         self.done = True
+        self.release()
         return [tail] if tail else []
 
+    def release(self) -> None:
+        """Give the cache and the drafter's state up (at its end, or preempted: :meth:`resume` makes new ones): the
+        cache's blocks go back to the pool but for those the prefix store holds."""
+        if self.drafter is not None:
+            self.decoder._given_back(self.drafter)
+        self.kv = self.drafter = None
+
     def fail(self, error: BaseException) -> None:
-        """End the run with ``error`` (its drafter, verifier or forward raised); its decoder's state is undefined."""
+        """End the run with ``error`` (its drafter, verifier or forward raised); its cache and drafter go with it."""
         self.error, self.done = error, True
+        self.release()
 
 
 @torch.inference_mode()

@@ -71,7 +71,7 @@ class BenchConfig:
     turns: int = 2  # MT-Bench turns to run (1 or 2)
     sandbox_timeout: float = 10.0
     data_dir: Path | None = None
-    prefix_cache: bool = False  # each decoder keeps the prompt prefix it shares with its last generation
+    prefix_cache: bool = False  # each decoder a prefix store of its own: a prompt takes its earlier generations' blocks
     # the per-dataset cost calibrations that calc --from-results reads (off: a quick look, half the generations)
     calibrate: bool = True
     # (i, n): run only every n-th sample from the i-th (bench/sharded.py: one worker's share of a run on Ray)

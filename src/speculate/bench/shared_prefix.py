@@ -5,9 +5,9 @@ with the prefix store (models/prefix_store.py) against the server without it, in
                                             [--max-tokens 32] [--out FILE.json]
     python -m speculate.bench.shared_prefix --clients 16 [--requests 4] [--rounds 2] [--workload system|gsm8k-8shot]
 
-Two `speculate serve` apps on loopback ports, in this process, with the same model: ``store`` (the default: decoders
-kept between requests, and the prefix store, 1 GiB) and ``decoders only`` (``--prefix-cache-gib 0``: a prompt reuses a
-prefix only from an idle decoder built for the same speculative settings). Each group of requests has a system prompt
+Two `speculate serve` apps on loopback ports, in this process, with the same model: ``store`` (the default: the prefix store,
+1 GiB) and ``no store`` (``--prefix-cache-gib 0``: every prompt computed whole). Older records name it ``decoders only``: the
+server then also kept idle decoders, and a prompt reused a prefix from one built for the same settings. Each group of requests has a system prompt
 of its own (~``--system-tokens`` tokens, MT-Bench questions joined: shipped text) and sends it with four different
 questions, each with other speculative settings (:data:`SETTINGS`): the first request of a group has nothing cached,
 the next three find the system prompt computed by a request with other settings. Every request goes to both servers,
@@ -40,7 +40,7 @@ from .datasets import load_dataset
 # Four speculative settings, one per request of a group: no two requests of a group share a decoder's settings.
 SETTINGS = [{"drafter": "none"}, {"drafter": "lookup", "k": 6}, {"drafter": "lookup", "k": 3},
             {"drafter": "lookup", "k": 4, "verifier": "consultant"}]
-SERVERS = {"store": 1.0, "decoders only": 0.0}  # --prefix-cache-gib
+SERVERS = {"store": 1.0, "no store": 0.0}  # --prefix-cache-gib
 
 
 def system_prompts(tokenizer, groups: int, tokens: int) -> list[str]:

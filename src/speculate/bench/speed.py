@@ -82,7 +82,15 @@ class _Timed:
     def __init__(self, decoder: SpeculativeDecoder):
         self.decoder, self.model_seconds, self.drafter_seconds = decoder, 0.0, 0.0
         self.wall_seconds, self.rounds = 0.0, 0
-        decoder.kv.forward = self._timer(decoder.kv.forward, "model_seconds")
+        new_cache = decoder.new_cache
+
+        def timed_cache():  # each generation's own cache, timed
+            kv = new_cache()
+            kv.forward = self._timer(kv.forward, "model_seconds")
+            return kv
+
+        decoder.new_cache = timed_cache
+        # (One generation at a time: each drafts with the decoder's own drafter, SpeculativeDecoder.new_drafter.)
         decoder.drafter.propose = self._timer(decoder.drafter.propose, "drafter_seconds")
         decoder.drafter.update = self._timer(decoder.drafter.update, "drafter_seconds")
 

@@ -16,6 +16,7 @@ variants and a line of help, and the registry (``drafters/__init__.py``) finds i
 
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -126,9 +127,17 @@ class Drafter:
     # With wants_hidden: True where observe() reads every prompt row (EAGLE's head feeds each position), False where
     # it reads the last only (Medusa's heads): what a prompt taken from the prefix store must come with.
     observes_prompt = True
-    # Set by the engine (its ``prefix_cache``): a drafter with its own KV cache may keep the prefix the
-    # next prompt shares with the last generation (models/kv.py, PrefixReuse).
-    reuse_prefix = False
+
+    def fork(self) -> Drafter:
+        """This drafter for another generation (the engine forks one per run, engine.SpeculativeDecoder.new_drafter):
+        what it was built with — weights, a draft model, an index it learns — shared, its per-generation state its
+        own. :meth:`begin` sets that state, so a copy of the attributes will do; a drafter that builds such state in
+        its constructor (a draft model's KV cache) or holds other drafters forks them too."""
+        return copy.copy(self)
+
+    def use_store(self, store) -> None:
+        """The prefix store (models/prefix_store.py) that a drafter with a model of its own takes its prompt's blocks
+        from and adds its blocks to; None: none. The others have nothing to store."""
 
     def begin(self, prompt_ids: list[int], sampling: SamplingParams, generator: torch.Generator) -> None:
         """Start a new generation (reset any state)."""
@@ -159,8 +168,8 @@ class Drafter:
         return 0.0
 
     def cache_bytes(self) -> int:
-        """Bytes of KV cache this drafter holds (a draft model's; the server's --kv-memory counts idle decoders by
-        it). 0 for drafters without a model of their own."""
+        """Bytes of KV cache this drafter holds (a draft model's; the server's --kv-memory counts a running request's
+        cache by it). 0 for drafters without a model of their own."""
         return 0
 
     def update(self, n_accepted: int, next_token: int, path: list[int] | None = None) -> None:
@@ -178,6 +187,25 @@ class Drafter:
         ``feature_layers``), in order — after the prefill (every prompt
         token but the last) and after each round (the last committed token and the accepted drafts).
         The last row is always the one whose LM-head output named the current last token."""
+
+
+class Composite(Drafter):
+    """A drafter made of others, named by :attr:`parts` (attribute names; the first the one that may run a model of its
+    own): a fork forks each, and the prefix store and a generation's end go to the first."""
+
+    parts: ClassVar[tuple[str, ...]] = ()
+
+    def fork(self) -> Drafter:
+        twin = copy.copy(self)
+        for name in self.parts:
+            setattr(twin, name, getattr(self, name).fork())
+        return twin
+
+    def use_store(self, store) -> None:
+        getattr(self, self.parts[0]).use_store(store)
+
+    def end(self, tokens: list[int]) -> None:
+        getattr(self, self.parts[0]).end(tokens)
 
 
 EMPTY = torch.empty(0, dtype=torch.long)

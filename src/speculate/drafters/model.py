@@ -3,24 +3,64 @@
 Each proposal feeds the committed tokens the draft model has not seen yet (the whole prompt at the
 first round, then one or two tokens), then drafts k tokens autoregressively, each drawn from the
 draft's logits warped exactly like the target's (SamplingParams), whose rows are returned as p_draft.
-After the verdict its cache is rolled back to the accepted prefix.
+After the verdict its cache is rolled back to the accepted prefix. The draft model's prompt blocks come from the
+prefix store where a generation computed them before, and its blocks go there (:class:`OwnCache`).
 """
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
 
 from ..errors import SpeculateError
 from ..grammar import Constraint
-from ..models.kv import KVModel, PrefixReuse, Rows, forward_many
+from ..models.kv import KVModel, Rows, forward_many
 from ..sampling import warp
 from ..verifiers.base import sample_from
 from .base import DRAFT_MODEL, Draft, Drafter
 
 
-class ModelDrafter(Drafter):
+class OwnCache:
+    """What the drafters with a model of their own share (``self.model``, ``self.kv``): a KV cache per generation (a
+    fork gets a new one), started with the blocks of the prompt that any generation stored in the prefix store, and
+    its full blocks of committed tokens added there as they fill and at the end (the next turn of a chat finds them)."""
+
+    store = None
+
+    def fork(self):
+        twin = copy.copy(self)
+        twin.kv = KVModel(self.model)
+        return twin
+
+    def use_store(self, store) -> None:
+        self.store = store
+
+    def cache_bytes(self) -> int:
+        return self.kv.nbytes
+
+    def _start_cache(self, prompt_ids: list[int]) -> None:
+        """The cache reset for a generation of ``prompt_ids``, holding the stored blocks of its prefix: never its last
+        token, so the first proposal feeds at least one."""
+        self.kv.reset(len(prompt_ids) + 256)
+        if self.store is not None:
+            self.store.fill(self.kv, prompt_ids[:-1], count=False)  # (the hit rate is the target's)
+        self.stored = self.kv.length
+
+    def _add_blocks(self, tokens: list[int], force: bool = False) -> None:
+        """Store the cache's full blocks of ``tokens`` (committed: the cache's positions below ``len(tokens)`` hold
+        them), when a block filled since the last time (``force``: the generation's end)."""
+        block = self.store.block if self.store is not None else 0
+        if block and (force or self.kv.length // block > self.stored // block):
+            self.store.add(self.kv, tokens)
+            self.stored = self.kv.length
+
+    def end(self, tokens: list[int]) -> None:
+        self._add_blocks(tokens, force=True)
+
+
+class ModelDrafter(OwnCache, Drafter):
     name = "model"
     summary = "an independent draft model sharing the target's tokenizer (--draft-model), with its own KV cache"
     rank = 3
@@ -31,12 +71,11 @@ class ModelDrafter(Drafter):
             check_same_tokenizer(draft_model.tokenizer, target_model.tokenizer)
         self.model = draft_model  # read by --k auto for the draft's cost ratio c
         self.kv = KVModel(draft_model)
-        self.prefix_reuse = PrefixReuse()
         self.constraint, self.followed = None, 0
 
     def begin(self, prompt_ids, sampling, generator):
         super().begin(prompt_ids, sampling, generator)
-        self.prefix_reuse.start(self.kv, prompt_ids, len(prompt_ids) + 256, self.reuse_prefix)
+        self._start_cache(prompt_ids)
         # Structured output: the draft follows the generation's grammar too (its own copy, kept at the committed
         # tokens), so its drafts are never cut for a forbidden token and its p_draft rows are what it drew from.
         self.constraint = Constraint(self.model.tokenizer, sampling.grammar) if sampling.grammar else None
@@ -44,9 +83,6 @@ class ModelDrafter(Drafter):
 
     def relative_cost(self):
         return None  # measured with the target: the draft model's forwards have their own fixed costs
-
-    def cache_bytes(self) -> int:
-        return self.kv.nbytes
 
     def propose(self, tokens, k):
         return self.propose_many([self], [tokens], [k])[0]
@@ -60,7 +96,7 @@ class ModelDrafter(Drafter):
         unseen, drafted, ks = [], [[] for _ in drafters], list(ks)
         for d, tokens in zip(drafters, histories):
             d.base = len(tokens)  # update() keeps the cache up to here plus what it accepts
-            d.prefix_reuse.follow(tokens)  # the cache holds a prefix of these (the engine's list, kept growing)
+            d._add_blocks(tokens)  # (the cache holds committed tokens only, until this round's drafts)
             unseen.append(torch.tensor(tokens[d.kv.length:], dtype=torch.long))
             if d.constraint is not None:  # the tokens committed since the last round
                 for token in tokens[d.followed:]:

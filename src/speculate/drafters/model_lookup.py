@@ -29,7 +29,7 @@ from dataclasses import replace
 
 from ..errors import SpeculateError
 from ..params import Param
-from .base import DRAFT_MODEL, Drafter
+from .base import DRAFT_MODEL, Composite, Drafter
 from .lookup import MAX_COPY, LookupDrafter
 from .model import ModelDrafter
 
@@ -37,8 +37,9 @@ from .model import ModelDrafter
 MAX_MATCH = 8  # the longest match min_match may ask for (lookup indexes every n-gram up to it)
 
 
-class ModelWithLookup(Drafter):
+class ModelWithLookup(Composite):
     name = "model+lookup"
+    parts = ("drafter", "lookup")  # (the draft model's drafter first: Composite)
     summary = "lookup drafts the rounds whose last tokens occurred before, the draft model the others"
     rank = 5
     needs = (DRAFT_MODEL,)
@@ -66,7 +67,6 @@ class ModelWithLookup(Drafter):
 
     def begin(self, prompt_ids, sampling, generator):
         super().begin(prompt_ids, sampling, generator)
-        self.drafter.reuse_prefix = self.reuse_prefix
         self.drafter.begin(prompt_ids, sampling, generator)
         self.lookup.begin(prompt_ids, sampling, generator)
 

@@ -26,15 +26,15 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpeculateError
-from ..models.kv import KVModel, PrefixReuse
+from ..models.kv import KVModel
 from ..sampling import warp
 from ..verifiers.base import sample_from
 from ..params import Param
 from .base import DRAFT_MODEL, Draft, Drafter
-from .model import check_same_tokenizer
+from .model import OwnCache, check_same_tokenizer
 
 
-class ModelTreeDrafter(Drafter):
+class ModelTreeDrafter(OwnCache, Drafter):
     name = "model-tree"
     summary = "the draft model drafting a tree, alternatives near the root, then chains"
     rank = 4
@@ -53,17 +53,13 @@ class ModelTreeDrafter(Drafter):
         self.branch, self.spread = branch, spread
         self.model = draft_model  # read by --k auto for the draft's cost ratio c
         self.kv = KVModel(draft_model)
-        self.prefix_reuse = PrefixReuse()
 
     def max_nodes(self, k: int) -> int:
         return sum(self.branch ** min(d, self.spread) for d in range(1, k + 1))
 
-    def cache_bytes(self) -> int:
-        return self.kv.nbytes
-
     def begin(self, prompt_ids, sampling, generator):
         super().begin(prompt_ids, sampling, generator)
-        self.prefix_reuse.start(self.kv, prompt_ids, len(prompt_ids) + 256, self.reuse_prefix)
+        self._start_cache(prompt_ids)
         self.base, self.fed = len(prompt_ids), 0
 
     def _children(self, logits: torch.Tensor, probs: torch.Tensor, count: int) -> list[int]:
@@ -81,7 +77,7 @@ class ModelTreeDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, tokens, k):
         self.base, self.fed = len(tokens), 0
-        self.prefix_reuse.follow(tokens)  # the cache holds a prefix of these (the engine's list, kept growing)
+        self._add_blocks(tokens)  # (the cache holds committed tokens only, until this round's tree)
         if k == 0:
             return Draft(torch.empty(0, dtype=torch.long), None, [])
         unseen = tokens[self.kv.length:]  # at least the last committed token (never fed before)

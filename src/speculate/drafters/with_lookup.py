@@ -28,7 +28,7 @@ import torch
 from ..errors import SpeculateError
 from ..params import Param
 from ..sampling import one_hot
-from .base import Draft, Drafter, Variant
+from .base import Composite, Draft, Drafter, Variant
 from .lookup import LookupDrafter
 
 # The variant of a drafter that declares it (medusa.py, eagle.py): its proposals with lookup's merged in.
@@ -49,7 +49,8 @@ def merged(make, lookup: bool, name: str, options: dict) -> Drafter:
     return WithLookup(make(**options), depth, name=name)
 
 
-class WithLookup(Drafter):
+class WithLookup(Composite):
+    parts = ("base", "lookup")  # (Composite)
     tree = True  # the merged proposal is a tree whenever lookup adds a branch
 
     def __init__(self, base: Drafter, base_k: int | None = None, lookup: LookupDrafter | None = None,

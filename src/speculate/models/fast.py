@@ -185,14 +185,14 @@ class FastKVModel:
             self.row_by_row = not exactness.check(self)
 
     # ---------------------------------------------------------------------------------------------
-    def reset(self, capacity: int = 256, keep: int = 0) -> None:
-        """Start a new generation; ``keep``: the cached positions to keep (a shared prompt prefix)."""
-        self.length = min(self.length, keep)
+    def reset(self, capacity: int = 256) -> None:
+        """Start a new generation, the cache empty (the prefix store may then fill some of it)."""
+        self.length = 0
         self._ensure(capacity, exact=True)  # (what the generation may need: its growth, if any, doubles)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the cache held (the server's --kv-memory counts idle decoders by it; a block shared with others
+        """Bytes of the cache held (the server's --kv-memory counts a running request's by it; a block shared with others
         counts for each holder)."""
         if self.paged is not None:
             return self.paged.nbytes

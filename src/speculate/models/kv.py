@@ -61,7 +61,7 @@ def position_bytes(loaded: LoadedModel) -> int:
 
 
 class HFKVModel:
-    shares_prefixes = False  # (models/prefix_store.py: only the lean caches copy rows in and out)
+    shares_prefixes = True  # (models/prefix_store.py: blocks copied out and in, export_block / import_block)
 
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
@@ -83,14 +83,10 @@ class HFKVModel:
     def ensure(self, positions: int) -> None:
         """(A DynamicCache grows by each forward's rows: nothing to allocate ahead.)"""
 
-    def reset(self, capacity: int = 0, keep: int = 0) -> None:
-        """Start a new generation; ``keep``: the cached positions to keep (a shared prompt prefix)."""
+    def reset(self, capacity: int = 0) -> None:
+        """Start a new generation, the cache empty."""
         from transformers import DynamicCache
 
-        # Keep only from a consistent cache: a forward that failed half-way may have grown some layers.
-        if keep and self.cache is not None and all(layer.keys.shape[-2] == self.length for layer in self.cache.layers):
-            self.keep(keep)
-            return
         self.cache = DynamicCache(config=self.config)
         self.length = 0
 
@@ -150,42 +146,24 @@ class HFKVModel:
             layer.values = layer.values.index_select(-2, index)
         self.length = start + len(nodes)
 
+    def rows(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of positions start..start+n-1: keys and values [layers, kv heads, n, head dim]."""
+        layers = self.cache.layers
+        return (torch.stack([layer.keys[0, :, start: start + n] for layer in layers]),
+                torch.stack([layer.values[0, :, start: start + n] for layer in layers]))
 
-def shared_prefix(a, b) -> int:
-    """How many leading tokens the sequences ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a or (), b):
-        if x != y:
-            break
-        n += 1
-    return n
+    def export_block(self, start: int, n: int):
+        """Positions start..start+n-1, copied out for the prefix store (models/prefix_store.py)."""
+        from .paged import CopiedBlock
 
+        return CopiedBlock(*self.rows(start, n))
 
-class PrefixReuse:
-    """Which token ids a KV cache holds, so that the next generation keeps the prefix it shares with
-    them instead of computing it again (a few-shot prompt's examples, a long system prompt, the earlier
-    turns of a chat).
-
-    The owner (the engine for the target's cache, a draft-model drafter for its own) calls :meth:`start`
-    at the beginning of a generation and :meth:`follow` with the generation's list of committed tokens,
-    which it keeps extending. The cache's positions below ``min(kv.length, len(tokens))`` always hold
-    those tokens' keys and values: drafts past them (a rejected chain, a tree's nodes) sit at higher
-    positions or were rolled back, and a generation stopped inside an accepted draft leaves the cache
-    longer than the list, never the other way round.
-    """
-
-    def __init__(self):
-        self.tokens: list[int] | None = None
-
-    def follow(self, tokens: list[int]) -> None:
-        self.tokens = tokens
-
-    def start(self, kv, prompt_ids: list[int], capacity: int, enabled: bool) -> int:
-        """Reset ``kv`` for a generation of ``prompt_ids``, keeping (when ``enabled``) the longest prefix it
-        holds of them — never the last prompt token, which the first round feeds. Returns its length."""
-        keep = 0
-        if enabled and self.tokens is not None:
-            keep = shared_prefix(self.tokens[: min(kv.length, len(prompt_ids) - 1)], prompt_ids)
-        self.tokens = None
-        kv.reset(capacity, keep=keep)
-        return keep
+    def import_block(self, start: int, block) -> None:
+        """:meth:`export_block`'s rows at positions start.. (a DynamicCache grows by appending: what it holds past
+        ``start`` is dropped first, and blocks come in order)."""
+        if self.cache is None:
+            self.reset()
+        self.keep(start)
+        for i, (keys, values) in enumerate(zip(block.keys, block.values)):
+            self.cache.update(keys[None], values[None], i)
+        self.length = start + block.values.shape[2]

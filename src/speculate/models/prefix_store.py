@@ -11,6 +11,10 @@ again: a table that would write into a shared block copies it first), and a late
 table, so a prefix that any number of running requests share is held once. The PyTorch attentions' contiguous caches
 copy rows out and in (a memcpy; computing them is a forward of every layer).
 
+One store serves every model of a process (the server's target and draft model): a chain of keys starts from a
+root of its own per model (:func:`_root`), so two models' blocks of the same tokens are two entries, under one
+budget.
+
 A hash never decides alone: each entry keeps its tokens and its parent's key, and a lookup takes a block only when
 both match what it looks for, so two prefixes whose keys collide are never confused (the tests force a tiny hash
 space to check it). The store holds at most ``budget`` bytes; the least recently used blocks go first, and a prefix's
@@ -19,25 +23,36 @@ could no longer be reached).
 
 Exactness: at int8 and q4 a row's keys and values do not depend on the other rows of the forward that computed them
 (batch-invariant kernels, models/exactness.py), so a stored block has the bits a fresh prefill would give, the kernel
-reads a block wherever it sits, and a generation's tokens are the same with or without the store. At fp32 they may differ in the last bits (as the
-decoder's own prefix reuse, engine.SpeculativeDecoder ``prefix_cache``), so a near-tie may resolve otherwise.
-Only the lean Llama-family caches (models/fast.py) take part; the Hugging Face path computes its prompt.
+reads a block wherever it sits, and a generation's tokens are the same with or without the store. At fp32 they may differ in the last bits, so a
+near-tie may resolve otherwise.
+The Hugging Face path's caches (models/kv.py, HFKVModel) copy rows out and in too.
 """
 
 from __future__ import annotations
 
 import array
 import hashlib
+import os
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .paged import BLOCK  # tokens per block: the paged cache's, so that a stored block is one of its blocks
 
 
+_ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a model's module -> the root of its key chains
+
+
+def _root(kv) -> bytes:
+    """The key before a prompt's first block in ``kv``'s model: random per model (its ``nn.Module``), so that the
+    blocks of two models (a target and its draft model, a layer-skip view of the target) never match."""
+    return _ROOTS.setdefault(kv.loaded.model, os.urandom(16))
+
+
 @dataclass
 class _Entry:
-    parent: bytes | None  # the key of the block before it (None: the first block)
+    parent: bytes  # the key of the block before it (the model's root: the first block)
     tokens: tuple[int, ...]
     block: object  # the cache's export_block: a paged.Block held by the store, or a CopiedBlock
     # The target's hidden rows of the block's positions, by the layers tapped beside the final-normed rows (an
@@ -70,16 +85,16 @@ class PrefixStore:
         h.update(array.array("q", tokens).tobytes())  # (int64s, as torch's were: the same keys, 4x faster)
         return h.digest()
 
-    def _chain(self, tokens: list[int]):
-        """(parent key, key, block tokens, start) of each full block of ``tokens``, in order."""
-        parent = None
+    def _chain(self, kv, tokens: list[int]):
+        """(parent key, key, block tokens, start) of each full block of ``tokens`` in ``kv``'s model, in order."""
+        parent = _root(kv)
         for start in range(0, len(tokens) - self.block + 1, self.block):
             part = tuple(tokens[start: start + self.block])
             key = self._key(parent, part)
             yield parent, key, part, start
             parent = key
 
-    def _find(self, parent: bytes | None, key: bytes, part: tuple) -> _Entry | None:
+    def _find(self, parent: bytes, key: bytes, part: tuple) -> _Entry | None:
         entry = self._entries.get(key)
         if entry is None or entry.parent != parent or entry.tokens != part:  # a collision is a miss
             return None
@@ -87,17 +102,19 @@ class PrefixStore:
 
     # -- a generation's side -----------------------------------------------------------------------------
     def fill(self, kv, tokens: list[int], have: int = 0, again: bool = False, hidden: tuple | None = None,
-             rows: list | None = None) -> int:
+             rows: list | None = None, count: bool = True) -> int:
         """Put into ``kv`` (reset for this generation, holding its first ``have`` positions already) the cached
         blocks of the longest cached prefix of ``tokens`` (the prompt tokens the prefill would compute: mapped where
         ``kv`` is paged, else copied); returns the positions ``kv`` now holds: ``have``, or the end of the last block
         taken where that is further. ``again``: a second look for the same prompt (engine.Run.catch_up): its tokens
         are not counted as looked up again, and only what it takes counts as a hit. ``hidden`` (the tapped layers,
         () for none): take only blocks stored with those hidden rows, and append to ``rows`` the rows of the
-        positions taken past ``have``."""
+        positions taken past ``have``. ``count``: False for a lookup the hit rate leaves out (a draft model's: the
+        rate is the target's, over requests' prompt tokens)."""
+        again = again or not count
         with self._lock:
             found = []
-            for parent, key, part, start in self._chain(tokens):
+            for parent, key, part, start in self._chain(kv, tokens):
                 entry = self._find(parent, key, part)
                 if entry is None or (hidden is not None and hidden not in entry.hidden):
                     break
@@ -110,7 +127,7 @@ class PrefixStore:
             if end <= have:
                 self.hit_tokens += 0 if again else have
                 return have
-            self.hit_tokens += end - have if again else end
+            self.hit_tokens += 0 if not count else end - have if again else end
             for start, _, entry in found:
                 if start + self.block > have:  # (the positions below have are there already)
                     kv.import_block(start, entry.block)
@@ -125,7 +142,7 @@ class PrefixStore:
         of those positions (taps ``hidden``), kept with each block that lacks them."""
         with self._lock:
             chain = []
-            for parent, key, part, start in self._chain(tokens[: kv.length]):
+            for parent, key, part, start in self._chain(kv, tokens[: kv.length]):
                 entry = self._find(parent, key, part)
                 if entry is None:
                     if key in self._entries:  # a colliding key holds another prefix: keep that one, stop here
@@ -157,5 +174,5 @@ class PrefixStore:
 
     @property
     def hit_rate(self) -> float:
-        """Prompt tokens found in the store (or in a decoder's own cache) over prompt tokens looked up."""
+        """Prompt tokens found in the store over prompt tokens looked up (a target's; a draft model's are not counted)."""
         return self.hit_tokens / self.looked_up_tokens if self.looked_up_tokens else 0.0

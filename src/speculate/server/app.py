@@ -94,21 +94,20 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
 
 
 class Routes:
-    """The handlers, each a small method; what they share (the models, the generation thread, the idle decoders,
-    the metrics) is set once here. Engine and scheduler errors become HTTP answers here only (:func:`as_api_error`);
+    """The handlers, each a small method; what they share (the models, the generation thread, the decoders, the
+    metrics) is set once here. Engine and scheduler errors become HTTP answers here only (:func:`as_api_error`);
     a client that left gets :meth:`client_gone`'s 499, wherever it left."""
 
     def __init__(self, app: FastAPI, config: ServerConfig, target: LoadedModel, draft: LoadedModel | None,
                  scheduler: Scheduler, metrics: Metrics):
         self.app, self.config, self.target, self.scheduler, self.metrics = app, config, target, scheduler, metrics
-        # Idle decoders between requests (prefix reuse): one per place in the batch, each holding its KV buffers.
-        # Prompts' KV blocks for every request, whatever its settings (models/prefix_store.py).
+        # Prompts' and answers' KV blocks for every request, whatever its settings, of the target and the draft model
+        # (models/prefix_store.py).
         self.prefix_store = PrefixStore(int(config.prefix_cache_gib * 2**30)) if config.prefix_cache else None
         metrics.store = self.prefix_store
         metrics.indexes = partial(suffix_indexes, target)
-        self.decoders = Decoders(lambda s: build_decoder(target, draft, s, config.prefix_cache, self.prefix_store),
-                                 keep=config.max_batch)
-        scheduler.make_room = self.decoders.trim  # --kv-memory: idle caches go first
+        # One decoder per speculative settings in use, shared by their requests (each run has its own cache).
+        self.decoders = Decoders(lambda s: build_decoder(target, draft, s, self.prefix_store), keep=config.max_batch)
         # KV bytes a token may take: the target's cache and (for the drafters that run it) the draft model's; a
         # request reserves its prompt, max tokens and a draft's rows of them (over-counting the draft model's for
         # requests that do not use it).

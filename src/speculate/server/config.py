@@ -34,9 +34,9 @@ class ServerConfig:
     # --max-tokens: a request's new tokens at most, and the default where it gives none (a chat's default was the
     # rest of the context window: 8,126 tokens held a place in the batch ~90 s); 0: the context window
     max_tokens: int = 2048
-    # Keep decoders between requests and reuse the KV of a prompt's shared prefix (server/decoders.py), and keep
-    # prompts' blocks for every request, whatever its settings (models/prefix_store.py), in --prefix-cache-gib GiB
-    # at most; --no-prefix-cache: every request prefills its whole prompt in a fresh decoder.
+    # Keep the KV blocks of requests' prompts and answers for every request, whatever its settings
+    # (models/prefix_store.py), in --prefix-cache-gib GiB at most; --no-prefix-cache: every request prefills its
+    # whole prompt.
     prefix_cache: bool = True
     prefix_cache_gib: float = 1.0
     # --kv-memory: GiB of KV cache the running generations may fill together (server/scheduler.py admits a request

@@ -4,14 +4,13 @@ generation thread does with it when it joins the batch.
 :func:`prepare` runs the checks that need the tokenizer (prompt length against the context window) and merges
 the speculative settings, off the event loop, *before* the request is queued: a bad prompt is a 400 and never
 takes a place in the batch. Everything that touches the models happens on the generation thread
-(server/scheduler.py): :func:`open_run` takes a :class:`SpeculativeDecoder` for the request's settings from the
-server's :class:`~speculate.server.decoders.Decoders` (an idle one whose cache shares the longest prefix with the
-prompt, or a new one — which may load an answer store or heads, measure a cost profile, calibrate ε) and starts
-its run. Why there: a thread that runs torch keeps an OpenMP team, and extra teams slow every forward
+(server/scheduler.py): :func:`open_run` takes the :class:`SpeculativeDecoder` for the request's settings from the
+server's :class:`~speculate.server.decoders.Decoders` (the one kept, or a new one — which may load an answer store or
+heads, measure a cost profile, calibrate ε) and starts its run. Why there: a thread that runs torch keeps an OpenMP team, and extra teams slow every forward
 (models/loader.py, check_thread) — a store loaded in the request-preparing thread pool did that to every later
 request. Settings the engine refuses are reported as the job's first event, before any text, so the client still
-gets a 400 (streamed or not). A decoder holds one generation's KV state and drafter state, while the model weights
-it points to are shared by all of them: each request in the batch has its own decoder.
+gets a 400 (streamed or not). A decoder is shared by every request with its settings; each request's run holds its
+own KV cache and drafter state.
 """
 
 from __future__ import annotations
@@ -141,12 +140,11 @@ def _budget(target: LoadedModel, ids: list[int], budget: int | None, prompt_para
 
 def open_run(prepared: Prepared, decoders: Decoders, prefill_chunk: int | None = None, *, resume: Run | None = None,
              reserve: int | None = None) -> tuple[Run, Callable[[], None]]:
-    """On the generation thread, when the request joins the batch: a decoder for its settings and its
-    :class:`~speculate.engine.Run`, and the function that gives the decoder back once the run has ended well (or was
-    preempted). ``resume``: the request's run, preempted, to go on with this decoder; ``reserve``: cache positions
-    to allocate now (server/scheduler.py, admission by memory). Raises APIError (400) for settings the engine
-    refuses."""
-    decoder = decoders.take(prepared.spec, prepared.ids if resume is None else resume.tokens)  # build_decoder: 400
+    """On the generation thread, when the request joins the batch: its :class:`~speculate.engine.Run` on the decoder
+    for its settings, and the function that gives the run's cache up (it was preempted, or it ended).
+    ``resume``: the request's run, preempted, to go on; ``reserve``: cache positions to allocate now
+    (server/scheduler.py, admission by memory). Raises APIError (400) for settings the engine refuses."""
+    decoder = decoders.get(prepared.spec)  # build_decoder: 400
     try:
         if resume is not None:
             resume.resume(decoder, prefill_chunk, reserve)
@@ -155,9 +153,8 @@ def open_run(prepared: Prepared, decoders: Decoders, prefill_chunk: int | None =
             run = decoder.start(prepared.ids, prepared.sampling, prefill_chunk=prefill_chunk, reserve=reserve)
             run.k_is_cap = not prepared.k_named
     except SpeculateError as e:
-        decoders.give_back(prepared.spec, decoder)  # nothing ran: it is as it was
         raise refused(e) from None
-    return run, lambda: decoders.give_back(prepared.spec, decoder)
+    return run, run.release
 
 
 def _encode(fn, param: str) -> list[int]:
@@ -174,11 +171,10 @@ def request_spec(config: ServerConfig, given: SpeculativeSettings | None, scope:
 
 
 def build_decoder(target: LoadedModel, draft: LoadedModel | None, spec: SpeculativeSpec,
-                  prefix_cache: bool = False, prefix_store: PrefixStore | None = None) -> SpeculativeDecoder:
+                  prefix_store: PrefixStore | None = None) -> SpeculativeDecoder:
     """The decoder for ``spec`` with the server's models; a refusal is a 400 at the request's ``speculative``.
     (The draft model's tokenizer was compared with the target's at startup; the comparison is remembered.)"""
     try:
-        return SpeculativeDecoder(target, spec, draft_model=draft, prefix_cache=prefix_cache,
-                                  prefix_store=prefix_store)
+        return SpeculativeDecoder(target, spec, draft_model=draft, prefix_store=prefix_store)
     except SpeculateError as e:
         raise refused(e, f"speculative: {e}", "speculative") from None

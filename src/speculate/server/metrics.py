@@ -71,9 +71,9 @@ class Metrics:
         # The prompts' KV blocks shared by all requests (models/prefix_store.py), read when /metrics is asked.
         self.cached_prompt_tokens = Counter("speculate_cached_prompt_tokens", "Prompt tokens of finished generations "
                                             "whose KV came from a cache, not a forward", registry=r)
-        self.prefix_store_bytes = Gauge("speculate_prefix_cache_bytes", "Bytes of prompt KV blocks held for all "
-                                        "requests", registry=r)
-        self.prefix_store_blocks = Gauge("speculate_prefix_cache_blocks", "Prompt KV blocks held for all requests",
+        self.prefix_store_bytes = Gauge("speculate_prefix_cache_bytes", "Bytes of KV blocks (requests' prompts and "
+                                        "answers, target and draft model) held for all requests", registry=r)
+        self.prefix_store_blocks = Gauge("speculate_prefix_cache_blocks", "KV blocks held for all requests",
                                          registry=r)
         self.prefix_hit_rate = Gauge("speculate_prefix_cache_hit_rate", "Prompt tokens found cached over prompt "
                                      "tokens looked up, since the start", registry=r)

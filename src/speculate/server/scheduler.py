@@ -21,8 +21,8 @@ Admission by memory (--kv-memory): a job that says what a cache position costs i
 batch when its prompt and a first stretch of output (``STRETCH`` positions) fit beside what the running generations
 hold, and its cache is allocated for that much. Before each round a generation whose next round would pass its
 reservation gets another stretch; where the budget has no room for it, the youngest generation is preempted: its
-decoder goes back to the idle ones (its cache may serve its return, or be freed for the others) and its job to the
-front of the waiting line, to resume later from its tokens so far (``Run.resume``: recomputed, or found cached). A job
+cache is given up (its blocks the prefix store holds stay there) and its job goes to the front of the waiting line,
+to resume later from its tokens so far (``Run.resume``: recomputed, or found in the store). A job
 without ``position_bytes`` reserves its whole ``kv_bytes`` at once and is never preempted.
 """
 
@@ -82,8 +82,8 @@ class Outcome:
 
 class Job:
     """One generation request. ``open()`` runs on the generation thread when the job is admitted to the batch and
-    returns ``(run, release)``: the engine's :class:`~speculate.engine.Run` and the function that gives its decoder
-    back once the run has ended well; what it raises (settings the engine refuses) goes to the handler as the job's
+    returns ``(run, release)``: the engine's :class:`~speculate.engine.Run` and the function that gives its cache
+    up (it ended, or was preempted); what it raises (settings the engine refuses) goes to the handler as the job's
     error."""
 
     def __init__(self, open: Callable[..., tuple[Run, Callable[[], None]]], loop: asyncio.AbstractEventLoop,
@@ -162,8 +162,7 @@ class Scheduler:
 
     def __init__(self, max_batch: int, max_queue: int, on_change: Callable[[int, int], None] | None = None,
                  plan: Callable[[list[Run]], list[int] | None] | None = None, prefill_chunk: int = 128,
-                 prefill_budget: int | None = None, kv_budget: int = 0,
-                 make_room: Callable[[int], None] | None = None, stretch: int = STRETCH):
+                 prefill_budget: int | None = None, kv_budget: int = 0, stretch: int = STRETCH):
         prefill_budget = prefill_budget or 2 * prefill_chunk
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or prefill_budget < 1:
             raise ValueError("need max_batch >= 1, max_queue >= 0, prefill_chunk >= 1 and prefill_budget >= 1")
@@ -175,10 +174,8 @@ class Scheduler:
         self.prefill_budget = prefill_budget
         self.max_long_prefills = max(1, max_batch // 2)
         # Admission by memory (--kv-memory): a request joins the batch only while the KV its running generations may
-        # fill (kv_reserved) leaves room for its own; make_room(bytes) then frees idle caches beyond what is left.
-        # A request that needs more than the whole budget never joins (the handler refuses it: too_large).
+        # fill (kv_reserved) leaves room for its own. A request that needs more than the whole budget never joins (the handler refuses it: too_large).
         self.kv_budget, self.kv_reserved = kv_budget, 0
-        self.make_room = make_room or (lambda most: None)
         self.stretch = stretch
         self.on_change = on_change or (lambda running, queued: None)
         self.on_round: Callable[[int, int, float], None] = lambda generations, rows, seconds: None
@@ -304,10 +301,10 @@ class Scheduler:
                 self._waiting.append(item)
 
     def _drop_cancelled(self) -> None:
-        """Requests whose client left (or that a shutdown ended) leave the batch between rounds. Their decoder is
-        consistent there (a round is complete), so it goes back to the idle ones."""
+        """Requests whose client left (or that a shutdown ended) leave the batch between rounds; their caches are
+        given up."""
         for r in [r for r in self._running if r.job.cancelled.is_set()]:
-            self._finish(r, release=True)
+            self._finish(r)
             r.job.stopped()
 
     def _admit(self) -> None:
@@ -329,8 +326,6 @@ class Scheduler:
             if self.kv_budget and self._running and self.kv_reserved + need > self.kv_budget:
                 break  # it waits for memory, and those behind it with it (first come, first served)
             del self._waiting[i]
-            if self.kv_budget:
-                self.make_room(self.kv_budget - self.kv_reserved - need)
             resumed, job.run = job.run, None
             if resumed is None:
                 job.started_at = time.perf_counter()
@@ -348,7 +343,7 @@ class Scheduler:
                 continue
             if resumed is None:
                 job.emit("ready")
-            if positions:  # an idle decoder's cache may be larger than the stretch: what it holds counts
+            if positions:  # (a resumed run's cache may hold more than the stretch: what it holds counts)
                 need = max(need, _held(run))
             sent, job.sent = job.sent, ()  # (a resumed job's text and log-probabilities went out once already)
             self._running.append(_Running(job, run, release, need, positions, *sent))
@@ -379,7 +374,7 @@ class Scheduler:
             while self.kv_reserved + extra > self.kv_budget:
                 # The youngest that may be preempted (a list in the order they joined), r included.
                 victim = [v for v in self._running if v.run.preemptible or v is r][-1]
-                if len(self._running) == 1:  # alone: its whole need fits the budget (too_large); idle caches go
+                if len(self._running) == 1:  # alone: its whole need fits the budget (too_large)
                     break
                 self._preempt(victim)
                 if victim is r:
@@ -389,10 +384,9 @@ class Scheduler:
             r.run.kv.ensure(grant)  # (allocated as reserved: a cache grown by doubling would pass the budget)
             held = max(r.reserved + extra, _held(r.run))  # (a draft model's cache grows on its own)
             r.positions, self.kv_reserved, r.reserved = grant, self.kv_reserved + held - r.reserved, held
-            self.make_room(self.kv_budget - self.kv_reserved)
 
     def _preempt(self, r: _Running) -> None:
-        """Take ``r`` out of the batch between rounds: its decoder back to the idle ones, its job to the front of the
+        """Take ``r`` out of the batch between rounds: its cache given up, its job to the front of the
         waiting line with its run, to :meth:`~speculate.engine.Run.resume` when memory allows."""
         self._running.remove(r)
         self.kv_reserved -= r.reserved
@@ -451,16 +445,14 @@ class Scheduler:
             if r.run.error is not None:
                 self._finish(r, error=r.run.error)
             elif r.run.done:
-                self._finish(r, release=True)
+                self._finish(r)
                 r.job.emit("done", Outcome(r.run.generation, r.first))
 
-    def _finish(self, r: _Running, release: bool = False, error: BaseException | None = None) -> None:
-        """Take ``r`` out of the batch; give its decoder back (``release``) or report ``error`` (the decoder of a
-        failed run is dropped: its state is undefined)."""
+    def _finish(self, r: _Running, error: BaseException | None = None) -> None:
+        """Take ``r`` out of the batch, its cache given up; report ``error`` where it failed."""
         self._running.remove(r)
         self.kv_reserved -= r.reserved
-        if release:
-            r.release()
+        r.release()
         if error is not None:  # (the handler tells the client: server/app.py, as_api_error)
             r.job.emit("error", error)
         with self._lock:
