@@ -124,6 +124,26 @@ def test_blocks_go_back_when_nobody_holds_them(target):
     assert pool.live == base and block.refs == 0
 
 
+def test_a_pool_reuses_the_memory_of_blocks_nobody_holds():
+    """A block whose last holder let go gives its memory to the next block allocated (no fresh pages to fault in and
+    zero), up to the pool's keep_free; live counts the blocks held, not the memory kept."""
+    from speculate.models.paged import KVPool
+
+    pool = KVPool(2, 1, 4)
+    pool.keep_free = 2
+    blocks = [pool.allocate() for _ in range(3)]
+    addresses = {b.keys.data_ptr() for b in blocks}
+    assert pool.live == 3
+    for b in blocks:
+        b.release()
+    assert pool.live == 0 and len(pool._free) == 2  # (the third block's memory went)
+    again = [pool.allocate() for _ in range(3)]
+    assert pool.live == 3 and sum(b.keys.data_ptr() in addresses for b in again) == 2
+    shared = pool.share(again[0])
+    shared.release()
+    assert again[0].refs == 1 and len(pool._free) == 0  # (still held once: not free)
+
+
 def test_a_store_of_smaller_blocks_copies_into_a_paged_cache(target):
     """A store whose blocks are not the pool's (16 tokens) cannot hand out the cache's blocks: it copies rows out and
     in instead, and the tokens are still a fresh decoder's."""

@@ -168,8 +168,9 @@ class Drafter:
         return 0.0
 
     def cache_bytes(self) -> int:
-        """Bytes of KV cache this drafter holds (a draft model's; the server's --kv-memory counts a running request's
-        cache by it). 0 for drafters without a model of their own."""
+        """Bytes of KV cache this drafter alone holds (a draft model's, but the blocks it maps from the prefix store;
+        the server's --kv-memory counts a running request's cache by it). 0 for drafters without a model of their
+        own."""
         return 0
 
     def update(self, n_accepted: int, next_token: int, path: list[int] | None = None) -> None:

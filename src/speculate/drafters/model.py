@@ -38,7 +38,7 @@ class OwnCache:
         self.store = store
 
     def cache_bytes(self) -> int:
-        return self.kv.nbytes
+        return self.kv.own_bytes  # (blocks mapped from the prefix store are the store's)
 
     def _start_cache(self, prompt_ids: list[int]) -> None:
         """The cache reset for a generation of ``prompt_ids``, holding the stored blocks of its prefix: never its last

@@ -192,11 +192,16 @@ class FastKVModel:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the cache held (the server's --kv-memory counts a running request's by it; a block shared with others
-        counts for each holder)."""
+        """Bytes of the cache held (a block shared with others counts for each holder; :attr:`own_bytes` does not)."""
         if self.paged is not None:
             return self.paged.nbytes
         return 0 if self.k_cache is None else self.k_cache.nbytes + self.v_cache.nbytes
+
+    @property
+    def own_bytes(self) -> int:
+        """Bytes of the cache that it alone holds: not the blocks it maps from the prefix store (counted by the
+        store's budget; the server's --kv-memory counts a running request by this)."""
+        return self.paged.own_bytes if self.paged is not None else self.nbytes
 
     @property
     def capacity(self) -> int:
@@ -439,19 +444,19 @@ class FastKVModel:
         return CopiedBlock(*self.rows(start, n))
 
     @torch.inference_mode()
-    def import_block(self, start: int, block) -> None:
-        """Hold :meth:`export_block`'s block at positions start.. (mapped where paged, copied otherwise)."""
-        if self.paged is not None and not isinstance(block, CopiedBlock):
+    def import_block(self, start: int, block, n: int | None = None) -> None:
+        """Hold :meth:`export_block`'s block at positions start.. (mapped where paged, copied otherwise); ``n``: its
+        first n positions only (copied: the rest of the block is another prompt's)."""
+        whole = block.values.shape[2]
+        n = whole if n is None else n
+        if self.paged is not None and not isinstance(block, CopiedBlock) and n == whole:
             self.paged.map(start // BLOCK, block)
-            n = BLOCK
-        elif self.paged is not None:
-            n = block.values.shape[2]
-            self.paged.write(start, block.keys, block.values)
+        elif self.paged is not None:  # (keys transposed, as the kernel reads them: positions last)
+            self.paged.write(start, block.keys[..., :n], block.values[:, :, :n])
         else:
-            n = block.values.shape[2]
             self._ensure(start + n)
-            self.k_cache[:, :, start: start + n] = block.keys
-            self.v_cache[:, :, start: start + n] = block.values
+            self.k_cache[:, :, start: start + n] = block.keys[:, :, :n]
+            self.v_cache[:, :, start: start + n] = block.values[:, :, :n]
         self.length = max(self.length, start + n)
 
 

@@ -80,6 +80,11 @@ class HFKVModel:
         layers = self.cache.layers if self.cache is not None else ()
         return sum(t.nbytes for layer in layers for t in (layer.keys, layer.values) if t is not None)
 
+    @property
+    def own_bytes(self) -> int:
+        """(Every row is its own: blocks taken from the prefix store are copied in.)"""
+        return self.nbytes
+
     def ensure(self, positions: int) -> None:
         """(A DynamicCache grows by each forward's rows: nothing to allocate ahead.)"""
 
@@ -158,12 +163,13 @@ class HFKVModel:
 
         return CopiedBlock(*self.rows(start, n))
 
-    def import_block(self, start: int, block) -> None:
-        """:meth:`export_block`'s rows at positions start.. (a DynamicCache grows by appending: what it holds past
-        ``start`` is dropped first, and blocks come in order)."""
+    def import_block(self, start: int, block, n: int | None = None) -> None:
+        """:meth:`export_block`'s rows at positions start.. (its first ``n`` only, where given). A DynamicCache grows
+        by appending: what it holds past ``start`` is dropped first, and blocks come in order."""
         if self.cache is None:
             self.reset()
         self.keep(start)
+        n = block.values.shape[2] if n is None else n
         for i, (keys, values) in enumerate(zip(block.keys, block.values)):
-            self.cache.update(keys[None], values[None], i)
-        self.length = start + block.values.shape[2]
+            self.cache.update(keys[None, :, :n], values[None, :, :n], i)
+        self.length = start + n

@@ -15,6 +15,11 @@ One store serves every model of a process (the server's target and draft model):
 root of its own per model (:func:`_root`), so two models' blocks of the same tokens are two entries, under one
 budget.
 
+A prompt that shares only part of a block with a stored one (the chat template and the first words of a question, a
+system prompt of 100 tokens) takes that part too: after its last full cached block, the stored block that continues
+the same prefix and shares the most leading tokens with the prompt's next ones gives those rows, copied into the
+generation's own block (:data:`MIN_PARTIAL` tokens at least), so the store's granularity is a token, not a block.
+
 A hash never decides alone: each entry keeps its tokens and its parent's key, and a lookup takes a block only when
 both match what it looks for, so two prefixes whose keys collide are never confused (the tests force a tiny hash
 space to check it). The store holds at most ``budget`` bytes; the least recently used blocks go first, and a prefix's
@@ -39,6 +44,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .paged import BLOCK  # tokens per block: the paged cache's, so that a stored block is one of its blocks
+
+# The fewest leading tokens of a block worth taking from a stored block that shares only part of it (a copy of that
+# many rows against their prefill).
+MIN_PARTIAL = 8
 
 
 _ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a model's module -> the root of its key chains
@@ -67,13 +76,15 @@ class _Entry:
 class PrefixStore:
     """Full prompt blocks' KV of one loaded model, shared by all its generations (see the module's docstring).
     ``budget``: bytes at most; ``block``: tokens per block (a paged cache's block size: a contiguous cache takes any);
-    ``digest_size``: bytes of each key (a test makes it tiny to force collisions)."""
+    ``digest_size``: bytes of each key (a test makes it tiny to force collisions); ``min_partial``: the fewest leading
+    tokens taken from a block shared in part."""
 
-    def __init__(self, budget: int, block: int = BLOCK, digest_size: int = 16):
+    def __init__(self, budget: int, block: int = BLOCK, digest_size: int = 16, min_partial: int = MIN_PARTIAL):
         if budget < 0 or block < 1:
             raise ValueError("the prefix store needs a budget >= 0 bytes and blocks of >= 1 token")
-        self.budget, self.block, self.digest_size = budget, block, digest_size
+        self.budget, self.block, self.digest_size, self.min_partial = budget, block, digest_size, min_partial
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._children: dict[bytes, set[bytes]] = {}  # a key (or a model's root) -> the keys of the blocks after it
         self.bytes = 0
         self.lookups = self.hit_tokens = self.looked_up_tokens = 0  # /metrics: the hit rate over prompt tokens
         self.version = 0  # blocks stored so far: a run that looked up at this version has nothing new to find
@@ -105,8 +116,8 @@ class PrefixStore:
              rows: list | None = None, count: bool = True) -> int:
         """Put into ``kv`` (reset for this generation, holding its first ``have`` positions already) the cached
         blocks of the longest cached prefix of ``tokens`` (the prompt tokens the prefill would compute: mapped where
-        ``kv`` is paged, else copied); returns the positions ``kv`` now holds: ``have``, or the end of the last block
-        taken where that is further. ``again``: a second look for the same prompt (engine.Run.catch_up): its tokens
+        ``kv`` is paged, else copied), then the leading rows of a stored block that shares part of the next block
+        (copied); returns the positions ``kv`` now holds: ``have``, or the end of what it took where that is further. ``again``: a second look for the same prompt (engine.Run.catch_up): its tokens
         are not counted as looked up again, and only what it takes counts as a hit. ``hidden`` (the tapped layers,
         () for none): take only blocks stored with those hidden rows, and append to ``rows`` the rows of the
         positions taken past ``have``. ``count``: False for a lookup the hit rate leaves out (a draft model's: the
@@ -119,22 +130,40 @@ class PrefixStore:
                 if entry is None or (hidden is not None and hidden not in entry.hidden):
                     break
                 found.append((start, key, entry))
-            self._touch([key for _, key, _ in found])
+            end = found[-1][0] + self.block if found else 0
+            partial, taken = self._partial(found[-1][1] if found else _root(kv), tokens[end: end + self.block], hidden)
+            self._touch([key for _, key, _ in found] + ([partial[0]] if partial else []))
             if not again:
                 self.lookups += 1
                 self.looked_up_tokens += len(tokens)
-            end = found[-1][0] + self.block if found else 0
-            if end <= have:
+            if end + taken <= have:
                 self.hit_tokens += 0 if again else have
                 return have
-            self.hit_tokens += 0 if not count else end - have if again else end
+            self.hit_tokens += 0 if not count else end + taken - have if again else end + taken
+            if partial:
+                found.append((end, partial[0], partial[1]))
             for start, _, entry in found:
                 if start + self.block > have:  # (the positions below have are there already)
-                    kv.import_block(start, entry.block)
+                    n = min(self.block, end + taken - start)
+                    kv.import_block(start, entry.block, None if n == self.block else n)
                     if hidden is not None:
-                        rows.append(entry.hidden[hidden][max(0, have - start):])
-        kv.length = end
-        return end
+                        rows.append(entry.hidden[hidden][max(0, have - start): n])
+        kv.length = end + taken
+        return end + taken
+
+    def _partial(self, parent: bytes, rest: list[int], hidden: tuple | None) -> tuple[tuple | None, int]:
+        """((key, entry), leading tokens shared) of the stored block after ``parent`` that shares the most leading
+        tokens with ``rest`` (at least ``min_partial``, fewer than a block); (None, 0) where none does."""
+        best, most = None, self.min_partial - 1
+        for key in self._children.get(parent, ()):
+            entry = self._entries[key]
+            if hidden is not None and hidden not in entry.hidden:
+                continue
+            shared = next((i for i, (a, b) in enumerate(zip(entry.tokens, rest)) if a != b), min(len(rest),
+                                                                                                  self.block))
+            if most < shared < self.block:
+                best, most = (key, entry), shared
+        return best, (most if best else 0)
 
     def add(self, kv, tokens: list[int], hidden: tuple | None = None, rows=None) -> None:
         """Store the full blocks of ``tokens`` (whose KV ``kv`` holds at positions 0..len(tokens)-1) that are not
@@ -149,6 +178,7 @@ class PrefixStore:
                         break
                     entry = _Entry(parent, part, kv.export_block(start, self.block))
                     self._entries[key] = entry
+                    self._children.setdefault(parent, set()).add(key)
                     self.bytes += entry.nbytes
                     self.version += 1
                 if rows is not None and hidden not in entry.hidden and rows.shape[0] >= start + self.block:
@@ -158,8 +188,12 @@ class PrefixStore:
                 chain.append(key)
             self._touch(chain)
             while self.bytes > self.budget:
-                _, entry = self._entries.popitem(last=False)
+                key, entry = self._entries.popitem(last=False)
                 self.bytes -= entry.nbytes
+                siblings = self._children[entry.parent]
+                siblings.discard(key)
+                if not siblings:
+                    del self._children[entry.parent]
                 entry.block.release()  # (a paged block still mapped by a running request stays with it)
 
     def _touch(self, chain: list[bytes]) -> None:

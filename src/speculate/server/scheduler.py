@@ -19,7 +19,8 @@ handler cancels it (client gone) by setting ``job.cancelled``, which the thread 
 
 Admission by memory (--kv-memory): a job that says what a cache position costs it (``Job.position_bytes``) joins the
 batch when its prompt and a first stretch of output (``STRETCH`` positions) fit beside what the running generations
-hold, and its cache is allocated for that much. Before each round a generation whose next round would pass its
+hold, and its cache is allocated for that much; once it has taken its prompt's cached blocks from the prefix store, it
+reserves only what it computes (the store's blocks are held once, under the store's own budget). Before each round a generation whose next round would pass its
 reservation gets another stretch; where the budget has no room for it, the youngest generation is preempted: its
 cache is given up (its blocks the prefix store holds stay there) and its job goes to the front of the waiting line,
 to resume later from its tokens so far (``Run.resume``: recomputed, or found in the store). A job
@@ -62,8 +63,9 @@ def _computed_beside(run: Run, chosen: list[Run]) -> bool:
 
 
 def _held(run: Run) -> int:
-    """Bytes of KV cache ``run`` holds now: the target's and its drafter's (a draft model's)."""
-    return run.kv.nbytes + run.drafter.cache_bytes()
+    """Bytes of KV cache ``run`` alone holds now: the target's and its drafter's (a draft model's). Blocks it maps from
+    the prefix store are not counted: the store's own budget (--prefix-cache-gib) holds them."""
+    return run.kv.own_bytes + run.drafter.cache_bytes()
 
 
 class QueueFull(Exception):
@@ -343,8 +345,10 @@ class Scheduler:
                 continue
             if resumed is None:
                 job.emit("ready")
-            if positions:  # (a resumed run's cache may hold more than the stretch: what it holds counts)
-                need = max(need, _held(run))
+            if positions:
+                # Admitted on its whole stretch, it reserves what it computes: the positions it took from the prefix
+                # store are the store's (a resumed run's cache may hold more than the stretch: what it holds counts).
+                need = max(need - job.position_bytes * run.filled, _held(run))
             sent, job.sent = job.sent, ()  # (a resumed job's text and log-probabilities went out once already)
             self._running.append(_Running(job, run, release, need, positions, *sent))
             self.kv_reserved += need
