@@ -525,7 +525,7 @@ class Run:
         self.generation = Generation(self.detok.text, list(self.detok.ids), self.stats, self.finish,
                                      self.prompt_tokens, self.logprobs, self.prompt_logprobs)
         if self.store is not None:  # its whole sequence's full blocks: the next turn of a chat starts with them
-            self.store.add(self.kv, self.tokens)
+            self.store.add(self.kv, self.tokens, tail=True)
         self.drafter.end(self.tokens)
         self.done = True
         self.release()

@@ -53,7 +53,7 @@ class OwnCache:
         them), when a block filled since the last time (``force``: the generation's end)."""
         block = self.store.block if self.store is not None else 0
         if block and (force or self.kv.length // block > self.stored // block):
-            self.store.add(self.kv, tokens)
+            self.store.add(self.kv, tokens, tail=force)
             self.stored = self.kv.length
 
     def end(self, tokens: list[int]) -> None:

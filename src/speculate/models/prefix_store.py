@@ -96,14 +96,20 @@ class PrefixStore:
         h.update(array.array("q", tokens).tobytes())  # (int64s, as torch's were: the same keys, 4x faster)
         return h.digest()
 
-    def _chain(self, kv, tokens: list[int]):
-        """(parent key, key, block tokens, start) of each full block of ``tokens`` in ``kv``'s model, in order."""
+    def _chain(self, kv, tokens: list[int], tail: bool = False):
+        """(parent key, key, block tokens, start) of each full block of ``tokens`` in ``kv``'s model, in order; with
+        ``tail``, then the tokens after them as a block of their own (at least ``min_partial``), which only a
+        partial match reaches (:meth:`_partial`)."""
         parent = _root(kv)
         for start in range(0, len(tokens) - self.block + 1, self.block):
             part = tuple(tokens[start: start + self.block])
             key = self._key(parent, part)
             yield parent, key, part, start
             parent = key
+        start = len(tokens) // self.block * self.block
+        if tail and len(tokens) - start >= self.min_partial:
+            part = tuple(tokens[start:])
+            yield parent, self._key(parent, part), part, start
 
     def _find(self, parent: bytes, key: bytes, part: tuple) -> _Entry | None:
         entry = self._entries.get(key)
@@ -159,24 +165,25 @@ class PrefixStore:
             entry = self._entries[key]
             if hidden is not None and hidden not in entry.hidden:
                 continue
-            shared = next((i for i, (a, b) in enumerate(zip(entry.tokens, rest)) if a != b), min(len(rest),
-                                                                                                  self.block))
+            shared = next((i for i, (a, b) in enumerate(zip(entry.tokens, rest)) if a != b),
+                          min(len(rest), len(entry.tokens)))
             if most < shared < self.block:
                 best, most = (key, entry), shared
         return best, (most if best else 0)
 
-    def add(self, kv, tokens: list[int], hidden: tuple | None = None, rows=None) -> None:
+    def add(self, kv, tokens: list[int], hidden: tuple | None = None, rows=None, tail: bool = False) -> None:
         """Store the full blocks of ``tokens`` (whose KV ``kv`` holds at positions 0..len(tokens)-1) that are not
         stored yet, then evict the least recently used blocks beyond the budget. ``rows``: the target's hidden rows
-        of those positions (taps ``hidden``), kept with each block that lacks them."""
+        of those positions (taps ``hidden``), kept with each block that lacks them. ``tail``: the tokens after the
+        last full block too, copied (a generation that ended: the next turn of a chat starts with all of it)."""
         with self._lock:
             chain = []
-            for parent, key, part, start in self._chain(kv, tokens[: kv.length]):
+            for parent, key, part, start in self._chain(kv, tokens[: kv.length], tail):
                 entry = self._find(parent, key, part)
                 if entry is None:
                     if key in self._entries:  # a colliding key holds another prefix: keep that one, stop here
                         break
-                    entry = _Entry(parent, part, kv.export_block(start, self.block))
+                    entry = _Entry(parent, part, kv.export_block(start, len(part)))
                     self._entries[key] = entry
                     self._children.setdefault(parent, set()).add(key)
                     self.bytes += entry.nbytes
