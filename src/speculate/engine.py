@@ -142,7 +142,7 @@ class SpeculativeDecoder:
         self.target = target
         self.spec = spec if drafter is not None else spec.resolved(target)
         # The drafter as built: what it declares (tree, wants_hidden, its cost) and what its forks share (weights, a
-        # draft model, a learned index); a generation drafts with a fork (new_drafter).
+        # draft model, a learned index); lent to one generation at a time, forked for the others (new_drafter).
         self.drafter = drafter if drafter is not None else build_drafter(self.spec, target, draft_model)
         self._lent = False  # whether a run drafts with self.drafter now (new_drafter)
         self._lock = threading.Lock()
@@ -524,7 +524,7 @@ class Run:
         tail = self.detok.flush()
         self.generation = Generation(self.detok.text, list(self.detok.ids), self.stats, self.finish,
                                      self.prompt_tokens, self.logprobs, self.prompt_logprobs)
-        if self.store is not None:  # its whole sequence's full blocks: the next turn of a chat starts with them
+        if self.store is not None:  # its whole sequence (full blocks, then its tail): a chat's next turn starts so
             self.store.add(self.kv, self.tokens, tail=True)
         self.drafter.end(self.tokens)
         self.done = True

@@ -3,9 +3,10 @@
 Without it, two requests that share a long system prompt or the same few-shot examples each computed it. The store
 keeps the keys and values of prompts in full blocks of :data:`BLOCK` tokens; a block's key is the hash of its tokens
 *and* of every token before it (the hash of the previous block's key and its own tokens: vLLM's automatic prefix
-caching), so a block is found only after the same whole prefix. Once a generation's prompt is in its cache, the blocks
-not yet stored go into the store (:meth:`PrefixStore.add`); a new generation takes the blocks of its prompt's longest
-cached prefix and computes the rest (:meth:`PrefixStore.fill`). Where the cache is paged (the compiled attention,
+caching), so a block is found only after the same whole prefix. As a generation's prompt goes into its cache, its
+full blocks not yet stored go into the store, and at its end its whole sequence, the tokens after its last full block
+included (:meth:`PrefixStore.add`); a new generation takes the blocks of its prompt's longest cached prefix and
+computes the rest (:meth:`PrefixStore.fill`). Where the cache is paged (the compiled attention,
 models/paged.py) a block is not copied either way: the store holds the generation's very block (counted, never written
 again: a table that would write into a shared block copies it first), and a later generation maps it into its block
 table, so a prefix that any number of running requests share is held once. The PyTorch attentions' contiguous caches
