@@ -51,6 +51,16 @@ from .paged import BLOCK  # tokens per block: the paged cache's, so that a store
 MIN_PARTIAL = 8
 
 
+def shared_prefix(a, b) -> int:
+    """How many leading tokens the sequences ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 _ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a model's module -> the root of its key chains
 
 
@@ -146,7 +156,8 @@ class PrefixStore:
             if end + taken <= have:
                 self.hit_tokens += 0 if again else have
                 return have
-            self.hit_tokens += 0 if not count else end + taken - have if again else end + taken
+            if count:  # (a second look counts only what it adds)
+                self.hit_tokens += end + taken - (have if again else 0)
             if partial:
                 found.append((end, partial[0], partial[1]))
             for start, _, entry in found:
@@ -166,8 +177,7 @@ class PrefixStore:
             entry = self._entries[key]
             if hidden is not None and hidden not in entry.hidden:
                 continue
-            shared = next((i for i, (a, b) in enumerate(zip(entry.tokens, rest)) if a != b),
-                          min(len(rest), len(entry.tokens)))
+            shared = shared_prefix(entry.tokens, rest)
             if most < shared < self.block:
                 best, most = (key, entry), shared
         return best, (most if best else 0)
