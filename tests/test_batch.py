@@ -1,5 +1,5 @@
 """Batched generations (engine.py: ``SpeculativeDecoder.start`` → :class:`Run`, :func:`step`): several runs moved
-round by round, ONE target forward over all their rows (models/fast.py, ``FastKVModel.forward_many``).
+round by round, ONE target forward over all their rows (models/fast.py, ``LeanModel.forward_many``).
 
 The promise tested here: at int8 and q4 (batch-invariant kernels, checked at load) a batched answer is token for
 token the same request run alone, greedy or sampled with a seed, whatever else shares the forwards (other

@@ -333,13 +333,21 @@ def test_bad_settings_raise_clear_errors(tiny, tmp_path):
 
 
 def test_decoders_on_one_model_share_the_fused_weights(tiny):
-    """Each decoder builds its own KV model; the fused q/k/v and gate/up weights must not be copied
-    again (a bench run holds a dozen decoders on one target)."""
+    """Every generation's cache computes through one lean model per loaded model (models/fast.py): the fused q/k/v and
+    gate/up weights are made once, not per decoder or request; an early-exit view of the target (layerskip: another
+    loaded model over the same layers) fuses nothing again."""
+    from speculate.drafters.layerskip import early_exit_model
+
     target = tiny[1]
     before = SpeculativeDecoder(target, SpeculativeSpec("none")).generate("abc", max_new_tokens=8).token_ids
     ptrs = {p.data_ptr() for p in target.model.parameters()}
     decoders = [SpeculativeDecoder(target, SpeculativeSpec("lookup", verifier="greedy", k=2)) for _ in range(3)]
+    assert len({id(d.new_cache().lean) for d in decoders}) == 1
+    short = KVModel(early_exit_model(target, 1))
+    assert short.lean is not decoders[0].new_cache().lean
     assert {p.data_ptr() for p in target.model.parameters()} == ptrs
+    first = decoders[0].new_cache().lean.layers[0]
+    assert short.lean.layers[0][1].keywords["weight"].data_ptr() == first[1].keywords["weight"].data_ptr()
     assert all(d.generate("abc", max_new_tokens=8).token_ids == before for d in decoders)
 
 

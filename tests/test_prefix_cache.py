@@ -5,6 +5,7 @@ prompt's and the answer's (the next turn of a chat)."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -148,10 +149,21 @@ def test_generations_on_one_decoder_run_at_once(int8_pair):
         prompts = [ids(20, 30), ids(21, 75), ids(20, 30) + ids(22, 5)]
         runs = [decoder.start(p, max_new_tokens=24) for p in prompts]
         assert len({id(r.kv) for r in runs}) == 3 and len({id(r.drafter) for r in runs}) == 3
+        assert runs[0].drafter is decoder.drafter
         while not all(r.done for r in runs):
             step(runs)
         assert [r.generation.token_ids for r in runs] == [plain(target, p, 24) for p in prompts], drafter
         assert all(r.kv is None and r.drafter is None for r in runs)  # given up at the end
+    # The decoder's own drafter is lent to one run at a time (the first), forks to the others; it comes back at the
+    # run's end, and from a run or a stream its caller dropped unfinished.
+    assert decoder.start(ids(23, 10), max_new_tokens=4).drafter is decoder.drafter
+    gc.collect()  # (that run, dropped)
+    stream = decoder.stream(ids(24, 10), max_new_tokens=20)
+    next(iter(stream))
+    assert decoder.start(ids(23, 10), max_new_tokens=4).drafter is not decoder.drafter  # the stream holds it
+    del stream
+    gc.collect()
+    assert decoder.start(ids(23, 10), max_new_tokens=4).drafter is decoder.drafter
 
 
 def test_off_by_default_and_the_heads_get_the_rows_they_read(int8_pair):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
@@ -301,6 +302,9 @@ class Run:
         may need; the cache grows past them as it fills)."""
         self.decoder = decoder
         self.kv, self.drafter, self.policy = decoder.new_cache(), decoder.new_drafter(), copy.copy(decoder.k_policy)
+        # The decoder's own drafter goes back at release, or when a caller drops the run unfinished (a stream left
+        # half-read): once, whichever comes first.
+        self._give_back = weakref.finalize(self, decoder._given_back, self.drafter)
         self.stats.exactness = decoder.exactness
         # c, a draft token's cost against a target step (None: a draft model's, measured in a profile): read once,
         # not by the batch planner every round (a head drafter sums its weights' bytes).
@@ -535,7 +539,7 @@ class Run:
         """Give the cache and the drafter's state up (at its end, or preempted: :meth:`resume` makes new ones): the
         cache's blocks go back to the pool but for those the prefix store holds."""
         if self.drafter is not None:
-            self.decoder._given_back(self.drafter)
+            self._give_back()
         self.kv = self.drafter = None
 
     def fail(self, error: BaseException) -> None:

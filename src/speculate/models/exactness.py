@@ -27,16 +27,14 @@ log = logging.getLogger(__name__)
 
 PREFIX, CHAIN = 5, 4
 TREE = [-1, 0, -1, 2]  # two branches of two nodes
-_ATTRIBUTE = "_speculate_rows_checked"  # on the LoadedModel: the check runs once per loaded model
 
 
 def check(kv) -> bool:
     """True when ``kv``'s batched rows equal its one-row forwards bit for bit (checked once per loaded model;
     about 13 one-token forwards). Leaves ``kv`` empty."""
-    found = getattr(kv.loaded, _ATTRIBUTE, None)
+    found = kv.loaded.shared.get("rows agree")
     if found is None:
-        found = rows_agree(kv)
-        setattr(kv.loaded, _ATTRIBUTE, found)
+        found = kv.loaded.shared["rows agree"] = rows_agree(kv)
         if not found:
             warnings.warn(f"{kv.loaded.name}: on this CPU a batched forward does not give every row the bits it "
                           "gets alone; verifying rows one at a time instead (exact, slower)", SpeculateWarning,

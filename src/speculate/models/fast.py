@@ -15,12 +15,15 @@ are then views of those). Quantized models also use an attention whose every sum
 compiled kernel of models/kernel.py, or integer sums in models/exact_attention.py), so that a row's logits are
 the same bits whether it is verified with others or decoded alone; models/exactness.py checks it at load.
 
-Same interface as :class:`speculate.models.kv.HFKVModel`: reset / forward / keep / keep_path.
+:class:`LeanModel` is the model as computed here (fused layers, kernels, the exactness check's outcome), made once per
+loaded model and shared by every generation; :class:`FastKVModel` is one generation's cache over it, with the
+interface of :class:`speculate.models.kv.HFKVModel`: reset / forward / keep / keep_path.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -64,12 +67,12 @@ def _fuse(modules: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
         if len(modules) == 1:
             m = modules[0]
             return partial(F.linear, weight=m.weight, bias=m.bias)
-        # Fused before (another KVModel over the same model, e.g. one per decoder in a bench run): reuse
-        # that copy, or each decoder would hold its own — 3 GB of gate/up weights per copy on a 1.5B.
-        fused = getattr(modules[0], "_speculate_fused", None)
-        if fused is not None and fused[0] == [id(m) for m in modules] and \
-                all(m.weight.data_ptr() == p for m, p in zip(modules, fused[3])):
-            return partial(F.linear, weight=fused[1], bias=fused[2])
+        # Fused before (the same modules under another loaded model: layerskip's early-exit view shares the
+        # target's layers): the weights are already consecutive rows of one tensor, so one view spans them, no copy.
+        weight = _joined([m.weight for m in modules])
+        bias = None if modules[0].bias is None else _joined([m.bias for m in modules])
+        if weight is not None and (bias is not None or modules[0].bias is None):
+            return partial(F.linear, weight=weight, bias=bias)
         weight = torch.cat([m.weight.detach() for m in modules])
         bias = None
         if modules[0].bias is not None:
@@ -81,7 +84,6 @@ def _fuse(modules: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
             if bias is not None:
                 m.bias = nn.Parameter(bias[row: row + rows], requires_grad=False)
             row += rows
-        modules[0]._speculate_fused = ([id(m) for m in modules], weight, bias, [m.weight.data_ptr() for m in modules])
         return partial(F.linear, weight=weight, bias=bias)
     if len(modules) == 1 and isinstance(modules[0], QuantizedLinear):
         return modules[0].matmul_2d
@@ -91,6 +93,19 @@ def _fuse(modules: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
                 bounds[-1] == whole.out_features:  # the parts are the whole, in order: one matmul
             return whole.matmul_2d
     return lambda x: torch.cat([m(x) for m in modules], dim=-1)  # any other mix: correct, unfused
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One view over ``tensors`` where they are consecutive contiguous rows of one storage (what :func:`_fuse` made of
+    them before), else None."""
+    first = tensors[0]
+    storage, at = first.untyped_storage().data_ptr(), first.data_ptr()
+    for t in tensors:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.data_ptr() != at:
+            return None
+        at += t.numel() * t.element_size()
+    rows = sum(t.shape[0] for t in tensors)
+    return first.detach().as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 def _whole(module: nn.Module) -> nn.Module:
@@ -121,7 +136,12 @@ def cache_layout(model: nn.Module, exact: bool | None = None) -> tuple[bool, obj
     return invariant, kern, attention, torch.float64 if attention == "integer" else dtype
 
 
-class FastKVModel:
+class LeanModel:
+    """A loaded Llama-family model as the lean path computes with it: the fused linear layers, the q4 kernels'
+    blocks, the attention and cache layout, the exactness check's outcome. Built once per loaded model (and attention
+    choice: :func:`lean_model`) and not changed after; every generation's cache (:class:`FastKVModel`) computes
+    through it."""
+
     def __init__(self, loaded: LoadedModel, exact: bool | None = None):
         """``exact``: batch-invariant attention (default: for int8 and q4 models, whose other ops are row-independent
         too; fp32 models get the kernel too, bf16 PyTorch's); False gives them PyTorch's fused attention
@@ -139,8 +159,6 @@ class FastKVModel:
         self.head_dim = attn0.head_dim
         self.scaling = attn0.scaling
         self.hidden_size = cfg.hidden_size
-        self.hidden = None  # after each forward: final-normed hidden rows [n_new, H] (the LM head's input)
-        self.taps: tuple[int, ...] = ()  # decoder layers whose outputs follow them in ``hidden`` (EAGLE-3)
         self.layers = []
         for layer in inner.layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -152,8 +170,6 @@ class FastKVModel:
         self.lm_head = _fuse([model.lm_head])
         self.vocab_size = model.lm_head.out_features
         self.dtype = self.embed.dtype
-        self.length = 0
-        self.k_cache = self.v_cache = None
         # int8 and q4: an attention whose rows do not depend on the other rows of a forward, so that a row's logits are
         # the same bits verified with others or decoded alone: the compiled kernel (models/kernel.py, exact
         # fp32 arithmetic in a fixed order), else integer sums in PyTorch ops (models/exact_attention.py).
@@ -162,10 +178,9 @@ class FastKVModel:
         # batched forward in one call a layer, where PyTorch's takes one call each.
         self.invariant, self.kernel, self.attention, self.cache_dtype = cache_layout(model, exact)
         self.exact_bits = exact_attention.budgets(self.head_dim, loaded.context_window)
-        # The kernel's cache is paged (models/paged.py): a block table over the model's pool, whose blocks the
-        # prefix store and other generations may share. The PyTorch attentions keep one contiguous buffer.
-        self.paged = PagedCache(pool_for(model, len(self.layers), self.n_kv, self.head_dim)) \
-            if self.attention == "kernel" else None
+        # The kernel's caches are paged (models/paged.py): block tables over the model's pool, whose blocks the
+        # prefix store and other generations may share. The PyTorch attentions keep one contiguous buffer each.
+        self.pool = pool_for(model, len(self.layers), self.n_kv, self.head_dim) if self.attention == "kernel" else None
         # q4: each layer in five kernel calls (norms, rotary, cache writes and SiLU inside them; _block_layers).
         self.blocks = None
         if self.attention == "kernel" and kernel.load_rope():
@@ -177,73 +192,15 @@ class FastKVModel:
                                for layer, (qkv, o, gate_up, down) in zip(inner.layers, wholes)]
         # ...and, where it builds, all layers in one call (kernels/decoder.c: the same calls, without the Python).
         self.decoder = kernel.load_decoder() if self.blocks is not None else None
-        self._structs = None
+        self.structs = self._layer_structs() if self.decoder is not None else None  # (its layer_t array)
         # Whether a batched forward gives each row the bits it gets alone is checked once per loaded model on
-        # this machine (models/exactness.py), through the path above; where not, rows run one at a time (exact).
+        # this machine (models/exactness.py, by :func:`lean_model`); where not, rows run one at a time (exact).
         self.row_by_row = False
-        if self.invariant:
-            self.row_by_row = not exactness.check(self)
-
-    # ---------------------------------------------------------------------------------------------
-    def reset(self, capacity: int = 256) -> None:
-        """Start a new generation, the cache empty (the prefix store may then fill some of it)."""
-        self.length = 0
-        self._ensure(capacity, exact=True)  # (what the generation may need: its growth, if any, doubles)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the cache held (a block shared with others counts for each holder; :attr:`own_bytes` does not)."""
-        if self.paged is not None:
-            return self.paged.nbytes
-        return 0 if self.k_cache is None else self.k_cache.nbytes + self.v_cache.nbytes
-
-    @property
-    def own_bytes(self) -> int:
-        """Bytes of the cache that it alone holds: not the blocks it maps from the prefix store (counted by the
-        store's budget; the server's --kv-memory counts a running request by this)."""
-        return self.paged.own_bytes if self.paged is not None else self.nbytes
-
-    @property
-    def capacity(self) -> int:
-        """Positions the cache holds room for."""
-        if self.paged is not None:
-            return self.paged.capacity
-        return 0 if self.k_cache is None else self.k_cache.shape[2]
-
-    def ensure(self, positions: int) -> None:
-        """Allocate the cache for ``positions`` positions now, no more (rounded to the kernel's key blocks): the
-        server's admission by memory reserves a stretch at a time (server/scheduler.py)."""
-        self._ensure(positions, exact=True)
-
-    def _ensure(self, needed: int, exact: bool = False) -> None:
-        """Room for positions < needed; keeps what is cached. Paged: blocks appended. Contiguous: the buffers grown
-        (doubling, unless ``exact``) and copied."""
-        if self.paged is not None:
-            self.paged.ensure(needed)
-            return
-        have = self.capacity
-        if needed <= have:
-            return
-        size = -(-(needed if exact else max(needed, 2 * have, 256)) // BLOCK) * BLOCK
-        width = self.head_dim + (self.attention == "integer")  # integer sums: + a scale column
-        shape = (len(self.layers), self.n_kv, size, width)
-        k, v = torch.zeros(shape, dtype=self.cache_dtype), torch.zeros(shape, dtype=self.cache_dtype)
-        if have and self.length:
-            k[:, :, : self.length] = self.k_cache[:, :, : self.length]
-            v[:, :, : self.length] = self.v_cache[:, :, : self.length]
-        self.k_cache, self.v_cache = k, v
-        # Per-layer views, made once per buffer: indexing the 4-D buffer by layer costs an op per access.
-        self.k_layers, self.v_layers = list(k.unbind(0)), list(v.unbind(0))
-
-    @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, last: int = 0, tree_parents: list[int] | None = None) -> torch.Tensor:
-        """See HFKVModel.forward: logits [rows, V] for ``tokens`` at the next positions."""
-        return self.forward_many([Rows(self, tokens, tree_parents, last or None)])[0]
 
     @torch.inference_mode()
     def forward_many(self, items: list[Rows]) -> list[torch.Tensor | None]:
         """One forward over the rows of several generations, each with its own cache (``item.kv``: FastKVModels
-        over this one's weights): the linear layers and the LM head run once over all rows, attention runs per
+        over this model): the linear layers and the LM head run once over all rows, attention runs per
         generation over its own cache. Returns each item's logits (its last ``want`` rows; None: all; 0: no
         logits, a prefill chunk) and sets each item's ``kv.hidden``.
 
@@ -331,16 +288,6 @@ class FastKVModel:
         x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
         return torch.cat([x, *tapped], dim=-1) if tapped else x
 
-    def _write(self, i: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """New keys and values [n, KV heads, hd] of layer i into this cache at slots start.. (the PyTorch paths)."""
-        if self.attention == "integer":  # integers and their scale (models/exact_attention.py)
-            exact_attention.write(self.k_layers[i], start, k, exact_attention.B_K)
-            exact_attention.write(self.v_layers[i], start, v, exact_attention.B_V)
-        else:
-            end = start + k.shape[0]
-            self.k_layers[i][:, start:end] = k.transpose(0, 1)
-            self.v_layers[i][:, start:end] = v.transpose(0, 1)
-
     def _block_layers(self, segments: list[_Segment]) -> torch.Tensor:
         """:meth:`_layers` for q4 models: per layer, four compiled calls (kernels/blocks.c; attention.c for every
         generation's rotary, cache writes and attention at once) and no PyTorch op between them; every one computes
@@ -355,7 +302,7 @@ class FastKVModel:
         segs, masks = _kernel_segments(segments)  # (masks: kept alive for the calls that point into them)
         if self.decoder is not None and not taps:
             x = x.float().contiguous()
-            rc = self.decoder(ctypes.addressof(self._layer_structs()), len(self.blocks), x.data_ptr(), x.shape[0],
+            rc = self.decoder(ctypes.addressof(self.structs), len(self.blocks), x.data_ptr(), x.shape[0],
                               self.hidden_size, nh, self.n_kv, self.head_dim, cos.data_ptr(), sin.data_ptr(),
                               ctypes.addressof(segs), len(segs), self.scaling, eps, torch.get_num_threads())
             if rc:
@@ -375,32 +322,149 @@ class FastKVModel:
         return torch.cat([x, *tapped], dim=-1) if taps else x
 
     def _layer_structs(self):
-        """kernels/decoder.c's layer_t array (the weights; made once)."""
-        if self._structs is None:
-            layers = (kernel.Layer * len(self.blocks))()
-            for i, (ln1, qkv, o_proj, ln2, gate_up, down) in enumerate(self.blocks):
-                layers[i] = kernel.Layer(ln1=ln1.data_ptr(), ln2=ln2.data_ptr(), qkv=qkv.struct(), o=o_proj.struct(),
-                                         gate_up=gate_up.struct(), down=down.struct())
-            self._structs = layers
-        return self._structs
+        """kernels/decoder.c's layer_t array (the weights' pointers)."""
+        layers = (kernel.Layer * len(self.blocks))()
+        for i, (ln1, qkv, o_proj, ln2, gate_up, down) in enumerate(self.blocks):
+            layers[i] = kernel.Layer(ln1=ln1.data_ptr(), ln2=ln2.data_ptr(), qkv=qkv.struct(), o=o_proj.struct(),
+                                     gate_up=gate_up.struct(), down=down.struct())
+        return layers
+
+_leans_lock = threading.RLock()  # (reentrant: the exactness check makes a cache, which asks for the lean model)
+
+
+def lean_model(loaded: LoadedModel, exact: bool | None = None) -> LeanModel:
+    """``loaded``'s lean model for the attention ``exact`` chooses: made once per loaded model, then shared. Its
+    exactness is checked here, once, on this machine (models/exactness.py)."""
+    with _leans_lock:
+        leans = loaded.shared.setdefault("lean", {})
+        lean = leans.get(exact)
+        if lean is None:
+            lean = leans[exact] = LeanModel(loaded, exact)
+            if lean.invariant:
+                lean.row_by_row = not exactness.check(FastKVModel(loaded, exact))
+        return lean
+
+
+class FastKVModel:
+    """One generation's KV cache on a :class:`LeanModel`: its positions (blocks of the model's pool, or one contiguous
+    buffer), its length and the hidden rows of its last forward. Cheap to make: one per request."""
+
+    def __init__(self, loaded: LoadedModel, exact: bool | None = None):
+        """``exact``: :class:`LeanModel`'s."""
+        self.lean = lean = lean_model(loaded, exact)
+        self.loaded, self.model, self.config, self.vocab_size = loaded, lean.model, lean.config, lean.vocab_size
+        self.hidden = None  # after each forward: final-normed hidden rows [n_new, H] (the LM head's input)
+        self.taps: tuple[int, ...] = ()  # decoder layers whose outputs follow them in ``hidden`` (EAGLE-3)
+        self.length = 0
+        self.k_cache = self.v_cache = None
+        self.paged = PagedCache(lean.pool) if lean.pool is not None else None
+
+    @property
+    def invariant(self) -> bool:
+        return self.lean.invariant
+
+    @property
+    def attention(self) -> str:
+        return self.lean.attention
+
+    @property
+    def row_by_row(self) -> bool:
+        """The lean model's: rows run one at a time (the exactness check failed on this machine)."""
+        return self.lean.row_by_row
+
+    @row_by_row.setter
+    def row_by_row(self, value: bool) -> None:  # (models/exactness.py sets it while it checks the batched path)
+        self.lean.row_by_row = value
+
+    # ---------------------------------------------------------------------------------------------
+    def reset(self, capacity: int = 256) -> None:
+        """Start a new generation, the cache empty (the prefix store may then fill some of it)."""
+        self.length = 0
+        self._ensure(capacity, exact=True)  # (what the generation may need: its growth, if any, doubles)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cache held (a block shared with others counts for each holder; :attr:`own_bytes` does not)."""
+        if self.paged is not None:
+            return self.paged.nbytes
+        return 0 if self.k_cache is None else self.k_cache.nbytes + self.v_cache.nbytes
+
+    @property
+    def own_bytes(self) -> int:
+        """Bytes of the cache that it alone holds: not the blocks it maps from the prefix store (counted by the
+        store's budget; the server's --kv-memory counts a running request by this)."""
+        return self.paged.own_bytes if self.paged is not None else self.nbytes
+
+    @property
+    def capacity(self) -> int:
+        """Positions the cache holds room for."""
+        if self.paged is not None:
+            return self.paged.capacity
+        return 0 if self.k_cache is None else self.k_cache.shape[2]
+
+    def ensure(self, positions: int) -> None:
+        """Allocate the cache for ``positions`` positions now, no more (rounded to the kernel's key blocks): the
+        server's admission by memory reserves a stretch at a time (server/scheduler.py)."""
+        self._ensure(positions, exact=True)
+
+    def _ensure(self, needed: int, exact: bool = False) -> None:
+        """Room for positions < needed; keeps what is cached. Paged: blocks appended. Contiguous: the buffers grown
+        (doubling, unless ``exact``) and copied."""
+        if self.paged is not None:
+            self.paged.ensure(needed)
+            return
+        have = self.capacity
+        if needed <= have:
+            return
+        lean = self.lean
+        size = -(-(needed if exact else max(needed, 2 * have, 256)) // BLOCK) * BLOCK
+        width = lean.head_dim + (lean.attention == "integer")  # integer sums: + a scale column
+        shape = (len(lean.layers), lean.n_kv, size, width)
+        k, v = torch.zeros(shape, dtype=lean.cache_dtype), torch.zeros(shape, dtype=lean.cache_dtype)
+        if have and self.length:
+            k[:, :, : self.length] = self.k_cache[:, :, : self.length]
+            v[:, :, : self.length] = self.v_cache[:, :, : self.length]
+        self.k_cache, self.v_cache = k, v
+        # Per-layer views, made once per buffer: indexing the 4-D buffer by layer costs an op per access.
+        self.k_layers, self.v_layers = list(k.unbind(0)), list(v.unbind(0))
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, last: int = 0, tree_parents: list[int] | None = None) -> torch.Tensor:
+        """See HFKVModel.forward: logits [rows, V] for ``tokens`` at the next positions."""
+        return self.forward_many([Rows(self, tokens, tree_parents, last or None)])[0]
+
+    def forward_many(self, items: list[Rows]) -> list[torch.Tensor | None]:
+        """:meth:`LeanModel.forward_many` (``items``: caches over this one's model)."""
+        return self.lean.forward_many(items)
+
+    def _write(self, i: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """New keys and values [n, KV heads, hd] of layer i into this cache at slots start.. (the PyTorch paths)."""
+        if self.attention == "integer":  # integers and their scale (models/exact_attention.py)
+            exact_attention.write(self.k_layers[i], start, k, exact_attention.B_K)
+            exact_attention.write(self.v_layers[i], start, v, exact_attention.B_V)
+        else:
+            end = start + k.shape[0]
+            self.k_layers[i][:, start:end] = k.transpose(0, 1)
+            self.v_layers[i][:, start:end] = v.transpose(0, 1)
 
     def _attention(self, start: int, allowed: torch.Tensor | None):
         """attend(layer, q [n, heads, hd]) → [n, heads·hd] over slots 0..end-1, row r seeing the slots where
         ``allowed[r]`` (None: all). quantized models: exact integer sums (models/exact_attention.py), so a row's
         result does not depend on the other rows or on where its keys sit; fp32: PyTorch's fused attention."""
+        lean = self.lean
         end = allowed.shape[1] if allowed is not None else start + 1
-        if self.attention == "integer":
-            bits, scaling = self.exact_bits, self.scaling
+        if lean.attention == "integer":
+            bits, scaling = lean.exact_bits, lean.scaling
             return lambda i, q: exact_attention.attend(q, self.k_layers[i][:, :end], self.v_layers[i][:, :end],
                                                        allowed, scaling, bits)
         # Additive, built once: attention would convert a boolean mask in every layer.
         mask = None if allowed is None else \
-            torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))
+            torch.zeros(allowed.shape, dtype=lean.dtype).masked_fill_(~allowed, float("-inf"))
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], self.k_layers[i][:, :end][None], self.v_layers[i][:, :end][None],
-                attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads)
+                attn_mask=mask, scale=lean.scaling, enable_gqa=lean.n_kv != lean.n_heads)
             return out[0].transpose(0, 1).reshape(q.shape[0], -1)
 
         return attend

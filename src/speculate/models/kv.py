@@ -28,14 +28,14 @@ def KVModel(loaded: LoadedModel, fast: bool = True):
 
 def forward_many(items: list[Rows]) -> list[torch.Tensor | None]:
     """Each item's logits (``Rows.want``), computed in as few forwards as possible: the items whose caches belong
-    to lean models over the same loaded weights share ONE forward (``FastKVModel.forward_many``: linear layers
+    to one lean model (the same loaded weights) share ONE forward (``LeanModel.forward_many``: linear layers
     and LM head once over all rows, attention per cache); the Hugging Face path runs each item alone."""
     from .fast import FastKVModel
 
     out: list = [None] * len(items)
     groups: dict[int, list[int]] = {}
     for i, item in enumerate(items):
-        key = id(item.kv.loaded) if isinstance(item.kv, FastKVModel) else id(item.kv)
+        key = id(item.kv.lean) if isinstance(item.kv, FastKVModel) else id(item.kv)
         groups.setdefault(key, []).append(i)
     for members in groups.values():
         group = [items[i] for i in members]

@@ -80,6 +80,17 @@ def warn_if_slow(dtype: str) -> None:
                           "accurate here (docs/benchmarks.md, Exactness)", ReducedPrecisionWarning, stacklevel=3)
 
 
+class PerModel(dict):
+    """:attr:`LoadedModel.shared`: built from the model, so never copied with it (a deep copy or a pickled model, e.g.
+    a noisy draft made from a target, builds its own)."""
+
+    def __deepcopy__(self, memo):
+        return PerModel()
+
+    def __reduce__(self):
+        return PerModel, ()
+
+
 @dataclass
 class LoadedModel:
     """A causal LM with its tokenizer. Unpacks as ``model, tokenizer = load_model(...)``."""
@@ -97,6 +108,9 @@ class LoadedModel:
     # OpenMP team for as long as it lives (a weak reference: the thread may end).
     thread: weakref.ref = field(default_factory=lambda: weakref.ref(threading.current_thread()), compare=False,
                                 repr=False)
+    # What the paths build once per loaded model and share (models/fast.py's lean model: the fused layers;
+    # models/exactness.py's check): a copy of the model starts without it.
+    shared: dict = field(default_factory=PerModel, compare=False, repr=False)
 
     def __iter__(self):
         return iter((self.model, self.tokenizer))
