@@ -562,11 +562,11 @@ def test_a_done_run_cannot_be_confused_with_a_live_one(models):
     target = models["int8"]
     short = maker(target, "none")().start(random_prompt(50, 3), max_new_tokens=1)
     long = maker(target, "none")().start(random_prompt(51, 3), max_new_tokens=5)
-    step([short, long])  # the prefill
-    assert not short.done and not long.done
+    step([short, long])  # the prefill, and each one's first token
+    assert short.done and short.generation.stats.new_tokens == 1 and not long.done and long.produced == 1
     step([short, long])
-    assert short.done and short.generation.stats.new_tokens == 1 and not long.done
-    for _ in range(4):
+    assert short.generation.stats.new_tokens == 1 and long.produced == 2
+    for _ in range(3):
         step([long])
     assert long.done and len(long.generation.token_ids) == 5
 
@@ -583,6 +583,33 @@ def test_generate_with_nothing_to_do_returns_an_empty_generation(models):
         step([run])
     before = run.generation
     assert step([run]) == [[]] and run.generation is before and len(run.generation.token_ids) == 2
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup", "suffix-tree", "model"])
+def test_the_round_that_completes_the_prompt_gives_the_first_token(models, drafter):
+    """The prompt's last prefill chunk goes in with the first draft (``Run.joins``): the first token comes from the
+    round that completes the prompt, ceil(prompt_end / chunk) rounds after the start, not one round later; chains
+    and trees, a draft model's too; every answer the request's plain one. The heads (they draft from the prompt's
+    hidden rows) and a scored prompt keep their own round."""
+    target = models["int8"]
+    prompt = random_prompt(30, 25) * 2  # (repeats: lookup and the suffix tree draft from the first round)
+    plain = maker(target, "none")().generate(prompt, max_new_tokens=24).token_ids
+    for chunk in (16, 49, 1000):
+        decoder = maker(target, drafter, models["near"] if drafter == "model" else None, k=4)()
+        run = decoder.start(prompt, max_new_tokens=24, prefill_chunk=chunk)
+        rounds = 0
+        while run.produced == 0:
+            step([run])
+            rounds += 1
+        assert rounds == -(-(len(prompt) - 1) // chunk), (drafter, chunk)
+        drafted = run.stats.drafted_tokens
+        while not run.done:
+            step([run])
+        assert run.generation.token_ids == plain, (drafter, chunk)
+        if drafter in ("lookup", "suffix-tree") and chunk == 1000:
+            assert drafted > 0  # (the first round verified a draft beside the prompt)
+    scored = maker(target, "lookup")().start(prompt, max_new_tokens=4, prompt_logprobs=1)
+    assert not scored.joins and scored.prefilling  # (its prompt's rows all scored: a round of their own)
 
 
 # ---------------------------------------------------------------------------------------------- 5. fp32

@@ -89,9 +89,11 @@ def test_a_shared_prefix_is_not_computed_again_and_the_tokens_are_a_fresh_decode
     fresh = SpeculativeDecoder(target, spec, draft_model=draft).generate(second, max_new_tokens=70)
     assert out.token_ids == fresh.token_ids == plain(target, second, 70)
     assert out.stats.reused_prompt_tokens == 2 * BLOCK and fresh.stats.reused_prompt_tokens == 0
-    # The target prefilled only the prompt past the stored blocks (all but its last token); the draft model's first
-    # forward fed only what it did not take from the store (the rest of the prompt).
-    assert target_fed.fed[0] == len(second) - 2 * BLOCK - 1
+    # The target's first forward fed only the prompt past the stored blocks (its last token the root of the first
+    # draft, which went with it: Run.joins) and that draft; the draft model's first forward fed only what it did not
+    # take from the store (the rest of the prompt).
+    most = decoder.drafter.max_nodes(3)
+    assert len(second) - 2 * BLOCK <= target_fed.fed[0] <= len(second) - 2 * BLOCK + most
     assert draft_fed.fed[0] == len(second) - 2 * BLOCK
     # The next turn of a chat: the last prompt, its answer and a new message. The answer's tokens filled a third
     # block and 15 positions of a fourth (138 + 70 - 1), stored at the end of that generation (the tail copied), by
@@ -101,7 +103,8 @@ def test_a_shared_prefix_is_not_computed_again_and_the_tokens_are_a_fresh_decode
     assert held == 3 * BLOCK + 15
     again = decoder.generate(turn, max_new_tokens=12)
     assert again.stats.reused_prompt_tokens == held
-    assert target_fed.fed[0] == len(turn) - held - 1 and 3 * BLOCK < len(turn) - draft_fed.fed[0] <= held
+    assert len(turn) - held <= target_fed.fed[0] <= len(turn) - held + most
+    assert 3 * BLOCK < len(turn) - draft_fed.fed[0] <= held
     assert again.token_ids == plain(target, turn, 12)
 
 
@@ -204,5 +207,5 @@ def test_the_hugging_face_path_takes_stored_blocks_too(tiny, monkeypatch):
     decoder.generate(shared + ids(6, 5), max_new_tokens=10)
     assert type(fed.kv).__name__ == "HFKVModel"
     out = decoder.generate(shared + ids(7, 5), max_new_tokens=10)
-    assert out.stats.reused_prompt_tokens == BLOCK and fed.fed[0] == 2 + 5 - 1
+    assert out.stats.reused_prompt_tokens == BLOCK and fed.fed[0] == 2 + 5  # (lookup: no draft here)
     assert out.token_ids == plain(target, shared + ids(7, 5), 10)

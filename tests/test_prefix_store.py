@@ -56,10 +56,11 @@ def test_a_prefix_any_request_computed_is_taken_and_the_tokens_are_a_fresh_decod
         assert n >= len(prompt) - 1
         for mine, fresh in zip(fed[i].kv.rows(0, n), alone_kv.kv.rows(0, n)):
             assert torch.equal(mine, fresh)
-        # The first prompt was computed whole (all but its last token); the later ones took the 128 tokens of
-        # the shared prefix's full blocks (130 shared: the rest is in a block that differs).
+        # The first prompt was computed whole; the later ones took the 128 tokens of the shared prefix's full blocks
+        # (130 shared: the rest is in a block that differs). The first forward fed the rest of the prompt and the
+        # first draft beside it (Run.joins; these prompts draw no draft from lookup).
         assert out.stats.reused_prompt_tokens == (0 if i == 0 else 2 * BLOCK)
-        assert fed[i].fed[0] == len(prompt) - 1 - out.stats.reused_prompt_tokens
+        assert fed[i].fed[0] == len(prompt) - out.stats.reused_prompt_tokens
         if i and fed[i].kv.paged is not None:  # mapped, not copied: the very blocks the first request computed
             assert all(fed[i].kv.paged.table[j] is fed[0].kv.paged.table[j] for j in range(2))
     # The shared 128 tokens, each prompt's own third block, and each generation's tail (its last 14 positions).
@@ -165,7 +166,7 @@ def test_a_prompt_sharing_part_of_a_block_takes_those_rows_and_answers_as_alone(
     out = decoder.generate(prompt, max_new_tokens=12)
     alone = SpeculativeDecoder(target, SpeculativeSpec("lookup", k=3)).generate(prompt, max_new_tokens=12)
     assert out.token_ids == alone.token_ids and out.stats.reused_prompt_tokens == 100
-    assert fed.fed[0] == len(prompt) - 1 - 100
+    assert 0 <= fed.fed[0] - (len(prompt) - 100) <= 3  # (the rest of the prompt, with its first draft)
     for block, (keys, values) in zip(donor, before):  # the stored blocks were copied from, never written
         assert torch.equal(block.keys, keys) and torch.equal(block.values, values)
 
@@ -279,15 +280,17 @@ def test_requests_that_start_together_compute_their_shared_prefix_once(tiny_fold
             server.stop()
     assert all(texts[True, i] == texts[False, i] for i in range(4))
     # Each full block of the shared prefix (5 here) was computed by one request and taken by the three others from
-    # the store: which request computed which block depends on when each arrived. (A request that came after another
-    # stored its sixth block takes the shared part of that one too: at most all they share.)
+    # the store: which request computed which block depends on when each arrived. (A request may also take the
+    # shared rows of the sixth block from another's stored end, having computed blocks before it, so its cached
+    # tokens need not be one prefix: counted over all of them, at least three takers a shared block, at most three
+    # a shared position.)
     from transformers import AutoTokenizer
 
     tokenized = [AutoTokenizer.from_pretrained(tiny_folders[2])(p)["input_ids"] for p in prompts]
     common = next(j for j in range(len(tokenized[0])) if len({tuple(t[: j + 1]) for t in tokenized}) > 1)
     cached = [usages[True, i]["prompt_tokens_details"]["cached_tokens"] for i in range(4)]
     shared_blocks = common // BLOCK * BLOCK
-    assert sum(min(c, shared_blocks) for c in cached) == 3 * shared_blocks and max(cached) <= common, (cached, common)
+    assert 3 * shared_blocks <= sum(cached) <= 3 * common and max(cached) <= common, (cached, common)
     assert common // BLOCK == 5
 
 

@@ -276,7 +276,7 @@ class Run:
         self.stats = Stats(prompt_tokens=len(prompt_ids))
         self.detok = Detokenizer(decoder.target.tokenizer, list(sampling.stop))
         self.finish = "length"  # "stop" (EOS or a stop string) or "length" (max_new_tokens)
-        self.started = time.perf_counter()
+        self.started = self.round_started = time.perf_counter()
         self.tokens = list(prompt_ids)  # prompt + everything committed so far
         self.prompt_tokens = len(prompt_ids)
         self.verifier_state, self.produced, self.draft, self.rows_last = None, 0, None, 0
@@ -312,6 +312,10 @@ class Run:
         self.most_nodes = self.drafter.max_nodes(self.policy.k_max)  # (a draft's rows at most, for positions_next)
         self.prefill_chunk = prefill_chunk or len(self.tokens)
         self.prompt_end = len(self.tokens) - 1  # the prefill covers all but the last token: the first round feeds it
+        # Whether the prompt's last chunk may go in with the first draft (:attr:`joins`): not for a drafter that drafts
+        # from the target's hidden rows of the prompt (the heads: they need that forward's rows first), not where the
+        # prompt's rows are scored (every row's logits), not for a run of no new token.
+        self._joinable = not self.drafter.wants_hidden and not self._scoring_prompt and self.max_new_tokens > 0
         capacity = self.positions_needed
         capacity = capacity if reserve is None else min(capacity, reserve)
         reuse = self.prompt_logprobs is None or self.resumed > 0  # (the prompt's rows are scored once, computed)
@@ -404,6 +408,13 @@ class Run:
         return self.filled < self.prompt_end
 
     @property
+    def joins(self) -> bool:
+        """Whether this round's prefill chunk is the prompt's last and goes in with the first draft, so that the
+        round that completes the prompt also gives the first token (one round to it, not two: a request that finds
+        its prompt in the prefix store answers a round sooner)."""
+        return self.prefilling and self._joinable and self.prompt_end - self.filled <= self.prefill_chunk
+
+    @property
     def prefill_rows(self) -> int:
         """The rows of the next prefill chunk (0 once the prompt is in)."""
         return max(0, min(self.prompt_end, self.filled + self.prefill_chunk) - self.filled)
@@ -418,9 +429,10 @@ class Run:
         return min(self.policy.next_k() if k is None else k, self.budget)
 
     def rows(self, draft: Draft | None = None) -> Rows:
-        """1. This round's rows for the target: a prefill chunk (while :attr:`prefilling`), or [last committed
-        token] + ``draft``, a proposal of the drafter."""
-        if self.prefilling:
+        """1. This round's rows for the target: a prefill chunk (while :attr:`prefilling`), or the committed tokens
+        not in the cache yet (the last one; or, where it :attr:`joins`, the rest of the prompt) + ``draft``, a proposal
+        of the drafter."""
+        if self.prefilling and not self.joins:
             self.draft = None
             rows = Rows(self.kv, torch.tensor(self.tokens[self.filled: self.filled + self.prefill_rows]),
                         want=None if self._scoring_prompt else 0)
@@ -428,8 +440,9 @@ class Run:
             self.draft = draft.within(self.budget)
             if self.constraint is not None and self.sampling.greedy and draft.parents is None:
                 self.draft = self.draft.within(self.constraint.valid_prefix(self.draft.tokens.tolist()))
-            root = torch.tensor(self.tokens[-1:])
-            rows = Rows(self.kv, torch.cat([root, self.draft.tokens]), _rooted(self.draft.parents))
+            fed = torch.tensor(self.tokens[self.kv.length:])  # ..., then the root: the last committed token
+            rows = Rows(self.kv, torch.cat([fed, self.draft.tokens]), _rooted(self.draft.parents, len(fed)),
+                        len(self.draft.tokens) + 1)  # (the logits of the root and the draft: what is verified)
         self.rows_last = rows.tokens.shape[0]  # (the scheduler's rows-per-forward metric)
         return rows
 
@@ -463,6 +476,9 @@ class Run:
         else:
             kv.keep_path(len(self.tokens) - 1, rows)  # the root, then the path
             drafter.update(len(path), verdict.next_token, path)
+        if self.prefilling:  # it joined: the prompt is in (its prefill timed to this round's start, its first round)
+            self.filled = self.prompt_end
+            self._prefilled(self.round_started)
         if drafter.wants_hidden:  # self-drafting heads continue from the target's own features
             drafter.observe(kv.hidden[rows])
         if draft.from_k:  # (model+lookup's copies say nothing about the draft model's acceptance)
@@ -504,7 +520,8 @@ class Run:
         """Whether the prefill's rows score the prompt (asked for, and not a resumed run's second prefill)."""
         return self.prompt_logprobs is not None and not self.resumed
 
-    def _prefilled(self) -> list[str]:
+    def _prefilled(self, at: float | None = None) -> list[str]:
+        """Once the prompt is in: its blocks to the store, the prefill's time (to ``at``, else now)."""
         if self.prefilling:
             return []
         if self.store is not None:  # the prompt's blocks, for the generations that share its prefix
@@ -512,7 +529,7 @@ class Run:
             self.hidden_rows = None  # (the prompt is in: no more rows to store)
         if self.resumed:
             return []
-        self.stats.prefill_seconds = time.perf_counter() - self.started
+        self.stats.prefill_seconds = (time.perf_counter() if at is None else at) - self.started
         return self._end() if self.max_new_tokens == 0 else []
 
     def _to_store(self, end: int) -> None:
@@ -557,7 +574,9 @@ def step(runs: list[Run], ks: list[int] | None = None) -> list[list[str]]:
     # 1. Draft: each run's rows, a prefill chunk or [root] + its drafter's proposal. (A run already done is left as
     # it is.)
     started = time.perf_counter()
-    drafts = _propose([run for run in runs if not run.done and not run.prefilling],
+    for run in runs:
+        run.round_started = started  # (a run whose prompt completes this round counts its prefill to here)
+    drafts = _propose([run for run in runs if not run.done and (not run.prefilling or run.joins)],
                       ks and {id(r): k for r, k in zip(runs, ks)})
     drafted = time.perf_counter()
     live, rows = [], []
@@ -655,10 +674,11 @@ def _paths(draft: Draft) -> list[list[int]]:
     return paths
 
 
-def _rooted(parents: list[int] | None) -> list[int] | None:
-    """A tree's parents for the forward over [root] + nodes: the root (row 0) becomes every top
-    node's parent, node i is row i+1. None (a chain) stays None: a causal forward."""
-    return None if parents is None else [-1] + [parent + 1 for parent in parents]
+def _rooted(parents: list[int] | None, fed: int = 1) -> list[int] | None:
+    """A tree's parents for the forward over ``fed`` committed tokens (the last is the root) + nodes: those rows a
+    chain, the root (row fed - 1) every top node's parent, node i row fed + i. None (a chain) stays None: a causal
+    forward."""
+    return None if parents is None else list(range(-1, fed - 1)) + [parent + fed for parent in parents]
 
 
 def _is_token_ids(prompt) -> bool:

@@ -17,7 +17,7 @@ def alpha_mle(accepted: float, rejecting_rounds: float) -> float | None:
 @dataclass
 class Stats:
     new_tokens: int = 0
-    target_calls: int = 0  # target forwards after the prefill: one per round
+    target_calls: int = 0  # target forwards that verify: one per round (the first may also complete the prompt)
     drafted_tokens: int = 0
     accepted_draft_tokens: int = 0
     rejected_rounds: int = 0  # rounds that kept fewer drafts than their deepest path

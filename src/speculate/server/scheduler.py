@@ -4,7 +4,8 @@ all their rows in ONE target forward (engine.py, ``step``).
 Requests join at round boundaries and leave when done; between rounds the thread takes what arrived, drops the
 requests whose client left, and admits waiting ones up to ``max_batch``. A new request's prompt goes in by
 chunks of ``prefill_chunk`` tokens (one chunk per round, in the same forward as the others' drafts), so a long
-prompt does not stall the requests already running. At most ``max_batch + max_queue`` requests are admitted at
+prompt does not stall the requests already running; its last chunk goes with its first draft, so the round that
+completes the prompt gives its first token (``Run.joins``). At most ``max_batch + max_queue`` requests are admitted at
 once; :meth:`Scheduler.submit` refuses the next with :class:`QueueFull` (the server answers 429 with
 ``Retry-After``) instead of letting requests pile up.
 
