@@ -660,3 +660,19 @@ def test_serve_loads_methods_name_their_k_or_leave_it_to_the_server():
     assert _speculative("lookup", "auto") == {"drafter": "lookup", "k": "auto"}
     assert _speculative("lookup@6", "auto") == {"drafter": "lookup", "k": 6}
     assert _speculative("lookup@server", 6) == {"drafter": "lookup"}  # the server's default k: a cap
+
+
+def test_shared_prefix_runs_the_servers_it_is_given(tiny_folders, capsys):
+    """bench.shared_prefix --clients with --servers store: only that server runs; its later requests find the shared
+    system prompt cached, and a name outside SERVERS is one clear error."""
+    from speculate.bench import shared_prefix
+
+    out = shared_prefix.run_concurrent(str(tiny_folders[0]), "int8", clients=2, requests=2, rounds=1,
+                                       workload="system", system_tokens=60, max_tokens=4, names=["store"])
+    assert set(out["summary"]) == {"store", "same_text_on_both"} and len(out["rows"]) == 4
+    assert {r["server"] for r in out["rows"]} == {"store"}
+    later = [r for r in out["rows"] if r["request"] == 1]
+    assert all(r["cached_tokens"] >= 60 for r in later), later  # (the system prompt and its template, at least)
+    with pytest.raises(SystemExit):
+        shared_prefix.main(["--clients", "2", "--servers", "store,bogus"])
+    assert "--servers takes a comma-separated list of: store, no store" in capsys.readouterr().err

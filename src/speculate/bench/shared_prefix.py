@@ -4,6 +4,7 @@ with the prefix store (models/prefix_store.py) against the server without it, in
     python -m speculate.bench.shared_prefix [--model M] [--dtype q4] [--groups 4] [--system-tokens 1000]
                                             [--max-tokens 32] [--out FILE.json]
     python -m speculate.bench.shared_prefix --clients 16 [--requests 4] [--rounds 2] [--workload system|gsm8k-8shot]
+                                            [--servers store,no store]
 
 Two `speculate serve` apps on loopback ports, in this process, with the same model: ``store`` (the default: the prefix store,
 1 GiB) and ``no store`` (``--prefix-cache-gib 0``: every prompt computed whole). Older records name it ``decoders only``: the
@@ -143,8 +144,8 @@ def run(model: str, dtype: str, groups: int, system_tokens: int, max_tokens: int
 
 
 def run_concurrent(model: str, dtype: str, clients: int, requests: int, rounds: int, workload: str,
-                   system_tokens: int, max_tokens: int) -> dict:
-    """The --clients mode (module docstring)."""
+                   system_tokens: int, max_tokens: int, names=tuple(SERVERS)) -> dict:
+    """The --clients mode (module docstring); ``names``: the servers of :data:`SERVERS` to run (--servers)."""
     machine = machine_header()
     from concurrent.futures import ThreadPoolExecutor
 
@@ -154,12 +155,13 @@ def run_concurrent(model: str, dtype: str, clients: int, requests: int, rounds: 
     from ..server.background import BackgroundServer
 
     apps = {name: build_app(ServerConfig(model=model, dtype=dtype, spec=SpeculativeSpec("lookup"), max_batch=clients,
-                                         max_queue=2 * clients, prefix_cache_gib=gib, max_connections_per_client=0))
-            for name, gib in SERVERS.items()}  # (every client from one address: no per-address cap)
+                                         max_queue=2 * clients, prefix_cache_gib=SERVERS[name],
+                                         max_connections_per_client=0))
+            for name in names}  # (every client from one address: no per-address cap)
     servers = {name: BackgroundServer(app) for name, app in apps.items()}
     n = clients * requests
     if workload == "system":
-        system = system_prompts(apps["store"].state.target.tokenizer, 1, system_tokens)[0]
+        system = system_prompts(next(iter(apps.values())).state.target.tokenizer, 1, system_tokens)[0]
         questions = [s.turns[0] for s in load_dataset("gsm8k", limit=n * rounds + 4, shots=0)]
         asks = [(system, q) for q in questions]
     else:  # gsm8k-8shot: the examples in the user turn, before the question
@@ -212,11 +214,16 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=4, help="with --clients: requests per client, one after another")
     p.add_argument("--rounds", type=int, default=2, help="with --clients: rounds, the servers' order alternating")
     p.add_argument("--workload", default="system", choices=["system", "gsm8k-8shot"])
+    p.add_argument("--servers", default=",".join(SERVERS), help="with --clients: which of them, comma-separated "
+                   "(store: an old-against-new run of the store alone)")
     p.add_argument("--out")
     a = p.parse_args(argv)
+    names = [n.strip() for n in a.servers.split(",") if n.strip()]
+    if not names or any(n not in SERVERS for n in names):
+        p.error(f"--servers takes a comma-separated list of: {', '.join(SERVERS)}")
     if a.clients:
         return emit(run_concurrent(a.model, a.dtype, a.clients, a.requests, a.rounds, a.workload, a.system_tokens,
-                                   a.max_tokens), a.out)
+                                   a.max_tokens, names), a.out)
     return emit(run(a.model, a.dtype, a.groups, a.system_tokens, a.max_tokens), a.out)
 
 
