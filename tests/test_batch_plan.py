@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from speculate.engine import step
 from speculate.policy.batch import interpolate, plan
 from speculate.policy.speedup import expected_tokens
 
@@ -80,9 +79,10 @@ def test_the_servers_default_k_is_a_cap_the_planner_lowers_where_drafting_does_n
         out = []
         for cap in caps:
             spec = SpeculativeSpec(drafter, verifier="greedy", k=5)
-            run = SpeculativeDecoder(tiny[0], spec, draft_model=draft_model).start([3, 4, 5, 6, 3, 4, 5],
-                                                                                  max_new_tokens=20)
-            step([run])  # (the prompt goes in: the planner plans decoding rows)
+            # (a one-token prompt: nothing to prefill, no round yet, so the planner plans decoding rows at the prior α;
+            # a longer prompt's first step would also be its first round, Run.joins)
+            run = SpeculativeDecoder(tiny[0], spec, draft_model=draft_model).start([3], max_new_tokens=20)
+            assert not run.prefilling
             run.k_is_cap = cap
             out.append(run)
         return out
