@@ -221,6 +221,8 @@ def main(argv=None) -> int:
     names = [n.strip() for n in a.servers.split(",") if n.strip()]
     if not names or any(n not in SERVERS for n in names):
         p.error(f"--servers takes a comma-separated list of: {', '.join(SERVERS)}")
+    if names != list(SERVERS) and not a.clients:
+        p.error("--servers needs --clients (the sequential groups always compare both servers)")
     if a.clients:
         return emit(run_concurrent(a.model, a.dtype, a.clients, a.requests, a.rounds, a.workload, a.system_tokens,
                                    a.max_tokens, names), a.out)

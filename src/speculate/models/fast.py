@@ -329,7 +329,8 @@ class LeanModel:
                                      gate_up=gate_up.struct(), down=down.struct())
         return layers
 
-_leans_lock = threading.RLock()  # (reentrant: the exactness check makes a cache, which asks for the lean model)
+
+_leans_lock = threading.Lock()
 
 
 def lean_model(loaded: LoadedModel, exact: bool | None = None) -> LeanModel:
@@ -338,10 +339,11 @@ def lean_model(loaded: LoadedModel, exact: bool | None = None) -> LeanModel:
     with _leans_lock:
         leans = loaded.shared.setdefault("lean", {})
         lean = leans.get(exact)
-        if lean is None:
-            lean = leans[exact] = LeanModel(loaded, exact)
+        if lean is None:  # (shared only once checked: a check that raises leaves nothing half-made behind)
+            lean = LeanModel(loaded, exact)
             if lean.invariant:
-                lean.row_by_row = not exactness.check(FastKVModel(loaded, exact))
+                lean.row_by_row = not exactness.check(FastKVModel(loaded, exact, lean))
+            leans[exact] = lean
         return lean
 
 
@@ -349,9 +351,9 @@ class FastKVModel:
     """One generation's KV cache on a :class:`LeanModel`: its positions (blocks of the model's pool, or one contiguous
     buffer), its length and the hidden rows of its last forward. Cheap to make: one per request."""
 
-    def __init__(self, loaded: LoadedModel, exact: bool | None = None):
-        """``exact``: :class:`LeanModel`'s."""
-        self.lean = lean = lean_model(loaded, exact)
+    def __init__(self, loaded: LoadedModel, exact: bool | None = None, lean: LeanModel | None = None):
+        """``exact``: :class:`LeanModel`'s; ``lean``: the lean model itself (default: ``loaded``'s, shared)."""
+        self.lean = lean = lean or lean_model(loaded, exact)
         self.loaded, self.model, self.config, self.vocab_size = loaded, lean.model, lean.config, lean.vocab_size
         self.hidden = None  # after each forward: final-normed hidden rows [n_new, H] (the LM head's input)
         self.taps: tuple[int, ...] = ()  # decoder layers whose outputs follow them in ``hidden`` (EAGLE-3)
