@@ -155,8 +155,8 @@ def _quantized_load(folder, dtype):
 
 @pytest.fixture(scope="module")
 def models(tiny_folders, tmp_path_factory):
-    """Tiny random int8 and q4 targets (seed 0), a far int8 draft model (another random model, seed 1) and a near
-    one (the target's weights plus noise: agrees often, not always)."""
+    """Tiny random int8, q4 and fp32 targets (seed 0), a far int8 draft model (another random model, seed 1) and a
+    near one (the target's weights plus noise: agrees often, not always)."""
     folder = tmp_path_factory.mktemp("near") / "near"
     near = tiny_model(0)  # the target's weights (save_tiny_model(seed=0))
     g = torch.Generator().manual_seed(5)
@@ -167,6 +167,7 @@ def models(tiny_folders, tmp_path_factory):
     tiny_tokenizer().save_pretrained(folder)
     try:
         out = {"int8": load_model(str(tiny_folders[0]), dtype="int8"), "q4": _quantized_load(tiny_folders[0], "q4"),
+               "fp32": load_model(str(tiny_folders[0]), dtype="fp32"),  # (its own load: not the shared `tiny` one)
                "far": load_model(str(tiny_folders[1]), dtype="int8"), "near": load_model(str(folder), dtype="int8")}
         for loaded in out.values():  # the load-time self-check's forwards, once a model, now (not in a counted batch)
             if not isinstance(loaded, Exception):
@@ -205,7 +206,7 @@ def maker(target, drafter, draft_model=None, k=4, verifier="greedy", **kw):
 
 
 # ----------------------------------------------------------------------------------- 1. mixed drafters
-@pytest.mark.parametrize("dtype", ["int8", "q4"])
+@pytest.mark.parametrize("dtype", ["int8", "q4", "fp32"])
 def test_mixed_drafters_batched_equal_each_request_alone(models, dtype, monkeypatch):
     target = models[dtype]
     if isinstance(target, Exception):
@@ -243,7 +244,7 @@ def test_mixed_drafters_batched_equal_each_request_alone(models, dtype, monkeypa
     assert sum(g.stats.drafted_tokens - g.stats.accepted_draft_tokens for g in gens) > 0
 
 
-@pytest.mark.parametrize("dtype", ["int8", "q4"])
+@pytest.mark.parametrize("dtype", ["int8", "q4", "fp32"])
 def test_one_forward_over_several_caches_gives_each_its_own_bits(models, dtype):
     """``forward_many`` over four caches of one model (a prefill chunk, a chain, a tree, one token; logits of all
     rows, the last ones, none): each cache's logits, hidden rows and next state are bit for bit its forward alone."""
@@ -613,11 +614,16 @@ def test_the_round_that_completes_the_prompt_gives_the_first_token(models, draft
 
 
 # ---------------------------------------------------------------------------------------------- 5. fp32
-def test_fp32_batched_runs_to_the_right_lengths_and_stays_greedy(tiny, monkeypatch):
-    """fp32 rows are not batch-invariant: no bit-exactness is promised (stats say ``exactness`` none). What holds:
-    one forward a step, each run to its length, a batched forward's rows close to each run's own, and every greedy
-    token the target's argmax up to rounding (its logit within 1e-3 of the row's maximum, scored afresh)."""
-    target = tiny[0]
+def test_fp32_on_pytorchs_matmuls_runs_to_the_right_lengths_and_stays_greedy(tiny_folders, monkeypatch):
+    """fp32 where the kernel does not build (SPECULATE_NO_KERNEL: PyTorch's matmuls and attention): rows are not
+    batch-invariant, so no bit-exactness is promised (stats say ``exactness`` none). What holds: one forward a step,
+    each run to its length, a batched forward's rows close to each run's own, and every greedy token the target's
+    argmax up to rounding (its logit within 1e-3 of the row's maximum, scored afresh). (Through the kernel, fp32 is
+    exact: the tests above run it.)"""
+    with monkeypatch.context() as patch:
+        patch.setenv("SPECULATE_NO_KERNEL", "1")
+        target = load_model(str(tiny_folders[0]), dtype="fp32")
+        KVModel(target)  # (its lean model, made now: PyTorch's layers and attention from here on)
     draft = noisy_copy(target, 0.1)
     reqs = [Request(maker(target, "none"), dict(prompt=random_prompt(60, 5), max_new_tokens=20)),
             Request(maker(target, "lookup", k=4), dict(prompt=random_prompt(61, 6) * 3, max_new_tokens=30),

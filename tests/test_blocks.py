@@ -1,4 +1,5 @@
-"""dtype q4: GGUF blocks run as they are (models/blocks.py, kernels/blocks.c).
+"""dtype q4: GGUF blocks run as they are (models/blocks.py, kernels/blocks.c); and dtype fp32's layers through the
+same kernel (F32, the model's own weights in a fixed order of sums).
 
 The kernel is reproduced bit for bit by a PyTorch formulation of its documented arithmetic on random blocks (so
 it reads every nibble, scale and minimum as ggml defines them); a row's result does not depend on the other rows
@@ -20,6 +21,7 @@ import torch
 
 from speculate import SpeculativeDecoder, load_model
 from speculate.spec import SpeculativeSpec
+from speculate.drafters import get_drafter
 from speculate.errors import SpeculateError
 from speculate.models import blocks
 from speculate.models.fast import FastKVModel
@@ -184,11 +186,13 @@ def test_a_layer_of_parts_of_several_types_equals_its_parts(cache):
                        torch.cat([blocks.dequantize(raw, kind) for kind, raw in parts]))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "F32"])
 def test_rows_do_not_depend_on_the_other_rows_or_the_thread_count(kind):
     k = 256 if kind in ("Q4_K", "Q6_K") else 192
-    w = random_blocks(kind, 520, k, 7)
-    layer = blocks.BlockLinear(w, kind, k)
+    if kind == "F32":  # (dtype fp32's layers: the model's float weights)
+        layer = blocks.F32Linear(torch.randn(523, k, generator=torch.Generator().manual_seed(7)))
+    else:
+        layer = blocks.BlockLinear(random_blocks(kind, 520, k, 7), kind, k)
     x = torch.randn(61, k)
     threads = torch.get_num_threads()
     try:
@@ -201,6 +205,42 @@ def test_rows_do_not_depend_on_the_other_rows_or_the_thread_count(kind):
     assert torch.equal(batched, alone)
     for n in (2, 3, 5, 9, 16):
         assert torch.equal(layer.matmul_2d(x[:n]), batched[:n])
+
+
+def f32_reference(w: torch.Tensor, x: torch.Tensor, bias=None, residual=None) -> torch.Tensor:
+    """kernels/blocks.c's F32 arithmetic ("Float weights"): per (row, output) 16 partial sums, s_l = fma(w_j, x_j, s_l)
+    for j = l, l + 16, ..., folded in halves, then the bias and the residual. Each fma in float64 (the product of two
+    floats is exact there) rounded to float32: one rounding as the fma's, unless the float64 sum itself was rounded
+    onto a float32 midpoint (then the two could differ), which is checked not to happen here."""
+    w64, x64 = w.double(), x.double()
+    s = torch.zeros(16, x.shape[0], w.shape[0])
+    for j in range(0, w.shape[1], 16):
+        for lane in range(16):
+            exact = x64[:, j + lane, None] * w64[None, :, j + lane] + s[lane].double()
+            s[lane] = exact.float()
+            other = torch.nextafter(s[lane], torch.where(exact > s[lane].double(), torch.inf, -torch.inf))
+            assert not (exact == (s[lane].double() + other.double()) / 2).any()  # (no midpoint: single rounding)
+    for half in (8, 4, 2, 1):
+        s[:half] = s[:half] + s[half: 2 * half]
+    y = s[0] if bias is None else s[0] + bias
+    return y if residual is None else residual + y
+
+
+def test_f32_layers_reproduce_their_arithmetic_exactly():
+    """dtype fp32's layers (blocks.F32Linear over the model's own weights): the documented fixed order, bit for bit,
+    with a bias and a residual; and a row alone gets the bits it gets beside others."""
+    for seed, (rows, out, k) in enumerate([(1, 1, 16), (3, 7, 48), (5, 33, 96), (9, 70, 576)]):
+        g = torch.Generator().manual_seed(seed)
+        w, x = torch.randn(out, k, generator=g), torch.randn(rows, k, generator=g) * 3
+        bias, residual = torch.randn(out, generator=g), torch.randn(rows, out, generator=g)
+        layer = blocks.F32Linear(w, bias)
+        assert layer.dequantized_weight().data_ptr() == w.data_ptr()  # the model's tensor itself, not a copy
+        assert torch.equal(layer.matmul_2d(x), f32_reference(w, x, bias)), (rows, out, k)
+        assert torch.equal(layer.add_matmul_2d(residual, x), f32_reference(w, x, bias, residual))
+        assert torch.equal(blocks.F32Linear(w)(x), f32_reference(w, x))
+        assert torch.allclose(layer.matmul_2d(x), x @ w.T + bias, rtol=1e-5, atol=1e-4)
+    with pytest.raises(SpeculateError, match="multiple of 16"):
+        blocks.F32Linear(torch.zeros(4, 40))
 
 
 @pytest.mark.parametrize("kind", SIMPLE)
@@ -258,6 +298,20 @@ def random_prompt(seed: int, n: int) -> list[int]:
     return torch.randint(3, 259, (n,), generator=g).tolist()
 
 
+def assert_chains_and_tree_equal_one_token(kv, ids):
+    """A prefill, chains after a rollback (conftest's) and a tree after 60 positions: each row one-token decoding's
+    bits. Returns the tree's (tokens, parents)."""
+    assert_chains_equal_one_token(kv, ids)
+    parents = [-1, 0, 0, 1, 1, 2, 5, -1, 7]
+    tokens = torch.tensor(random_prompt(4, len(parents)))
+    kv.keep(60)
+    tree = kv.forward(tokens, tree_parents=parents)
+    for path in ([0, 1, 3], [0, 1, 4], [0, 2, 5, 6], [7, 8]):
+        kv.keep(60)
+        assert torch.equal(tree[path], torch.cat([kv.forward(tokens[[t]]) for t in path])), path
+    return tokens, parents
+
+
 def test_tiny_model_at_q4_chains_and_trees_equal_one_token_decoding(tiny_folders, tiny, cache, monkeypatch):
     """A tiny random model quantized to Q4_1 (head Q8_0): every layer is a block layer, the load-time self-check
     passes, and a prefill, a chain after a rollback and a tree give each row one-token decoding's bits."""
@@ -271,14 +325,7 @@ def test_tiny_model_at_q4_chains_and_trees_equal_one_token_decoding(tiny_folders
     kv = FastKVModel(loaded)
     assert kv.attention in ("kernel", "integer") and not kv.row_by_row
     ids = torch.tensor(random_prompt(3, 120))
-    assert_chains_equal_one_token(kv, ids)
-    parents = [-1, 0, 0, 1, 1, 2, 5, -1, 7]
-    tokens = torch.tensor(random_prompt(4, len(parents)))
-    kv.keep(60)
-    tree = kv.forward(tokens, tree_parents=parents)
-    for path in ([0, 1, 3], [0, 1, 4], [0, 2, 5, 6], [7, 8]):
-        kv.keep(60)
-        assert torch.equal(tree[path], torch.cat([kv.forward(tokens[[t]]) for t in path])), path
+    tokens, parents = assert_chains_and_tree_equal_one_token(kv, ids)
     # The layers in one C call (kernels/decoder.c) and layer by layer from Python give the same bits.
     assert kv.lean.decoder is not None
     kv.keep(60)
@@ -293,6 +340,36 @@ def test_tiny_model_at_q4_chains_and_trees_equal_one_token_decoding(tiny_folders
     out = SpeculativeDecoder(loaded,
                              SpeculativeSpec("lookup", verifier="greedy", k=6)).generate(prompt, max_new_tokens=40)
     assert out.token_ids == ref.token_ids and ref.stats.exactness == "batched"
+
+
+def test_tiny_model_at_fp32_runs_through_the_kernel_exactly(tiny_folders, cache, monkeypatch):
+    """fp32 (a folder's default precision): the lean path's layers are F32 layers over the model's own weights (the
+    Hugging Face modules keep theirs, shared), all layers in one C call; a prefill, chains and a tree give one-token
+    decoding's bits, the logits are PyTorch's within float rounding, and greedy speculation equals plain decoding,
+    reported "batched". Without the kernel: PyTorch's layers, and no exactness claimed."""
+    loaded = load_model(str(tiny_folders[0]), dtype="fp32")
+    kv = FastKVModel(loaded)
+    lean = kv.lean
+    assert lean.invariant and not kv.row_by_row and lean.decoder is not None
+    assert {type(m) for layer in lean.blocks for m in (layer[1], layer[2], layer[4], layer[5])} == {blocks.F32Linear}
+    attn = loaded.model.model.layers[0].self_attn
+    assert type(attn.q_proj) is torch.nn.Linear and lean.blocks[0][1].weight.data_ptr() == attn.q_proj.weight.data_ptr()
+    ids = torch.tensor(random_prompt(3, 120))
+    assert_chains_and_tree_equal_one_token(kv, ids)
+    kv.reset(128)
+    with torch.no_grad():
+        torch_logits = loaded.model(ids[None, :90]).logits[0]
+    assert torch.allclose(kv.forward(ids[:90]), torch_logits, rtol=1e-4, atol=1e-4)
+    prompt = random_prompt(5, 8) * 5
+    ref = SpeculativeDecoder(loaded, SpeculativeSpec("none")).generate(prompt, max_new_tokens=40)
+    for drafter in (get_drafter("lookup"), get_drafter("model", loaded, loaded)):  # (itself: every draft verified)
+        out = SpeculativeDecoder(loaded, SpeculativeSpec(verifier="greedy", k=6),
+                                 drafter=drafter).generate(prompt, max_new_tokens=40)
+        assert out.token_ids == ref.token_ids and ref.stats.exactness == "batched", drafter.name
+    assert out.stats.accepted_draft_tokens > 20
+    monkeypatch.setenv("SPECULATE_NO_KERNEL", "1")
+    plain = SpeculativeDecoder(load_model(str(tiny_folders[0]), dtype="fp32"), SpeculativeSpec("none"))
+    assert plain.generate(prompt, max_new_tokens=4).stats.exactness == "none"
 
 
 @pytest.mark.slow

@@ -69,7 +69,7 @@ def test_kv_taps_follow_the_hidden_rows(tiny, fast):
         ref = loaded.model(input_ids=torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
     assert kv.hidden.shape == (len(PROMPT), 2 * h)
     assert torch.equal(kv.hidden[:, :h], plain)
-    assert torch.allclose(kv.hidden[:, h:], ref[1][0], atol=1e-5)
+    assert torch.allclose(kv.hidden[:, h:], ref[1][0], rtol=1e-4, atol=1e-5)  # (fp32 through the kernel: its own sums)
     assert not torch.allclose(ref[1][0], ref[0][0], atol=1e-2)  # the layer did change its input
 
 

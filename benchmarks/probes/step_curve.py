@@ -1,7 +1,10 @@
 """Probe: the default model's step cost T(n) at fp32, int8 and q4 (or --dtypes), interleaved in one process (docs/benchmarks.md,
 "Verification cost T(n)" and "Step cost": the verification curve T(n)/T(1) and int8 against fp32).
 
-    python benchmarks/probes/step_curve.py [--threads 2] [--rounds 10] [--dtypes fp32,int8,q4]
+    python benchmarks/probes/step_curve.py [--threads 2] [--rounds 10] [--dtypes fp32,int8,q4] [--rows 1,2,4,8,16]
+
+``fp32-torch`` in --dtypes is fp32 with PyTorch's linear layers (what fp32 ran before it went through the kernel's
+F32 layers: models/fast.py, float_kernel), to compare the two in one process.
 
 Both precisions through the lean decoder (FastKVModel, what the engine uses), a 200-token random context
 prefilled once; each round times, for each precision (their order alternating by round) and each n, 15
@@ -15,10 +18,19 @@ import time
 
 import torch
 
+from unittest import mock
+
+from speculate.models import fast
 from speculate.models.fast import FastKVModel
 from speculate.models.loader import load_model
 
-ROWS = (1, 2, 4, 8, 16)
+
+def lean(dtype: str) -> FastKVModel:
+    loaded = load_model("smollm2-135m-instruct", dtype=dtype.removesuffix("-torch"), progress=False)
+    if dtype != "fp32-torch":
+        return FastKVModel(loaded)
+    with mock.patch.object(fast, "float_kernel", lambda model: False):  # its lean model, made here, keeps F.linear
+        return FastKVModel(loaded)
 
 
 def main():
@@ -26,19 +38,20 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--dtypes", default="fp32,int8,q4")
+    parser.add_argument("--rows", default="1,2,4,8,16", help="the n of T(n), comma-separated, starting at 1")
     args = parser.parse_args()
+    rows = tuple(int(n) for n in args.rows.split(","))
     torch.set_num_threads(args.threads)
     context = torch.randint(0, 40000, (200,), generator=torch.Generator().manual_seed(0))
-    models = {dtype: FastKVModel(load_model("smollm2-135m-instruct", dtype=dtype, progress=False))
-              for dtype in args.dtypes.split(",")}
+    models = {dtype: lean(dtype) for dtype in args.dtypes.split(",")}
     for kv in models.values():
         kv.reset(512)
         kv.forward(context)
-    times = {(dtype, n): [] for dtype in models for n in ROWS}
+    times = {(dtype, n): [] for dtype in models for n in rows}
     for r in range(args.rounds):
         for dtype in (list(models)[r % len(models):] + list(models)[: r % len(models)]):  # rotated by round
             kv = models[dtype]
-            for n in ROWS:
+            for n in rows:
                 ts = []
                 for _ in range(15):
                     kv.keep(200)
@@ -48,10 +61,10 @@ def main():
                 times[dtype, n].append(statistics.median(ts))
     med = {key: statistics.median(v) for key, v in times.items()}
     print(f"{args.threads} threads, {args.rounds} rounds; T(1) and T(n)/T(1):")
-    print("| | T(1) | " + " | ".join(f"T({n})/T(1)" for n in ROWS[1:]) + " |")
+    print("| | T(1) | " + " | ".join(f"T({n})/T(1)" for n in rows[1:]) + " |")
     for dtype in models:
         print(f"| {dtype} | {1e3 * med[dtype, 1]:.1f} ms | "
-              + " | ".join(f"{med[dtype, n] / med[dtype, 1]:.2f}" for n in ROWS[1:]) + " |")
+              + " | ".join(f"{med[dtype, n] / med[dtype, 1]:.2f}" for n in rows[1:]) + " |")
     first = next(iter(models))
     for dtype in list(models)[1:]:  # each precision against the first, at one row
         ratios = sorted(a / b for a, b in zip(times[first, 1], times[dtype, 1]))

@@ -13,7 +13,7 @@ One server, one generation thread: each cell (clients, drafter) runs twice, inte
 alternates from cell to cell — ``one``: ``max_batch`` 1, one generation at a time (the server before batching,
 ``--max-concurrency 1``), and ``batched``: ``max_batch`` = the number of clients. Each client sends greedy chat
 requests one after another. Every answer is compared with the same prompt's answer alone (plain decoding, one at
-a time): at int8 and q4 they must all be identical; at fp32 a row's last bits may depend on its batch.
+a time): they must all be identical where the model is exact (int8, q4, and fp32 through the kernel: ``exactness``).
 ``--modes batched`` runs the batched mode alone (issue 41's question: does speculation ever cost against plain decoding
 at the same load?). ``--prompts mt_bench``: the first 16 shipped MT-Bench first turns, where lookup finds little to
 copy; ``--prompts json``: GSM8K questions each asked for a JSON record with the same fields, and ``code-edit``: HumanEval

@@ -17,6 +17,9 @@ weights the converter de-quantized from the same file (they must be equal bit fo
 and finds the row order — the llama converter permutes q and k rows); for any other model folder, its fp32
 weights quantized with llama.cpp's rules (Q4_1 per 32 weights: d = (max - min) / 15, m = min; the LM head Q8_0).
 The blocks are cached once (atomic, checksummed) like the int8 tensors.
+
+The same kernel also runs dtype fp32's layers (:class:`F32Linear`: the model's own float weights, nothing quantized,
+each output's sums in one fixed order), for the same reason: rows that do not depend on each other.
 """
 
 from __future__ import annotations
@@ -314,6 +317,42 @@ class BlockLinear(QuantizedLinear):
     def extra_repr(self) -> str:
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}, " \
                f"bias={self.bias is not None}"
+
+
+class F32Linear(BlockLinear):
+    """dtype fp32's layers as the lean path runs them (models/fast.py): ``y = x Wᵀ + b`` through the kernel's F32
+    path over the model's own weights W [out, in] (held, not copied: the Hugging Face modules keep them). Per (row,
+    output), 16 fused multiply-add chains in a fixed order, folded in a fixed tree (kernels/blocks.c, "Float
+    weights"): a row's result does not depend on the other rows of the call or the thread count, by construction.
+    Why: PyTorch's matmul hands the rows to a BLAS that picks its kernel, and its order of sums, by the shape, so a
+    row verified beside others could round differently from the same row decoded alone; and this path reads the
+    weights faster at a decode step (docs/benchmarks.md, "fp32 through the kernel")."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        QuantizedLinear.__init__(self)
+        if not float_layer_runs(weight):
+            raise SpeculateError(f"an F32 layer needs fp32 weights with inputs a multiple of 16; got "
+                                 f"{weight.dtype} {tuple(weight.shape)}")
+        self._fn = require_kernel()
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight.detach().contiguous()  # (contiguous already where the lean path fused the layer)
+        self.kinds, self.kind, self.width = [("F32", 0, self.out_features)], "F32", group()
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self._hot = ([(LAYOUT_F32, self.weight, 0, self.out_features)], self.bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight
+
+    def weight_bytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+LAYOUT_F32 = 0  # the kernel's type number for row-major float weights (ggml's F32)
+
+
+def float_layer_runs(weight: torch.Tensor) -> bool:
+    """Whether :class:`F32Linear` runs ``weight``: fp32, [out, in] with in a multiple of 16, the kernel built here."""
+    return weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[1] % 16 == 0 and available()
 
 
 # ---------------------------------------------------------------------------------------------------

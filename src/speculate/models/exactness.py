@@ -1,6 +1,6 @@
 """The load-time self-check: does a batched forward give every row the bits it gets alone, on this machine?
 
-Why: exact greedy speculative decoding at int8 rests on it, and it is a property of the running CPU's
+Why: exact greedy speculative decoding at int8, q4 and fp32 rests on it, and it is a property of the running CPU's
 kernels as much as of our formulation (models/exact_attention.py makes the sums exact; the int8 matmul's
 integer products and the row-local norms and element-wise functions are row-independent by their
 algorithm, but a kernel library may still choose otherwise on a CPU we never saw). So it is checked,
@@ -9,8 +9,8 @@ small tree in one forward each, against the same tokens one at a time (plain dec
 any bit differs, the model runs its rows one at a time from then on — exact, slower — and says so once.
 
 What the check found is :func:`mode`'s answer: ``"batched"`` (checked here, rows verified together),
-``"row-by-row"`` (the check failed: the exact fallback), or ``"none"`` (no exactness claimed: fp32 or
-bf16 models, and models outside the lean path). Stats, the server's ``speculative_stats`` and ``/metrics``
+``"row-by-row"`` (the check failed: the exact fallback), or ``"none"`` (no exactness claimed: bf16 models, fp32
+models on PyTorch's matmuls — where the kernel does not build — and models outside the lean path). Stats, the server's ``speculative_stats`` and ``/metrics``
 report it.
 """
 

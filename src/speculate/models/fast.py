@@ -9,11 +9,12 @@ preallocated buffer: a forward writes its new keys/values at their positions and
 moving a length back. The Hugging Face modules are re-pointed at views of the fused weights, so both
 paths share one copy and the HF model stays usable (it is the reference in the tests).
 
-The linear layers are callables: ``F.linear`` on the fused fp32 weights, or, for a model loaded with
+The linear layers are callables: for fp32, the compiled kernel's F32 layers over the fused weights (blocks.F32Linear:
+each row's sums in a fixed order; ``F.linear`` where the kernel does not build), or, for a model loaded with
 ``dtype="int8"`` or ``"q4"``, the fused layers that models/quantize.py or models/blocks.py built (the HF modules
-are then views of those). Quantized models also use an attention whose every sum runs in a fixed order over a row's own keys (the
-compiled kernel of models/kernel.py, or integer sums in models/exact_attention.py), so that a row's logits are
-the same bits whether it is verified with others or decoded alone; models/exactness.py checks it at load.
+are then views of those). These models also use an attention whose every sum runs in a fixed order over a row's own
+keys (the compiled kernel of models/kernel.py, or integer sums in models/exact_attention.py), so that a row's logits
+are the same bits whether it is verified with others or decoded alone; models/exactness.py checks it at load.
 
 :class:`LeanModel` is the model as computed here (fused layers, kernels, the exactness check's outcome), made once per
 loaded model and shared by every generation; :class:`FastKVModel` is one generation's cache over it, with the
@@ -34,7 +35,8 @@ from torch import nn
 
 from ..tree_shape import depths_and_ancestors
 from . import exact_attention, exactness, kernel
-from .blocks import BlockLinear
+from .blocks import BlockLinear, F32Linear, float_layer_runs
+from .blocks import available as blocks_available
 from .paged import BLOCK, CopiedBlock, PagedCache, pool_for
 from .forward import Rows
 from .loader import LoadedModel
@@ -64,27 +66,7 @@ def _fuse(modules: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
     paths share one copy. int8 and q4: quantize.py / blocks.py already fused them (the modules are parts of one
     layer)."""
     if all(type(m) is nn.Linear for m in modules):
-        if len(modules) == 1:
-            m = modules[0]
-            return partial(F.linear, weight=m.weight, bias=m.bias)
-        # Fused before (the same modules under another loaded model: layerskip's early-exit view shares the
-        # target's layers): the weights are already consecutive rows of one tensor, so one view spans them, no copy.
-        weight = _joined([m.weight for m in modules])
-        bias = None if modules[0].bias is None else _joined([m.bias for m in modules])
-        if weight is not None and (bias is not None or modules[0].bias is None):
-            return partial(F.linear, weight=weight, bias=bias)
-        weight = torch.cat([m.weight.detach() for m in modules])
-        bias = None
-        if modules[0].bias is not None:
-            bias = torch.cat([m.bias.detach() for m in modules])
-        row = 0
-        for m in modules:
-            rows = m.weight.shape[0]
-            m.weight = nn.Parameter(weight[row: row + rows], requires_grad=False)
-            if bias is not None:
-                m.bias = nn.Parameter(bias[row: row + rows], requires_grad=False)
-            row += rows
-        return partial(F.linear, weight=weight, bias=bias)
+        return partial(F.linear, **dict(zip(("weight", "bias"), _fused(modules))))
     if len(modules) == 1 and isinstance(modules[0], QuantizedLinear):
         return modules[0].matmul_2d
     if all(isinstance(m, LinearPart) for m in modules):
@@ -93,6 +75,31 @@ def _fuse(modules: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
                 bounds[-1] == whole.out_features:  # the parts are the whole, in order: one matmul
             return whole.matmul_2d
     return lambda x: torch.cat([m(x) for m in modules], dim=-1)  # any other mix: correct, unfused
+
+
+def _fused(modules: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of ``modules`` (plain linear layers) concatenated, the modules pointed at their slices (one copy
+    for both paths)."""
+    if len(modules) == 1:
+        return modules[0].weight, modules[0].bias
+    # Fused before (the same modules under another loaded model: layerskip's early-exit view shares the target's
+    # layers): the weights are already consecutive rows of one tensor, so one view spans them, no copy.
+    weight = _joined([m.weight for m in modules])
+    bias = None if modules[0].bias is None else _joined([m.bias for m in modules])
+    if weight is not None and (bias is not None or modules[0].bias is None):
+        return weight, bias
+    weight = torch.cat([m.weight.detach() for m in modules])
+    bias = None
+    if modules[0].bias is not None:
+        bias = torch.cat([m.bias.detach() for m in modules])
+    row = 0
+    for m in modules:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[row: row + rows], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[row: row + rows], requires_grad=False)
+        row += rows
+    return weight, bias
 
 
 def _joined(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -130,10 +137,23 @@ def cache_layout(model: nn.Module, exact: bool | None = None) -> tuple[bool, obj
     a lean model (FastKVModel.__init__ explains each); the cache of "integer" attention is float64 with one more
     column a head (a scale)."""
     dtype = model.model.embed_tokens.weight.dtype
-    invariant = any(is_quantized(m) for m in model.modules()) if exact is None else exact
+    invariant = any(is_quantized(m) for m in model.modules()) or float_kernel(model) if exact is None else exact
     kern = kernel.load() if invariant or (exact is None and dtype == torch.float32) else None
     attention = "kernel" if kern else "integer" if invariant else "fused"
     return invariant, kern, attention, torch.float64 if attention == "integer" else dtype
+
+
+def float_kernel(model: nn.Module) -> bool:
+    """Whether the lean path runs ``model``'s linear layers through the kernel's F32 path (:class:`F32Linear`: the
+    fp32 weights themselves, each row's sums in a fixed order): plain fp32 layers with inputs a multiple of 16, and
+    the kernel built here (not with SPECULATE_NO_KERNEL)."""
+    if not blocks_available():
+        return False
+    mods = [model.lm_head]
+    for layer in model.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        mods += [a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    return all(type(m) is nn.Linear and float_layer_runs(m.weight) for m in mods)
 
 
 class LeanModel:
@@ -159,33 +179,44 @@ class LeanModel:
         self.head_dim = attn0.head_dim
         self.scaling = attn0.scaling
         self.hidden_size = cfg.hidden_size
-        self.layers = []
+        # fp32 through the kernel (F32Linear over the fused weights, no copy) where it builds, unless PyTorch's
+        # attention is asked for (exact=False: the comparisons of benchmarks/probes/attention_cost.py).
+        f32 = exact is not False and float_kernel(model)
+        self.layers, f32_layers = [], []
         for layer in inner.layers:
             a, mlp = layer.self_attn, layer.mlp
+            if f32:
+                qkv, o, gate_up, down = (F32Linear(*_fused(ms)) for ms in (
+                    [a.q_proj, a.k_proj, a.v_proj], [a.o_proj], [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]))
+                f32_layers.append((qkv, o, gate_up, down))
+                self.layers.append((layer.input_layernorm.weight, qkv.matmul_2d, o.add_matmul_2d,
+                                    layer.post_attention_layernorm.weight, gate_up.matmul_2d, down.add_matmul_2d))
+                continue
             # Callables: F.linear on fused fp32 weights, or the fused quantized layers (models/quantize.py, blocks.py).
             # o_proj and down_proj also add their input's residual (one op).
             self.layers.append((layer.input_layernorm.weight, _fuse([a.q_proj, a.k_proj, a.v_proj]),
                                 _residual(a.o_proj), layer.post_attention_layernorm.weight,
                                 _fuse([mlp.gate_proj, mlp.up_proj]), _residual(mlp.down_proj)))
-        self.lm_head = _fuse([model.lm_head])
+        # (a tied LM head is the embedding's own tensor: F32Linear reads it in place)
+        self.lm_head = F32Linear(*_fused([model.lm_head])).matmul_2d if f32 else _fuse([model.lm_head])
         self.vocab_size = model.lm_head.out_features
         self.dtype = self.embed.dtype
-        # int8 and q4: an attention whose rows do not depend on the other rows of a forward, so that a row's logits are
-        # the same bits verified with others or decoded alone: the compiled kernel (models/kernel.py, exact
-        # fp32 arithmetic in a fixed order), else integer sums in PyTorch ops (models/exact_attention.py).
-        # bf16 (and any model without a C compiler): PyTorch's fused attention. fp32 uses the kernel too where it
-        # builds, not for exactness (its matmuls are not row-independent) but because it takes every generation of a
-        # batched forward in one call a layer, where PyTorch's takes one call each.
+        # int8, q4 and fp32 through the kernel: an attention whose rows do not depend on the other rows of a forward,
+        # so that a row's logits are the same bits verified with others or decoded alone: the compiled kernel
+        # (models/kernel.py, exact fp32 arithmetic in a fixed order), else integer sums in PyTorch ops
+        # (models/exact_attention.py). bf16 (and any model without a C compiler): PyTorch's fused attention. fp32 with
+        # PyTorch's matmuls (exact=False) uses the kernel too where it builds, not for exactness (those matmuls are
+        # not row-independent) but because it takes every generation of a batched forward in one call a layer.
         self.invariant, self.kernel, self.attention, self.cache_dtype = cache_layout(model, exact)
         self.exact_bits = exact_attention.budgets(self.head_dim, loaded.context_window)
         # The kernel's caches are paged (models/paged.py): block tables over the model's pool, whose blocks the
         # prefix store and other generations may share. The PyTorch attentions keep one contiguous buffer each.
         self.pool = pool_for(model, len(self.layers), self.n_kv, self.head_dim) if self.attention == "kernel" else None
-        # q4: each layer in five kernel calls (norms, rotary, cache writes and SiLU inside them; _block_layers).
+        # q4 and fp32: each layer in five kernel calls (norms, rotary, cache writes and SiLU inside them; _block_layers).
         self.blocks = None
         if self.attention == "kernel" and kernel.load_rope():
-            wholes = [[_whole(m) for m in (a.q_proj, a.o_proj, mlp.gate_proj, mlp.down_proj)]
-                      for a, mlp in ((layer.self_attn, layer.mlp) for layer in inner.layers)]
+            wholes = f32_layers or [[_whole(m) for m in (a.q_proj, a.o_proj, mlp.gate_proj, mlp.down_proj)]
+                                    for a, mlp in ((layer.self_attn, layer.mlp) for layer in inner.layers)]
             if all(isinstance(w, BlockLinear) for ws in wholes for w in ws):
                 self.blocks = [(layer.input_layernorm.weight.float().contiguous(), qkv, o,
                                 layer.post_attention_layernorm.weight.float().contiguous(), gate_up, down)

@@ -27,6 +27,9 @@
  * nibbles elements 16+4c..; Q8_0: c = 0..7). One multiply-add instruction then takes 4 inputs of GROUP outputs
  * against 4 activation bytes broadcast to every lane. Outputs are padded to a multiple of GROUP with zero blocks.
  *
+ * F32 (ggml's type 0: plain float weights, row-major, what dtype fp32 runs; "Float weights" below) takes the same
+ * calls without quantizing anything: per (row, output), 16 partial sums in a fixed order, folded in a fixed tree.
+ *
  * Threads: output groups are split among OpenMP threads (the runtime PyTorch loaded, so its thread team is reused).
  */
 #include <math.h>
@@ -45,7 +48,7 @@
 #define GROUP 8  /* the scalar loops take any group */
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml's type numbers */
+enum { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml's type numbers */
 #define QK 32
 #define TILE 4  /* rows computed together: a group's block unpacked once, used by each (8 measured no faster) */
 
@@ -450,6 +453,117 @@ k_vec(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *rest
 }
 #endif
 
+/* Float weights (F32): W as PyTorch holds it, [out][k] row-major (no copy: the lean path hands over the model's own
+ * fused weights). The arithmetic, per (row r, output o), on the prepared row x (prepare_row: the norm or SiLU·up
+ * applied; nothing quantized), k a multiple of 16:
+ *     s_l = fma(w[o][j], x[j], s_l)   for j = l, l + 16, l + 32, ... < k, in that order, l = 0..15, from s_l = +0
+ *     y   = ((((s_0 + s_8) + (s_4 + s_12)) + ((s_2 + s_10) + (s_6 + s_14))) + (((s_1 + s_9) + ...)))
+ * i.e. the 16 partial sums folded in halves: t_i = s_i + s_(i+8), then t_i + t_(i+4), then + (i+2), then + (i+1);
+ * each fma rounded once (fmaf, the same single rounding as the vector instructions) and each sum once. The 16
+ * sums are the lanes of one 512-bit vector (two 256-bit ones with AVX2, 16 floats in the scalar loop), so every
+ * path computes the same values; nothing depends on the other rows or the thread count; tests/test_blocks.py
+ * reproduces them in float64 (a product of two floats is exact there). Tiles of FT rows and FO outputs: each
+ * weight vector is read once for FT rows, and FT · FO independent chains hide the fma latency. */
+#if defined(WIDE)
+#define F32_WIDE 1
+#define FO 4
+#elif defined(VECTOR) && defined(__FMA__)
+#define F32_VECTOR 1
+#define FO 2
+#else
+#define FO 1
+#endif
+#define FT 4
+#define FB 8 /* output tiles a thread takes together (blocks of FB · FO outputs) */
+
+#if defined(F32_VECTOR)
+/* The tree's last three steps on i + (i+8) (the two 8-lane halves of the 16 sums, added): + (i+4), + (i+2), + (i+1). */
+static inline float fold8(__m256 a) {
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); /* + (i+4) */
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                                  /* + (i+2) */
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));                        /* + (i+1) */
+}
+#endif
+#if defined(F32_WIDE)
+/* The tree for four outputs at once (a, b, c, d: their 16 sums): halves of each (i + (i+8), then + (i+4)), then a
+ * 4 × 4 transpose puts their lanes side by side for the last two steps, (u_0 + u_2) + (u_1 + u_3): the four results. */
+static inline __m128 fold16x4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m128 f[4];
+    const __m512 v[4] = {a, b, c, d};
+    for (int i = 0; i < 4; i++) {
+        const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v[i]),
+                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[i]), 1)));
+        f[i] = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    }
+    _MM_TRANSPOSE4_PS(f[0], f[1], f[2], f[3]);
+    return _mm_add_ps(_mm_add_ps(f[0], f[2]), _mm_add_ps(f[1], f[3]));
+}
+#endif
+
+static inline __attribute__((always_inline)) void
+float_body(const float *restrict w, const float *restrict x, int64_t k, const int no, const int nr, float *out) {
+#if defined(F32_WIDE)
+    __m512 acc[FO][FT];
+    for (int o = 0; o < no; o++)
+        for (int r = 0; r < nr; r++) acc[o][r] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j += 16) {
+        __m512 xv[FT];
+        for (int r = 0; r < nr; r++) xv[r] = _mm512_loadu_ps(x + r * k + j);
+        for (int o = 0; o < no; o++) {
+            const __m512 wv = _mm512_loadu_ps(w + o * k + j);
+            for (int r = 0; r < nr; r++) acc[o][r] = _mm512_fmadd_ps(wv, xv[r], acc[o][r]);
+        }
+    }
+    for (int o = no; o < FO; o++)
+        for (int r = 0; r < nr; r++) acc[o][r] = _mm512_setzero_ps(); /* (a short tile's missing outputs) */
+    for (int r = 0; r < nr; r++) _mm_storeu_ps(out + r * FO, fold16x4(acc[0][r], acc[1][r], acc[2][r], acc[3][r]));
+#elif defined(F32_VECTOR)
+    __m256 lo[FO][FT], hi[FO][FT]; /* lanes 0-7 and 8-15 of the 16 sums */
+    for (int o = 0; o < no; o++)
+        for (int r = 0; r < nr; r++) lo[o][r] = hi[o][r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < k; j += 16) {
+        for (int o = 0; o < no; o++) {
+            const __m256 wl = _mm256_loadu_ps(w + o * k + j), wh = _mm256_loadu_ps(w + o * k + j + 8);
+            for (int r = 0; r < nr; r++) {
+                lo[o][r] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(x + r * k + j), lo[o][r]);
+                hi[o][r] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(x + r * k + j + 8), hi[o][r]);
+            }
+        }
+    }
+    for (int o = 0; o < no; o++)
+        for (int r = 0; r < nr; r++) out[r * FO + o] = fold8(_mm256_add_ps(lo[o][r], hi[o][r]));
+#else
+    for (int o = 0; o < no; o++) {
+        for (int r = 0; r < nr; r++) {
+            float s[16] = {0.f};
+            for (int64_t j = 0; j < k; j += 16)
+                for (int l = 0; l < 16; l++) s[l] = fmaf(w[o * k + j + l], x[r * k + j + l], s[l]);
+            for (int half = 8; half >= 1; half /= 2)
+                for (int l = 0; l < half; l++) s[l] = s[l] + s[l + half];
+            out[r * FO + o] = s[0];
+        }
+    }
+#endif
+}
+
+/* float_body with constant output and row counts: one specialised copy each (accumulators in registers). */
+static void float_tile(const float *restrict w, const float *restrict x, int64_t k, int no, int nr, float *out) {
+#define FCASE(O, R) case O * 8 + R: float_body(w, x, k, O, R, out); break;
+#define FROWS(O) FCASE(O, 1) FCASE(O, 2) FCASE(O, 3) FCASE(O, 4)
+    switch (no * 8 + nr) {
+#if FO == 4
+    FROWS(1) FROWS(2) FROWS(3) FROWS(4)
+#elif FO == 2
+    FROWS(1) FROWS(2)
+#else
+    FROWS(1)
+#endif
+    default: break;
+    }
+#undef FROWS
+#undef FCASE
+}
+
 /* tile_body with constant type and row count: one specialised copy each. */
 static void group_tile(int type, const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q,
                        const float *restrict da, const int32_t *restrict sums, const int32_t *restrict lows,
@@ -478,16 +592,79 @@ static void group_tile(int type, const uint8_t *restrict wg, int64_t nb, const i
 #undef CASE
 }
 
+/* A tile's results into y: got[r · width + i] is row r0 + r (with two passes, rows r and r + 1 are one row's two
+ * results, added first) and output o0 + i, i < n; then the bias, then the residual, each one rounding:
+ * y = residual + ((y_row + y_rest) + bias). */
+static inline void finish(const float *got, int width, int nr, int passes, int64_t o0, int n, int64_t r0,
+                          const float *bias, const float *residual, float *y, int64_t ld) {
+    for (int r = 0; r < nr; r += passes) {
+        const int64_t yr = (r0 + r) / passes;
+        for (int i = 0; i < n; i++) {
+            const int64_t o = o0 + i;
+            float v = got[r * width + i];
+            if (passes == 2) v = v + got[(r + 1) * width + i];
+            if (bias) v = v + bias[o];
+            if (residual) v = residual[yr * ld + o] + v;
+            y[yr * ld + o] = v;
+        }
+    }
+}
+
+/* speculate_block_matmul for F32 weights (row-major, k a multiple of 16): the rows prepared, then "Float weights"
+ * above, tiles of FO outputs split among the threads, then y = residual + (x Wᵀ + bias) as for the blocks. */
+static int float_matmul(const float *restrict w, int64_t out, int64_t k, const float *restrict x, int64_t rows,
+                        const float *norm, float eps, int act, const float *bias, const float *residual, float *y,
+                        int64_t ld, int threads) {
+    if (k <= 0 || k % 16) return 2;
+    /* 64-byte aligned (k % 16 == 0: every row too): a vector load then never spans two cache lines (malloc's
+     * 16-byte alignment cost ~20 % at 16 rows) */
+    float *prepared = aligned_alloc(64, sizeof(float) * (size_t)(rows * k));
+    if (!prepared) return 3;
+    /* (each row on its own: the same bits on any thread; many rows' SiLU was a serial tenth of the call) */
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * k >= 16384)
+    for (int64_t r = 0; r < rows; r++) prepare_row(x + r * k * (act ? 2 : 1), k, norm, eps, act, prepared + r * k);
+    const int64_t tiles = (out + FO - 1) / FO, blocks = (tiles + FB - 1) / FB;
+    /* Per thread, FB output tiles at a time (their weights stay in L2) against FT rows at a time (in L1). */
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tiles * rows >= 64)
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t r0 = 0; r0 < rows; r0 += FT) {
+            const int nr = rows - r0 < FT ? (int)(rows - r0) : FT;
+            for (int64_t t = b * FB; t < tiles && t < (b + 1) * FB; t++) {
+                const int no = out - t * FO < FO ? (int)(out - t * FO) : FO;
+                float got[FT * FO];
+                float_tile(w + t * FO * k, prepared + r0 * k, k, no, nr, got);
+#ifdef F32_WIDE
+                if (no == FO) { /* finish's operations, four outputs a vector */
+                    for (int r = 0; r < nr; r++) {
+                        const int64_t at = (r0 + r) * ld + t * FO;
+                        __m128 v = _mm_loadu_ps(got + r * FO);
+                        if (bias) v = _mm_add_ps(v, _mm_loadu_ps(bias + t * FO));
+                        if (residual) v = _mm_add_ps(_mm_loadu_ps(residual + at), v);
+                        _mm_storeu_ps(y + at, v);
+                    }
+                    continue;
+                }
+#endif
+                finish(got, FO, nr, 1, t * FO, no, r0, bias, residual, y, ld);
+            }
+        }
+    }
+    free(prepared);
+    return 0;
+}
+
 /* x [rows, k] fp32 (k a multiple of 32; [rows, 2k] with ``act``), prepared as prepare_row says (``norm`` [k] or
  * NULL, ``eps``, ``act`` 0/1); w: the interleaved layout of [out] rows of ``type``; bias [out] or NULL; residual
  * [rows, ld] or NULL (y = residual + (x Wᵀ + bias)); y [rows, ld], columns 0..out-1 written (``ld``: the row
  * stride of y and residual, >= out: a layer of parts of several types writes each part's columns). ``passes``: 1, each
  * row quantized once (llama.cpp's Q8 activations), or 2, the row and then what its quantization missed (``rest`` =
  * x − da · qa per element), each through the same integer dots, y = y_row + y_rest (see the top of this file).
- * Returns 0, or non-zero for an unknown type, a bad k, a bad ``passes``, or no memory. */
+ * F32 quantizes nothing (``passes`` unused; row-major weights, k a multiple of 16). Returns 0, or non-zero for an unknown type, a bad k, a bad ``passes``, or no memory. */
 int speculate_block_matmul(int type, const uint8_t *restrict w, int64_t out, int64_t k, const float *restrict x,
                            int64_t rows, const float *norm, float eps, int act, const float *bias,
                            const float *residual, float *y, int64_t ld, int threads, int passes) {
+    if (type == F32)
+        return float_matmul((const float *)w, out, k, x, rows, norm, eps, act, bias, residual, y, ld, threads);
     const int bytes = block_bytes(type);
     if (!bytes) return 1;
     if (k <= 0 || k % (is_k(type) ? 8 * QK : QK)) return 2;
@@ -519,17 +696,8 @@ int speculate_block_matmul(int type, const uint8_t *restrict w, int64_t out, int
             const int nr = qrows - r0 < TILE ? (int)(qrows - r0) : TILE;
             group_tile(type, w + g * group_bytes, nb, q + r0 * k, da + r0 * nb, sums + r0 * nb, lows + r0 * nb, k, nr,
                        got);
-            for (int r = 0; r < nr; r += passes) {
-                const int64_t yr = (r0 + r) / passes;
-                for (int lane = 0; lane < GROUP && g * GROUP + lane < out; lane++) {
-                    const int64_t o = g * GROUP + lane;
-                    float v = got[r * GROUP + lane];
-                    if (passes == 2) v = v + got[(r + 1) * GROUP + lane];
-                    if (bias) v = v + bias[o];
-                    if (residual) v = residual[yr * ld + o] + v;
-                    y[yr * ld + o] = v;
-                }
-            }
+            finish(got, GROUP, nr, passes, g * GROUP, out - g * GROUP < GROUP ? (int)(out - g * GROUP) : GROUP, r0, bias,
+                   residual, y, ld);
         }
     }
     free(q); free(da); free(sums); free(lows);

@@ -1,4 +1,4 @@
-/* A q4 model's decoder layers in one call (linked with blocks.c and attention.c): per layer RMSNorm + q/k/v,
+/* A q4 or fp32 model's decoder layers in one call (linked with blocks.c and attention.c): per layer RMSNorm + q/k/v,
  * rotary + cache write, attention, o_proj + residual, RMSNorm + gate/up, SiLU·up + down + residual, each the same
  * function models/fast.py would call from Python (so a row gets the same bits either way), without the Python
  * between them: a decode step of the default model makes 151 kernel calls, and their Python, ~20 µs a layer, was
@@ -16,7 +16,7 @@ int speculate_attention_many(const float *qkv, const float *cos, const float *si
                              int threads);
 
 #define PARTS 4
-typedef struct { /* a BlockLinear: parts of one type each, side by side in the output columns */
+typedef struct { /* a BlockLinear (or F32Linear): parts of one type each, side by side in the output columns */
     int parts;
     int types[PARTS];
     const uint8_t *packed[PARTS];
