@@ -3,6 +3,9 @@
 
     python benchmarks/probes/step_curve.py [--threads 2] [--rounds 10] [--dtypes fp32,int8,q4] [--rows 1,2,4,8,16]
 
+Also the machine's read bandwidth (a 2-thread ``torch.sum`` over 1 GiB, at the threads asked for) and, per precision,
+the weights a one-row step reads ÷ T(1): how near a decode step runs to that roof (issue 41).
+
 ``fp32-torch`` in --dtypes is fp32 with PyTorch's linear layers (what fp32 ran before it went through the kernel's
 F32 layers: models/fast.py, float_kernel), to compare the two in one process.
 
@@ -20,7 +23,10 @@ import torch
 
 from unittest import mock
 
+from torch import nn
+
 from speculate.models import fast
+from speculate.models.quantize import QuantizedLinear
 from speculate.models.fast import FastKVModel
 from speculate.models.loader import load_model
 
@@ -31,6 +37,23 @@ def lean(dtype: str) -> FastKVModel:
         return FastKVModel(loaded)
     with mock.patch.object(fast, "float_kernel", lambda model: False):  # its lean model, made here, keeps F.linear
         return FastKVModel(loaded)
+
+
+def weight_bytes(kv: FastKVModel) -> int:
+    """The linear layers' weights a one-row step reads (the LM head included; a tied one once)."""
+    return sum(m.weight_bytes() if isinstance(m, QuantizedLinear) else m.weight.numel() * m.weight.element_size()
+               for m in kv.loaded.model.modules() if isinstance(m, QuantizedLinear) or type(m) is nn.Linear)
+
+
+def read_bandwidth() -> float:
+    """GB/s of a torch.sum over 1 GiB (the median of 5, after one to warm up)."""
+    big = torch.ones(1 << 28)
+    times = []
+    for _ in range(6):
+        t = time.perf_counter()
+        big.sum()
+        times.append(time.perf_counter() - t)
+    return big.numel() * 4 / statistics.median(times[1:]) / 1e9
 
 
 def main():
@@ -65,6 +88,12 @@ def main():
     for dtype in models:
         print(f"| {dtype} | {1e3 * med[dtype, 1]:.1f} ms | "
               + " | ".join(f"{med[dtype, n] / med[dtype, 1]:.2f}" for n in rows[1:]) + " |")
+    roof = read_bandwidth()
+    print(f"read bandwidth (torch.sum over 1 GiB, {args.threads} threads): {roof:.1f} GB/s")
+    for dtype, kv in models.items():
+        rate = weight_bytes(kv) / med[dtype, 1] / 1e9
+        print(f"{dtype}: {weight_bytes(kv) / 1e6:.0f} MB of weights a step, {rate:.1f} GB/s at T(1) "
+              f"({100 * rate / roof:.0f} % of the read bandwidth)")
     first = next(iter(models))
     for dtype in list(models)[1:]:  # each precision against the first, at one row
         ratios = sorted(a / b for a, b in zip(times[first, 1], times[dtype, 1]))
