@@ -467,14 +467,16 @@ k_vec(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *rest
 #if defined(WIDE)
 #define F32_WIDE 1
 #define FO 4
+#define FT 4
 #elif defined(VECTOR) && defined(__FMA__)
 #define F32_VECTOR 1
 #define FO 2
+#define FT 2 /* 8 accumulators, 4 row and 2 weight vectors: 14 of AVX2's 16 registers (4 rows spill) */
 #else
 #define FO 1
-#endif
 #define FT 4
-#define FB 8 /* output tiles a thread takes together (blocks of FB · FO outputs) */
+#endif
+#define FB (32 / FO) /* output tiles a thread takes together: blocks of 32 outputs */
 
 #if defined(F32_VECTOR)
 /* The tree's last three steps on i + (i+8) (the two 8-lane halves of the 16 sums, added): + (i+4), + (i+2), + (i+1). */
@@ -522,11 +524,13 @@ float_body(const float *restrict w, const float *restrict x, int64_t k, const in
     for (int o = 0; o < no; o++)
         for (int r = 0; r < nr; r++) lo[o][r] = hi[o][r] = _mm256_setzero_ps();
     for (int64_t j = 0; j < k; j += 16) {
+        __m256 xl[FT], xh[FT];
+        for (int r = 0; r < nr; r++) xl[r] = _mm256_loadu_ps(x + r * k + j), xh[r] = _mm256_loadu_ps(x + r * k + j + 8);
         for (int o = 0; o < no; o++) {
             const __m256 wl = _mm256_loadu_ps(w + o * k + j), wh = _mm256_loadu_ps(w + o * k + j + 8);
             for (int r = 0; r < nr; r++) {
-                lo[o][r] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(x + r * k + j), lo[o][r]);
-                hi[o][r] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(x + r * k + j + 8), hi[o][r]);
+                lo[o][r] = _mm256_fmadd_ps(wl, xl[r], lo[o][r]);
+                hi[o][r] = _mm256_fmadd_ps(wh, xh[r], hi[o][r]);
             }
         }
     }
@@ -549,7 +553,11 @@ float_body(const float *restrict w, const float *restrict x, int64_t k, const in
 /* float_body with constant output and row counts: one specialised copy each (accumulators in registers). */
 static void float_tile(const float *restrict w, const float *restrict x, int64_t k, int no, int nr, float *out) {
 #define FCASE(O, R) case O * 8 + R: float_body(w, x, k, O, R, out); break;
+#if FT == 4
 #define FROWS(O) FCASE(O, 1) FCASE(O, 2) FCASE(O, 3) FCASE(O, 4)
+#else
+#define FROWS(O) FCASE(O, 1) FCASE(O, 2)
+#endif
     switch (no * 8 + nr) {
 #if FO == 4
     FROWS(1) FROWS(2) FROWS(3) FROWS(4)
