@@ -239,6 +239,7 @@ def test_f32_layers_reproduce_their_arithmetic_exactly():
         assert torch.equal(layer.add_matmul_2d(residual, x), f32_reference(w, x, bias, residual))
         assert torch.equal(blocks.F32Linear(w)(x), f32_reference(w, x))
         assert torch.allclose(layer.matmul_2d(x), x @ w.T + bias, rtol=1e-5, atol=1e-4)
+        assert layer.matmul_2d(x[:0]).shape == (0, out)  # (no rows: nothing computed, no error)
     with pytest.raises(SpeculateError, match="multiple of 16"):
         blocks.F32Linear(torch.zeros(4, 40))
 

@@ -624,6 +624,7 @@ static int float_matmul(const float *restrict w, int64_t out, int64_t k, const f
                         const float *norm, float eps, int act, const float *bias, const float *residual, float *y,
                         int64_t ld, int threads) {
     if (k <= 0 || k % 16) return 2;
+    if (rows <= 0) return 0; /* (nothing to compute; aligned_alloc of 0 bytes may give NULL) */
     /* 64-byte aligned (k % 16 == 0: every row too): a vector load then never spans two cache lines (malloc's
      * 16-byte alignment cost ~20 % at 16 rows) */
     float *prepared = aligned_alloc(64, sizeof(float) * (size_t)(rows * k));
