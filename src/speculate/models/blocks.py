@@ -336,7 +336,7 @@ class F32Linear(BlockLinear):
         self._fn = require_kernel()
         self.out_features, self.in_features = weight.shape
         self.weight = weight.detach().contiguous()  # (contiguous already where the lean path fused the layer)
-        self.kinds, self.kind, self.width = [("F32", 0, self.out_features)], "F32", group()
+        self.kind = "F32"
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self._hot = ([(LAYOUT_F32, self.weight, 0, self.out_features)], self.bias)
 

@@ -212,7 +212,8 @@ class LeanModel:
         # The kernel's caches are paged (models/paged.py): block tables over the model's pool, whose blocks the
         # prefix store and other generations may share. The PyTorch attentions keep one contiguous buffer each.
         self.pool = pool_for(model, len(self.layers), self.n_kv, self.head_dim) if self.attention == "kernel" else None
-        # q4 and fp32: each layer in five kernel calls (norms, rotary, cache writes and SiLU inside them; _block_layers).
+        # q4 and fp32: each layer in five kernel calls (norms, rotary, cache writes and SiLU inside them;
+        # _block_layers).
         self.blocks = None
         if self.attention == "kernel" and kernel.load_rope():
             wholes = f32_layers or [[_whole(m) for m in (a.q_proj, a.o_proj, mlp.gate_proj, mlp.down_proj)]

@@ -488,7 +488,8 @@ static inline float fold8(__m256 a) {
 #endif
 #if defined(F32_WIDE)
 /* The tree for four outputs at once (a, b, c, d: their 16 sums): halves of each (i + (i+8), then + (i+4)), then a
- * 4 × 4 transpose puts their lanes side by side for the last two steps, (u_0 + u_2) + (u_1 + u_3): the four results. */
+ * 4 × 4 transpose puts their lanes side by side for the last two steps, (u_0 + u_2) + (u_1 + u_3): the four
+ * results. */
 static inline __m128 fold16x4(__m512 a, __m512 b, __m512 c, __m512 d) {
     __m128 f[4];
     const __m512 v[4] = {a, b, c, d};
@@ -668,7 +669,8 @@ static int float_matmul(const float *restrict w, int64_t out, int64_t k, const f
  * stride of y and residual, >= out: a layer of parts of several types writes each part's columns). ``passes``: 1, each
  * row quantized once (llama.cpp's Q8 activations), or 2, the row and then what its quantization missed (``rest`` =
  * x − da · qa per element), each through the same integer dots, y = y_row + y_rest (see the top of this file).
- * F32 quantizes nothing (``passes`` unused; row-major weights, k a multiple of 16). Returns 0, or non-zero for an unknown type, a bad k, a bad ``passes``, or no memory. */
+ * F32 quantizes nothing (``passes`` unused; row-major weights, k a multiple of 16). Returns 0, or non-zero for an
+ * unknown type, a bad k, a bad ``passes``, or no memory. */
 int speculate_block_matmul(int type, const uint8_t *restrict w, int64_t out, int64_t k, const float *restrict x,
                            int64_t rows, const float *norm, float eps, int act, const float *bias,
                            const float *residual, float *y, int64_t ld, int threads, int passes) {
