@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 
 from speculate.cli import main
 from speculate.models import cpu
@@ -41,8 +42,14 @@ def test_capped_onednn_names_the_variable(monkeypatch):
     assert "ONEDNN_MAX_CPU_ISA=AVX2" in bf16_slow_reason(flags=AVX512, onednn=False)
 
 
-def test_load_warns_once_per_load_only_for_bf16(tiny_folders, monkeypatch):
+def test_load_warns_once_per_load_only_for_bf16_on_torchs_matmuls(tiny_folders, monkeypatch):
+    """Through the kernel's float layers (a C compiler, a Llama-family model) bf16 needs no bf16 matmul: no
+    warning on any CPU; on PyTorch's layers (SPECULATE_NO_KERNEL here), the warning where the CPU has none."""
     monkeypatch.setattr(cpu, "cpu_flags", lambda info=None: set(X86))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowPrecisionWarning)
+        assert load_model(str(tiny_folders[0]), dtype="bf16").model.lm_head.weight.dtype == torch.bfloat16
+    monkeypatch.setenv("SPECULATE_NO_KERNEL", "1")
     with pytest.warns(SlowPrecisionWarning, match="no fast matmul on this CPU"):
         load_model(str(tiny_folders[0]), dtype="bf16")
     with warnings.catch_warnings():
@@ -65,6 +72,7 @@ def test_this_machine_agrees_with_torch():
 
 def test_cli_prints_the_warning_as_one_line(tiny_folders, monkeypatch, capsys):
     monkeypatch.setattr(cpu, "cpu_flags", lambda info=None: set(X86))
+    monkeypatch.setenv("SPECULATE_NO_KERNEL", "1")  # (PyTorch's bf16 layers)
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         assert main(["generate", "--model", str(tiny_folders[0]), "--dtype", "bf16", "--max-new-tokens", "2",

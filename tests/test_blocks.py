@@ -24,6 +24,7 @@ from speculate.spec import SpeculativeSpec
 from speculate.drafters import get_drafter
 from speculate.errors import SpeculateError
 from speculate.models import blocks
+from speculate.models.loader import DTYPES
 from speculate.models.fast import FastKVModel
 from speculate.models.cpu import cpu_flags
 from conftest import assert_chains_equal_one_token, assert_pytest_passed
@@ -186,11 +187,13 @@ def test_a_layer_of_parts_of_several_types_equals_its_parts(cache):
                        torch.cat([blocks.dequantize(raw, kind) for kind, raw in parts]))
 
 
-@pytest.mark.parametrize("kind", [*KINDS, "F32"])
+@pytest.mark.parametrize("kind", [*KINDS, "F32", "BF16"])
 def test_rows_do_not_depend_on_the_other_rows_or_the_thread_count(kind):
     k = 256 if kind in ("Q4_K", "Q6_K") else 192
-    if kind == "F32":  # (dtype fp32's layers: the model's float weights)
-        layer = blocks.F32Linear(torch.randn(523, k, generator=torch.Generator().manual_seed(7)))
+    if kind in ("F32", "BF16"):  # (dtype fp32's and bf16's layers: the model's float weights)
+        w = torch.randn(523, k, generator=torch.Generator().manual_seed(7))
+        layer = blocks.FloatLinear(w if kind == "F32" else w.bfloat16())
+        assert layer.kind == kind
     else:
         layer = blocks.BlockLinear(random_blocks(kind, 520, k, 7), kind, k)
     x = torch.randn(61, k)
@@ -227,21 +230,38 @@ def f32_reference(w: torch.Tensor, x: torch.Tensor, bias=None, residual=None) ->
 
 
 def test_f32_layers_reproduce_their_arithmetic_exactly():
-    """dtype fp32's layers (blocks.F32Linear over the model's own weights): the documented fixed order, bit for bit,
+    """dtype fp32's layers (blocks.FloatLinear over the model's own weights): the documented fixed order, bit for bit,
     with a bias and a residual; and a row alone gets the bits it gets beside others."""
     for seed, (rows, out, k) in enumerate([(1, 1, 16), (3, 7, 48), (5, 33, 96), (9, 70, 576)]):
         g = torch.Generator().manual_seed(seed)
         w, x = torch.randn(out, k, generator=g), torch.randn(rows, k, generator=g) * 3
         bias, residual = torch.randn(out, generator=g), torch.randn(rows, out, generator=g)
-        layer = blocks.F32Linear(w, bias)
+        layer = blocks.FloatLinear(w, bias)
         assert layer.dequantized_weight().data_ptr() == w.data_ptr()  # the model's tensor itself, not a copy
         assert torch.equal(layer.matmul_2d(x), f32_reference(w, x, bias)), (rows, out, k)
         assert torch.equal(layer.add_matmul_2d(residual, x), f32_reference(w, x, bias, residual))
-        assert torch.equal(blocks.F32Linear(w)(x), f32_reference(w, x))
+        assert torch.equal(blocks.FloatLinear(w)(x), f32_reference(w, x))
         assert torch.allclose(layer.matmul_2d(x), x @ w.T + bias, rtol=1e-5, atol=1e-4)
         assert layer.matmul_2d(x[:0]).shape == (0, out)  # (no rows: nothing computed, no error)
     with pytest.raises(SpeculateError, match="multiple of 16"):
-        blocks.F32Linear(torch.zeros(4, 40))
+        blocks.FloatLinear(torch.zeros(4, 40))
+
+
+def test_bf16_layers_are_f32_layers_on_their_weights_widened():
+    """dtype bf16's layers: the bf16 weights themselves (not copied), each widened to the float of the same value as
+    it is read, so the bits are the F32 layer's on ``w.float()`` (whose order the test above checks), fp32 sums
+    throughout."""
+    for seed, (rows, out, k) in enumerate([(1, 1, 16), (3, 7, 48), (5, 33, 96), (9, 70, 576)]):
+        g = torch.Generator().manual_seed(seed)
+        w, x = torch.randn(out, k, generator=g).bfloat16(), torch.randn(rows, k, generator=g) * 3
+        bias, residual = torch.randn(out, generator=g), torch.randn(rows, out, generator=g)
+        layer = blocks.FloatLinear(w, bias)
+        assert layer.kind == "BF16" and layer.weight.data_ptr() == w.data_ptr() and layer.weight_bytes() == 2 * out * k
+        wide = w.float()
+        assert torch.equal(layer.matmul_2d(x), blocks.FloatLinear(wide, bias).matmul_2d(x)), (rows, out, k)
+        assert torch.equal(layer.add_matmul_2d(residual, x), blocks.FloatLinear(wide, bias).add_matmul_2d(residual, x))
+        assert torch.equal(layer.dequantized_weight(), wide) and not hasattr(layer, "blocks")  # (no GGUF blocks)
+        assert torch.allclose(layer.matmul_2d(x), x @ wide.T + bias, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("kind", SIMPLE)
@@ -269,7 +289,7 @@ def test_quantize_and_dequantize_are_ggmls(kind):
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v3 -mavxvnni", "x86-64-v2"])
 def test_the_other_code_paths_compute_the_same(march, tmp_path):
     """The kernel's AVX2 and scalar paths, compiled here with another -march, pass this file's kernel tests (the
-    same bit-exact reference, row and thread invariance) in a fresh process."""
+    same bit-exact reference, BF16 as F32 on the widened weights, row and thread invariance) in a fresh process."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("x86-64 code paths")
     if "avxvnni" in march and "avx_vnni" not in cpu_flags():
@@ -277,7 +297,7 @@ def test_the_other_code_paths_compute_the_same(march, tmp_path):
     env = {**os.environ, "SPECULATE_KERNEL_FLAGS": f"-march={march}", "SPECULATE_CACHE": str(tmp_path)}
     here = Path(__file__).resolve()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here), "-k",
-                           "arithmetic or thread_count or several_types or dequantize_to"], env=env,
+                           "arithmetic or thread_count or several_types or dequantize_to or widened"], env=env,
                           cwd=here.parent.parent, capture_output=True, text=True, timeout=600)
     assert_pytest_passed(done)
     probe = subprocess.run([sys.executable, "-c", "from speculate.models import blocks; print(blocks.group())"],
@@ -343,24 +363,33 @@ def test_tiny_model_at_q4_chains_and_trees_equal_one_token_decoding(tiny_folders
     assert out.token_ids == ref.token_ids and ref.stats.exactness == "batched"
 
 
-def test_tiny_model_at_fp32_runs_through_the_kernel_exactly(tiny_folders, cache, monkeypatch):
-    """fp32 (a folder's default precision): the lean path's layers are F32 layers over the model's own weights (the
-    Hugging Face modules keep theirs, shared), all layers in one C call; a prefill, chains and a tree give one-token
-    decoding's bits, the logits are PyTorch's within float rounding, and greedy speculation equals plain decoding,
-    reported "batched". Without the kernel: PyTorch's layers, and no exactness claimed."""
-    loaded = load_model(str(tiny_folders[0]), dtype="fp32")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_tiny_model_at_fp32_and_bf16_runs_through_the_kernel_exactly(tiny_folders, cache, monkeypatch, dtype):
+    """fp32 (a folder's default precision) and bf16: the lean path's layers are float layers over the model's own
+    weights (the Hugging Face modules keep theirs, shared), all layers in one C call; a prefill, chains and a tree
+    give one-token decoding's bits, and greedy speculation equals plain decoding, reported "batched". fp32's logits
+    are PyTorch's within float rounding; bf16's are, bit for bit, fp32's on the bf16 weights widened (everything
+    else computed in fp32). Without the kernel: PyTorch's layers, and no exactness claimed."""
+    loaded = load_model(str(tiny_folders[0]), dtype=dtype)
     kv = FastKVModel(loaded)
     lean = kv.lean
     assert lean.invariant and not kv.row_by_row and lean.decoder is not None
-    assert {type(m) for layer in lean.blocks for m in (layer[1], layer[2], layer[4], layer[5])} == {blocks.F32Linear}
+    assert {type(m) for layer in lean.blocks for m in (layer[1], layer[2], layer[4], layer[5])} == {blocks.FloatLinear}
     attn = loaded.model.model.layers[0].self_attn
     assert type(attn.q_proj) is torch.nn.Linear and lean.blocks[0][1].weight.data_ptr() == attn.q_proj.weight.data_ptr()
+    assert lean.blocks[0][1].kind == {"fp32": "F32", "bf16": "BF16"}[dtype]
+    assert attn.q_proj.weight.dtype == DTYPES[dtype]
     ids = torch.tensor(random_prompt(3, 120))
     assert_chains_and_tree_equal_one_token(kv, ids)
     kv.reset(128)
-    with torch.no_grad():
-        torch_logits = loaded.model(ids[None, :90]).logits[0]
-    assert torch.allclose(kv.forward(ids[:90]), torch_logits, rtol=1e-4, atol=1e-4)
+    if dtype == "fp32":
+        with torch.no_grad():
+            reference = loaded.model(ids[None, :90]).logits[0]
+        assert torch.allclose(kv.forward(ids[:90]), reference, rtol=1e-4, atol=1e-4)
+    else:
+        widened = load_model(str(tiny_folders[0]), dtype="fp32")
+        widened.model.load_state_dict({k: v.float() for k, v in loaded.model.state_dict().items()})
+        assert torch.equal(kv.forward(ids[:90]), FastKVModel(widened).forward(ids[:90]))
     prompt = random_prompt(5, 8) * 5
     ref = SpeculativeDecoder(loaded, SpeculativeSpec("none")).generate(prompt, max_new_tokens=40)
     for drafter in (get_drafter("lookup"), get_drafter("model", loaded, loaded)):  # (itself: every draft verified)
@@ -369,7 +398,7 @@ def test_tiny_model_at_fp32_runs_through_the_kernel_exactly(tiny_folders, cache,
         assert out.token_ids == ref.token_ids and ref.stats.exactness == "batched", drafter.name
     assert out.stats.accepted_draft_tokens > 20
     monkeypatch.setenv("SPECULATE_NO_KERNEL", "1")
-    plain = SpeculativeDecoder(load_model(str(tiny_folders[0]), dtype="fp32"), SpeculativeSpec("none"))
+    plain = SpeculativeDecoder(load_model(str(tiny_folders[0]), dtype=dtype), SpeculativeSpec("none"))
     assert plain.generate(prompt, max_new_tokens=4).stats.exactness == "none"
 
 

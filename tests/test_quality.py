@@ -116,17 +116,20 @@ def check_subset(loaded, prompts, reference, close: bool):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["int8", "q4"])
+@pytest.mark.parametrize("dtype", ["int8", "q4", "bf16"])
 def test_no_precision_breaks_the_default_models_answers(fp32_subset, dtype):
-    """The default model at int8 and q4 against fp32 over 15 prompts of the shipped sets: no broken answer, the
+    """The default model at int8, q4 and bf16 against fp32 over 15 prompts of the shipped sets: no broken answer, the
     capital of France is Paris. And the check can fail: with one 8-bit activation row (int8's arithmetic before
     issue 34; q4: llama.cpp's one pass) the same prompts give the answers that issue 34 reported ("La la la" for
-    MT-Bench 81, "L'Étoile" for Paris)."""
+    MT-Bench 81, "L'Étoile" for Paris). bf16 rounds fp32's weights (as int8 does: a near-tie may turn) and computes
+    in fp32 through the kernel."""
     prompts, reference = fp32_subset
     loaded = load_model(dtype=dtype)
     got, problems = check_subset(loaded, prompts, reference, close=dtype == "q4")
     assert not problems, problems
     assert "Paris" in loaded.tokenizer.decode(got[-1])
+    if dtype == "bf16":
+        return
     quantize.set_activation_passes(loaded.model, 1)
     try:
         _, old = check_subset(loaded, prompts, reference, close=dtype == "q4")

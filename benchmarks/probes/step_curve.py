@@ -6,8 +6,8 @@
 Also the machine's read bandwidth (a 2-thread ``torch.sum`` over 1 GiB, at the threads asked for) and, per precision,
 the weights a one-row step reads ÷ T(1): how near a decode step runs to that roof (issue 41).
 
-``fp32-torch`` in --dtypes is fp32 with PyTorch's linear layers (what fp32 ran before it went through the kernel's
-F32 layers: models/fast.py, float_kernel), to compare the two in one process.
+``fp32-torch`` (``bf16-torch``) in --dtypes is fp32 (bf16) with PyTorch's linear layers (what they ran before they
+went through the kernel's float layers: models/fast.py, float_kernel), to compare the two in one process.
 
 Both precisions through the lean decoder (FastKVModel, what the engine uses), a 200-token random context
 prefilled once; each round times, for each precision (their order alternating by round) and each n, 15
@@ -33,7 +33,7 @@ from speculate.models.loader import load_model
 
 def lean(dtype: str) -> FastKVModel:
     loaded = load_model("smollm2-135m-instruct", dtype=dtype.removesuffix("-torch"), progress=False)
-    if dtype != "fp32-torch":
+    if not dtype.endswith("-torch"):
         return FastKVModel(loaded)
     with mock.patch.object(fast, "float_kernel", lambda model: False):  # its lean model, made here, keeps F.linear
         return FastKVModel(loaded)

@@ -5,9 +5,10 @@
 
 The first precision is the reference: its greedy answer to each prompt (MT-Bench first turns, GSM8K questions
 zero-shot, the copy and paraphrase prompts) through the engine's plain decoding; every other precision answers the
-same prompts and scores the reference's answer teacher-forced. Reported per dataset and precision: the mean and the
-worst prompt's NLL gap, the mean first differing position, equal answers, mean ROUGE-L against the reference's
-answer, degenerate answers (the precision's, and the reference's), and whether the conversion gate's rule holds.
+same prompts and scores the reference's answer teacher-forced (both through the engine's own forward, where the
+model has one). Reported per dataset and precision: the mean and the worst prompt's NLL gap, the mean first
+differing position, equal answers, mean ROUGE-L against the reference's answer, degenerate answers (the
+precision's, and the reference's), and whether the conversion gate's rule holds.
 Speculative decoding reproduces the target as run: this is how far each precision's target is from fp32's.
 """
 
@@ -22,6 +23,7 @@ from ..engine import SpeculativeDecoder
 from ..spec import SpeculativeSpec
 from ..models import DEFAULT_MODEL, DTYPES, load_model
 from ..models import quality
+from ..models.fast import FastKVModel, supports
 from . import emit, machine_header, script
 from .datasets import load_dataset
 from .metrics import rouge_l
@@ -67,7 +69,9 @@ def run(model: str, dtypes: list[str], items, tokens: int) -> dict:
         weights[dtype] = loaded.weights
         ids, got = answers(loaded, items, tokens)
         targets = [r.ids for r in reference] if reference else got  # every precision scores the reference's answers
-        scored = [quality.Answer(a, quality.mean_answer_nll(loaded.model, p, t)) for p, a, t in zip(ids, got, targets)]
+        # (scored by the engine's own forward where it has one: the arithmetic it serves)
+        scorer = FastKVModel(loaded) if supports(loaded.model) else loaded.model
+        scored = [quality.Answer(a, quality.mean_answer_nll(scorer, p, t)) for p, a, t in zip(ids, got, targets)]
         if i == 0:
             reference = scored
         else:

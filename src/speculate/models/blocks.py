@@ -18,8 +18,9 @@ and finds the row order — the llama converter permutes q and k rows); for any 
 weights quantized with llama.cpp's rules (Q4_1 per 32 weights: d = (max - min) / 15, m = min; the LM head Q8_0).
 The blocks are cached once (atomic, checksummed) like the int8 tensors.
 
-The same kernel also runs dtype fp32's layers (:class:`F32Linear`: the model's own float weights, nothing quantized,
-each output's sums in one fixed order), for the same reason: rows that do not depend on each other.
+The same kernel also runs dtype fp32's and bf16's layers (:class:`FloatLinear`: the model's own float weights,
+nothing quantized, each output's sums in one fixed order), for the same reason: rows that do not depend on each
+other.
 """
 
 from __future__ import annotations
@@ -319,40 +320,49 @@ class BlockLinear(QuantizedLinear):
                f"bias={self.bias is not None}"
 
 
-class F32Linear(BlockLinear):
-    """dtype fp32's layers as the lean path runs them (models/fast.py): ``y = x Wᵀ + b`` through the kernel's F32
-    path over the model's own weights W [out, in] (held, not copied: the Hugging Face modules keep them). Per (row,
-    output), 16 fused multiply-add chains in a fixed order, folded in a fixed tree (kernels/blocks.c, "Float
-    weights"): a row's result does not depend on the other rows of the call or the thread count, by construction.
+class FloatLinear(BlockLinear):
+    """dtype fp32's and bf16's layers as the lean path runs them (models/fast.py): ``y = x Wᵀ + b`` through the
+    kernel's float path over the model's own weights W [out, in], fp32 or bfloat16 (held, not copied: the Hugging
+    Face modules keep them). Per (row, output), 16 fused multiply-add chains in fp32 in a fixed order, folded in a
+    fixed tree (kernels/blocks.c, "Float weights"); a bf16 weight is widened to the float of the same value as it is
+    read, so a bf16 layer computes exactly what an fp32 layer computes on its weights widened. A row's result does
+    not depend on the other rows of the call or the thread count, by construction.
     Why: PyTorch's matmul hands the rows to a BLAS that picks its kernel, and its order of sums, by the shape, so a
     row verified beside others could round differently from the same row decoded alone; and this path reads the
-    weights faster at a decode step (docs/benchmarks.md, "fp32 through the kernel")."""
+    weights faster at a decode step (docs/benchmarks.md, "fp32 through the kernel", "bf16 through the kernel")."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         QuantizedLinear.__init__(self)
         if not float_layer_runs(weight):
-            raise SpeculateError(f"an F32 layer needs fp32 weights with inputs a multiple of 16; got "
+            raise SpeculateError(f"a float layer needs fp32 or bf16 weights with inputs a multiple of 16; got "
                                  f"{weight.dtype} {tuple(weight.shape)}")
         self._fn = require_kernel()
         self.out_features, self.in_features = weight.shape
         self.weight = weight.detach().contiguous()  # (contiguous already where the lean path fused the layer)
-        self.kind = "F32"
+        self.kind = FLOAT_LAYOUTS[weight.dtype][0]
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-        self._hot = ([(LAYOUT_F32, self.weight, 0, self.out_features)], self.bias)
+        self._hot = ([(FLOAT_LAYOUTS[weight.dtype][1], self.weight, 0, self.out_features)], self.bias)
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        raise AttributeError("a float layer holds no GGUF blocks (its weights: .weight)")
 
     def dequantized_weight(self) -> torch.Tensor:
-        return self.weight
+        return self.weight.float()
 
     def weight_bytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
 
 
-LAYOUT_F32 = 0  # the kernel's type number for row-major float weights (ggml's F32)
+# The kernel's type numbers for row-major float weights (ggml's F32 and BF16), by dtype.
+FLOAT_LAYOUTS = {torch.float32: ("F32", 0), torch.bfloat16: ("BF16", 30)}
 
 
 def float_layer_runs(weight: torch.Tensor) -> bool:
-    """Whether :class:`F32Linear` runs ``weight``: fp32, [out, in] with in a multiple of 16, the kernel built here."""
-    return weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[1] % 16 == 0 and available()
+    """Whether :class:`FloatLinear` runs ``weight``: fp32 or bf16, [out, in] with in a multiple of 16, the kernel
+    built here."""
+    return (weight.dtype in FLOAT_LAYOUTS and weight.dim() == 2 and weight.shape[1] % 16 == 0
+            and available())
 
 
 # ---------------------------------------------------------------------------------------------------

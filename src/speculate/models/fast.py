@@ -9,12 +9,13 @@ preallocated buffer: a forward writes its new keys/values at their positions and
 moving a length back. The Hugging Face modules are re-pointed at views of the fused weights, so both
 paths share one copy and the HF model stays usable (it is the reference in the tests).
 
-The linear layers are callables: for fp32, the compiled kernel's F32 layers over the fused weights (blocks.F32Linear:
-each row's sums in a fixed order; ``F.linear`` where the kernel does not build), or, for a model loaded with
-``dtype="int8"`` or ``"q4"``, the fused layers that models/quantize.py or models/blocks.py built (the HF modules
-are then views of those). These models also use an attention whose every sum runs in a fixed order over a row's own
-keys (the compiled kernel of models/kernel.py, or integer sums in models/exact_attention.py), so that a row's logits
-are the same bits whether it is verified with others or decoded alone; models/exactness.py checks it at load.
+The linear layers are callables: for fp32 and bf16, the compiled kernel's float layers over the fused weights
+(blocks.FloatLinear: each row's sums in fp32 in a fixed order; ``F.linear`` where the kernel does not build), or,
+for a model loaded with ``dtype="int8"`` or ``"q4"``, the fused layers that models/quantize.py or models/blocks.py
+built (the HF modules are then views of those). These models also use an attention whose every sum runs in a
+fixed order over a row's own keys (the compiled kernel of models/kernel.py, or integer sums in
+models/exact_attention.py), so that a row's logits are the same bits whether it is verified with others or decoded
+alone; models/exactness.py checks it at load.
 
 :class:`LeanModel` is the model as computed here (fused layers, kernels, the exactness check's outcome), made once per
 loaded model and shared by every generation; :class:`FastKVModel` is one generation's cache over it, with the
@@ -35,29 +36,12 @@ from torch import nn
 
 from ..tree_shape import depths_and_ancestors
 from . import exact_attention, exactness, kernel
-from .blocks import BlockLinear, F32Linear, float_layer_runs
-from .blocks import available as blocks_available
+from .blocks import BlockLinear, FloatLinear
 from .paged import BLOCK, CopiedBlock, PagedCache, pool_for
 from .forward import Rows
 from .loader import LoadedModel
 from .quantize import LinearPart, QuantizedLinear, is_quantized
-
-SUPPORTED = {"llama", "qwen2", "mistral"}
-
-
-def supports(model: nn.Module) -> bool:
-    cfg = model.config
-    if cfg.model_type not in SUPPORTED:
-        return False
-    if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "mlp_bias", False):
-        return False
-    if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
-        return False
-    layer = model.model.layers[0]
-    # Plain nn.Linear layers, or the quantized layers of models/quantize.py and blocks.py (fused, as they build them).
-    mods = (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj, model.lm_head)
-    return all(type(m) is nn.Linear or is_quantized(m) for m in mods)
-
+from .support import SUPPORTED, float_kernel, supports  # noqa: F401 (supports, SUPPORTED: this module's API too)
 
 def _fuse(modules: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
     """One callable computing the concatenated outputs of ``modules`` with one matmul.
@@ -140,20 +124,9 @@ def cache_layout(model: nn.Module, exact: bool | None = None) -> tuple[bool, obj
     invariant = any(is_quantized(m) for m in model.modules()) or float_kernel(model) if exact is None else exact
     kern = kernel.load() if invariant or (exact is None and dtype == torch.float32) else None
     attention = "kernel" if kern else "integer" if invariant else "fused"
-    return invariant, kern, attention, torch.float64 if attention == "integer" else dtype
-
-
-def float_kernel(model: nn.Module) -> bool:
-    """Whether the lean path runs ``model``'s linear layers through the kernel's F32 path (:class:`F32Linear`: the
-    fp32 weights themselves, each row's sums in a fixed order): plain fp32 layers with inputs a multiple of 16, and
-    the kernel built here (not with SPECULATE_NO_KERNEL)."""
-    if not blocks_available():
-        return False
-    mods = [model.lm_head]
-    for layer in model.model.layers:
-        a, mlp = layer.self_attn, layer.mlp
-        mods += [a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    return all(type(m) is nn.Linear and float_layer_runs(m.weight) for m in mods)
+    # (the kernel's caches are fp32, whatever the weights: a bf16 model through the kernel computes in fp32)
+    cache = torch.float64 if attention == "integer" else torch.float32 if attention == "kernel" else dtype
+    return invariant, kern, attention, cache
 
 
 class LeanModel:
@@ -179,32 +152,37 @@ class LeanModel:
         self.head_dim = attn0.head_dim
         self.scaling = attn0.scaling
         self.hidden_size = cfg.hidden_size
-        # fp32 through the kernel (F32Linear over the fused weights, no copy) where it builds, unless PyTorch's
-        # attention is asked for (exact=False: the comparisons of benchmarks/probes/attention_cost.py).
-        f32 = exact is not False and float_kernel(model)
-        self.layers, f32_layers = [], []
+        # fp32 and bf16 through the kernel (FloatLinear over the fused weights, no copy) where it builds, unless
+        # PyTorch's attention is asked for (exact=False: the comparisons of benchmarks/probes/attention_cost.py).
+        # A bf16 model then computes in fp32 from its bf16 weights (each widened exactly): activations, norms,
+        # rotary and caches in fp32, as fp32's.
+        floats = exact is not False and float_kernel(model)
+        if floats:
+            self.final_norm = self.final_norm.float()
+        self.layers, float_layers = [], []
         for layer in inner.layers:
             a, mlp = layer.self_attn, layer.mlp
-            if f32:
-                qkv, o, gate_up, down = (F32Linear(*_fused(ms)) for ms in (
+            if floats:
+                qkv, o, gate_up, down = (FloatLinear(*_fused(ms)) for ms in (
                     [a.q_proj, a.k_proj, a.v_proj], [a.o_proj], [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]))
-                f32_layers.append((qkv, o, gate_up, down))
-                self.layers.append((layer.input_layernorm.weight, qkv.matmul_2d, o.add_matmul_2d,
-                                    layer.post_attention_layernorm.weight, gate_up.matmul_2d, down.add_matmul_2d))
+                float_layers.append((qkv, o, gate_up, down))
+                self.layers.append((layer.input_layernorm.weight.float(), qkv.matmul_2d, o.add_matmul_2d,
+                                    layer.post_attention_layernorm.weight.float(), gate_up.matmul_2d,
+                                    down.add_matmul_2d))
                 continue
             # Callables: F.linear on fused fp32 weights, or the fused quantized layers (models/quantize.py, blocks.py).
             # o_proj and down_proj also add their input's residual (one op).
             self.layers.append((layer.input_layernorm.weight, _fuse([a.q_proj, a.k_proj, a.v_proj]),
                                 _residual(a.o_proj), layer.post_attention_layernorm.weight,
                                 _fuse([mlp.gate_proj, mlp.up_proj]), _residual(mlp.down_proj)))
-        # (a tied LM head is the embedding's own tensor: F32Linear reads it in place)
-        self.lm_head = F32Linear(*_fused([model.lm_head])).matmul_2d if f32 else _fuse([model.lm_head])
+        # (a tied LM head is the embedding's own tensor: FloatLinear reads it in place)
+        self.lm_head = FloatLinear(*_fused([model.lm_head])).matmul_2d if floats else _fuse([model.lm_head])
         self.vocab_size = model.lm_head.out_features
-        self.dtype = self.embed.dtype
-        # int8, q4 and fp32 through the kernel: an attention whose rows do not depend on the other rows of a forward,
-        # so that a row's logits are the same bits verified with others or decoded alone: the compiled kernel
-        # (models/kernel.py, exact fp32 arithmetic in a fixed order), else integer sums in PyTorch ops
-        # (models/exact_attention.py). bf16 (and any model without a C compiler): PyTorch's fused attention. fp32 with
+        self.dtype = torch.float32 if floats else self.embed.dtype  # (what the layers compute in)
+        # int8, q4, and fp32 and bf16 through the kernel: an attention whose rows do not depend on the other rows of
+        # a forward, so that a row's logits are the same bits verified with others or decoded alone: the compiled
+        # kernel (models/kernel.py, exact fp32 arithmetic in a fixed order), else integer sums in PyTorch ops
+        # (models/exact_attention.py). bf16 without a C compiler (or any model): PyTorch's fused attention. fp32 with
         # PyTorch's matmuls (exact=False) uses the kernel too where it builds, not for exactness (those matmuls are
         # not row-independent) but because it takes every generation of a batched forward in one call a layer.
         self.invariant, self.kernel, self.attention, self.cache_dtype = cache_layout(model, exact)
@@ -216,7 +194,7 @@ class LeanModel:
         # _block_layers).
         self.blocks = None
         if self.attention == "kernel" and kernel.load_rope():
-            wholes = f32_layers or [[_whole(m) for m in (a.q_proj, a.o_proj, mlp.gate_proj, mlp.down_proj)]
+            wholes = float_layers or [[_whole(m) for m in (a.q_proj, a.o_proj, mlp.gate_proj, mlp.down_proj)]
                                     for a, mlp in ((layer.self_attn, layer.mlp) for layer in inner.layers)]
             if all(isinstance(w, BlockLinear) for ws in wholes for w in ws):
                 self.blocks = [(layer.input_layernorm.weight.float().contiguous(), qkv, o,
@@ -279,7 +257,7 @@ class LeanModel:
         taps = self.taps_of(segments)
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         n = tokens.shape[0]
-        x = F.embedding(tokens, self.embed)  # [n, hidden]
+        x = F.embedding(tokens, self.embed).to(self.dtype)  # [n, hidden]
         cos, sin = self.rotary(x, positions[None])
         if self.attention == "kernel":  # rotary, cache writes and attention of every segment: one call a layer
             cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [n, hd]
@@ -327,7 +305,7 @@ class LeanModel:
         same calls in C."""
         tokens, positions = _concat(segments)
         eps, nh = self.eps, self.n_heads
-        x = F.embedding(tokens, self.embed)  # [n, hidden]
+        x = F.embedding(tokens, self.embed).to(self.dtype)  # [n, hidden] (a bf16 model's rows widened: exact)
         cos, sin = self.rotary(x, positions[None])
         cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [n, hd]
         taps = self.taps_of(segments)

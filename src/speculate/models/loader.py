@@ -50,6 +50,13 @@ def resolve_dtype(name_or_path: str, dtype: str) -> str:
     return "q4" if blocks.available() else "fp32"
 
 
+def _float_kernel(model: torch.nn.Module | None) -> bool:
+    """Whether the lean path runs ``model``'s layers through the kernel (models/support.py)."""
+    from . import support
+
+    return model is not None and support.supports(model) and support.float_kernel(model)
+
+
 class SlowPrecisionWarning(SpeculateWarning):
     """A precision that this CPU runs far slower than fp32 (see :func:`bf16_slow_reason`)."""
 
@@ -66,10 +73,11 @@ class ReducedPrecisionWarning(SpeculateWarning):
     """int8 on a CPU whose int8 kernel needs 7-bit activations to stay exact (quantize.activation_levels)."""
 
 
-def warn_if_slow(dtype: str) -> None:
-    """One warning line when ``dtype`` is bf16 and this CPU has no fast bf16 matmul (SlowPrecisionWarning), or
-    int8 and its int8 kernel has no VNNI (ReducedPrecisionWarning)."""
-    if dtype == "bf16" and (reason := bf16_slow_reason()):
+def warn_if_slow(dtype: str, model: torch.nn.Module | None = None) -> None:
+    """One warning line when ``dtype`` is bf16, ``model`` runs on PyTorch's bf16 matmuls (not through the kernel's
+    float layers: no C compiler, or not a Llama-family model) and this CPU has no fast bf16 matmul
+    (SlowPrecisionWarning), or int8 and its int8 kernel has no VNNI (ReducedPrecisionWarning)."""
+    if dtype == "bf16" and not _float_kernel(model) and (reason := bf16_slow_reason()):
         warnings.warn(reason, SlowPrecisionWarning, stacklevel=3)
     if dtype == "int8":
         from . import quantize
@@ -127,7 +135,6 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = AUTO, progress: b
     if dtype not in CHOICES:
         raise SpeculateError(f"unknown dtype '{dtype}'; choose one of: {', '.join(CHOICES)}")
     dtype = resolve_dtype(name_or_path, dtype)
-    warn_if_slow(dtype)
     sweep(cache_root())  # what killed builds left (a first conversion's ~0.5 GB): the cache holds only what it lists
     check_model_name(name_or_path)
     if name_or_path in ALIASES:
@@ -137,6 +144,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = AUTO, progress: b
         _check_own_manifest(folder, name_or_path)
     loaded = _load_folder(folder, name_or_path, DTYPES[dtype])
     loaded.dtype = dtype
+    warn_if_slow(dtype, loaded.model)  # (bf16: by where its layers run)
     if dtype in QUANTIZED:
         _to_quantized(loaded, name_or_path, dtype)
     return loaded

@@ -72,9 +72,16 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 @torch.inference_mode()
 def answer_nll(model, prompt_ids: list[int], answer_ids: list[int]) -> torch.Tensor:
-    """NLL (nats) of each answer token given the prompt and the answer before it, teacher-forced in one forward."""
+    """NLL (nats) of each answer token given the prompt and the answer before it, teacher-forced in one forward.
+    ``model``: a Hugging Face model (its own forward), or a lean cache (models/fast.py FastKVModel: the engine's own
+    arithmetic, what it serves; bf16's differs from Hugging Face's, which computes in bf16), reset here."""
     ids = torch.tensor([list(prompt_ids) + list(answer_ids)])
-    logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1: -1].float()
+    if isinstance(model, torch.nn.Module):
+        logits = model(input_ids=ids).logits[0]
+    else:
+        model.reset(ids.shape[1])
+        logits = model.forward(ids[0])
+    logits = logits[len(prompt_ids) - 1: -1].float()
     return torch.nn.functional.cross_entropy(logits, torch.tensor(answer_ids), reduction="none")
 
 

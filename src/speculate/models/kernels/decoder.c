@@ -16,7 +16,7 @@ int speculate_attention_many(const float *qkv, const float *cos, const float *si
                              int threads);
 
 #define PARTS 4
-typedef struct { /* a BlockLinear (or F32Linear): parts of one type each, side by side in the output columns */
+typedef struct { /* a BlockLinear (or FloatLinear): parts of one type each, side by side in the output columns */
     int parts;
     int types[PARTS];
     const uint8_t *packed[PARTS];
