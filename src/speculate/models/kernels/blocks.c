@@ -586,8 +586,8 @@ float_body(const void *restrict w, const float *restrict x, int64_t k, const int
             float s[16] = {0.f};
             for (int64_t j = 0; j < k; j += 16)
                 for (int l = 0; l < 16; l++) s[l] = fmaf(wf(w, o * k + j + l, half), x[r * k + j + l], s[l]);
-            for (int half = 8; half >= 1; half /= 2)
-                for (int l = 0; l < half; l++) s[l] = s[l] + s[l + half];
+            for (int step = 8; step >= 1; step /= 2) /* (the fold: + 8, + 4, + 2, + 1) */
+                for (int l = 0; l < step; l++) s[l] = s[l] + s[l + step];
             out[r * FO + o] = s[0];
         }
     }
