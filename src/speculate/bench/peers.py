@@ -300,7 +300,9 @@ def run(servers: dict[str, str], model: str = DEFAULT_MODEL, clients: list[int] 
         server = Server(argv, port, threads, ready_timeout, logs / f"{name}.log" if logs else None)
         ready_seconds = time.perf_counter() - t_start
         try:
-            with httpx.Client() as http:
+            # A connection per request: a server that closes an idle keep-alive connection as the client reuses it
+            # (llama-server's did, once, under one client) would fail a request that no server had seen.
+            with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as http:
                 with ThreadPoolExecutor(2) as pool:  # warm-up, not timed: first requests, a batch of two
                     list(pool.map(lambda p: _request(http, server.url, model, p, 8), texts[:2]))
                 for n in clients:
