@@ -799,7 +799,8 @@ def test_batched_requests_answer_exactly_what_each_gets_alone(tiny_folders, monk
         return real(self, logits)
 
     monkeypatch.setattr(Run, "take", take)
-    s = BackgroundServer(create_app(config, target, draft))
+    app = create_app(config, target, draft)
+    s = BackgroundServer(app)
     prompts = [(f"{w} " * 6).strip() + f" {i}" for i, w in enumerate(["alpha", "beta", "gamma", "delta", "eps"])]
     failing = list(range(3, 40))  # token ids, known by its first four
     specs = [("lookup", prompts[0], 40), ("none", prompts[1], 25), ("lookup", prompts[2], 33), ("none", prompts[3], 30)]
@@ -832,6 +833,9 @@ def test_batched_requests_answer_exactly_what_each_gets_alone(tiny_folders, monk
     finally:
         s.stop()
     monkeypatch.undo()
+    # The planner's gate (speculate/policy/gate.py) timed rounds both ways: drafted as planned, and plain.
+    arms = app.state.scheduler.plan.gate.arms
+    assert any(both[True].rounds and both[False].rounds for both in arms.values())
     assert left == [4]
     assert results[5].status_code == 500 and "boom mid-batch" in results[5].json()["error"]["message"]
     for i, (drafter, prompt, n) in [*enumerate(specs), (6, ("lookup", prompts[0] + " again", 20))]:

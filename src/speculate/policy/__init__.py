@@ -6,6 +6,7 @@
 - :mod:`.scaling`  Consultant Decoding's eq. 9 (Chinchilla) estimate of ε
 - :mod:`.auto`  ``--k auto`` (k each round from the cost curve and the running α) and ``--eps auto``
 - :mod:`.batch`  k by batch size: each round's draft lengths for a batch's throughput
+- :mod:`.gate`  the measured gate over that plan: rounds drafted against rounds plain, the faster one run
 - :mod:`.draft_length`  k's parsing and its fixed policy
 
 ``recommend_k(load_profile(path), alpha, c)`` picks k from a saved profile, with c = 0 for prompt lookup or

@@ -18,6 +18,10 @@ request named, a draft model's, or a seeded sampling request's (its draws follow
 
 T(n) is measured once per model, precision and thread count (auto.py, ``profile_for(batch=True)``: n = 1, 2, 4,
 ..., 256, interpolated between), αᵢ is each generation's running estimate (``AutoK.alpha``).
+
+The plan is a prediction, so a measured gate (gate.py) has the last word: per batch size and drafter it times rounds
+run as planned against rounds run plain, and runs plain where drafting measures slower. A batch of one is gated
+too: its plan is its own policy's k.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import bisect
 
 from .auto import AutoK, FixedK, profile_for
+from .gate import DraftGate, bucket
 from .speedup import expected_tokens
 
 
@@ -74,13 +79,16 @@ def plan(alphas: list[float | None], fixed: list[int | None], k_max: list[int], 
 
 
 class BatchPlanner:
-    """``planner(runs) -> ks | None``: the scheduler's (server/scheduler.py) per-round choice. None (each run's own
-    policy) for a batch of one, or where no run's k may be planned (``auto``, or a cap: module docstring); the batch
-    cost curve is measured at the first batch that needs it (the server measures it at start)."""
+    """``planner(runs) -> ks | None``: the scheduler's (server/scheduler.py) per-round choice, and
+    ``planner.observe(runs, seconds)`` after the round, for the gate. None (each run's own policy) where no run's k may
+    be planned (``auto``, or a cap: module docstring); for a batch of one, its own policy's k, gated. The batch cost
+    curve is measured at the first batch that needs it (the server measures it at start)."""
 
-    def __init__(self, target):
+    def __init__(self, target, gate: DraftGate | None = None):
         self.target = target
+        self.gate = gate or DraftGate()
         self._curve = None
+        self._pending = None  # (gate key, drafted, tokens before) of the round planned last; None: not to record
 
     def curve(self) -> dict[int, float]:
         if self._curve is None:
@@ -88,9 +96,30 @@ class BatchPlanner:
         return self._curve
 
     def __call__(self, runs) -> list[int] | None:
+        self._pending = None
         auto = [not run.prefilling and (isinstance(run.policy, AutoK) or _capped(run)) for run in runs]
-        if len(runs) < 2 or not any(auto):
+        if not any(auto):
             return None
+        ks = [run.draft_length() for run in runs] if len(runs) == 1 else self._plan(runs, auto)
+        # The gate: drafted as planned, or plain where drafting measures slower (gate.py). Only the plannable runs'
+        # drafts count and are withheld; a named k is kept either way.
+        key = (bucket(sum(not run.prefilling for run in runs)),
+               tuple(sorted({run.drafter.name for run, a in zip(runs, auto) if a})))
+        drafted = any(k for k, a in zip(ks, auto) if a)
+        if drafted and not self.gate.draft(key):
+            ks, drafted = [0 if a else k for k, a in zip(ks, auto)], False
+        if not any(run.prefilling for run in runs):  # (a prefill chunk's time is not a decoding round's)
+            self._pending = key, drafted, sum(run.produced for run in runs)
+        return ks
+
+    def observe(self, runs, seconds: float) -> None:
+        """The round just planned took ``seconds``: the tokens ``runs`` gave in it, to the gate."""
+        if self._pending is not None:
+            key, drafted, before = self._pending
+            self.gate.record(key, drafted, sum(run.produced for run in runs) - before, seconds)
+            self._pending = None
+
+    def _plan(self, runs, auto) -> list[int | None]:
         # Fixed-k runs count with their own α so far (the prior's 0.6 before any); a prefill chunk yields no token,
         # its rows are a fixed "draft" of rows - 1.
         alphas = [None if run.prefilling else _alpha(run) for run in runs]

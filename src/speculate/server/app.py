@@ -56,7 +56,9 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
     scheduler.on_round = metrics.record_round
     scheduler.on_admit = metrics.queue_time.observe
     scheduler.on_preempt = metrics.preemptions.inc
-    scheduler.plan = BatchPlanner(target)  # --k auto: each round's draft lengths (speculate/policy/batch.py)
+    # --k auto and the server's k as a cap: each round's draft lengths, gated by measurement (speculate/policy/batch.py)
+    scheduler.plan = planner = BatchPlanner(target)
+    scheduler.observe = planner.observe
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

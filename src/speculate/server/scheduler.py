@@ -160,8 +160,9 @@ class _Running:
 class Scheduler:
     """``max_batch``: generations that share a forward; ``max_queue``: admitted requests waiting for a place.
     ``plan(runs) -> ks | None``: each run's draft length this round (k by batch size, speculate/policy/batch.py; None:
-    each run's own policy). ``on_change(running, queued)``, ``on_round(generations, rows, seconds)`` and
-    ``on_admit(seconds queued)`` feed the metrics."""
+    each run's own policy), and ``observe(runs, seconds)`` what the round it planned took (the planner's gate, which
+    withholds drafts where they measure slower). ``on_change(running, queued)``, ``on_round(generations, rows,
+    seconds)`` and ``on_admit(seconds queued)`` feed the metrics."""
 
     def __init__(self, max_batch: int, max_queue: int, on_change: Callable[[int, int], None] | None = None,
                  plan: Callable[[list[Run]], list[int] | None] | None = None, prefill_chunk: int = 128,
@@ -186,6 +187,7 @@ class Scheduler:
         self.on_preempt: Callable[[], None] = lambda: None
         self.preempted = 0  # generations preempted so far
         self.plan = plan or (lambda runs: None)
+        self.observe: Callable[[list[Run], float], None] = lambda runs, seconds: None
         self._inbox: queue.Queue = queue.Queue()  # jobs, calls, None (stop)
         self._waiting: deque[Job] = deque()
         self._running: list[_Running] = []
@@ -433,6 +435,7 @@ class Scheduler:
         t0 = time.perf_counter()
         pieces = step(runs, self.plan(runs))
         now = time.perf_counter()
+        self.observe(runs, now - t0)
         self.on_round(len(runs), sum(r.rows_last for r in runs), now - t0)
         for r, out in zip(running, pieces):
             prompt_scored = r.run.prompt_logprobs
