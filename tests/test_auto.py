@@ -198,3 +198,21 @@ def test_best_k_prices_a_tree_by_its_nodes():
     k, s = best_k(STEP, 0.9, 0.1, rows=lambda k: nodes.get(k, 99) + 1)
     assert k == 1 and s == pytest.approx(expected_tokens(0.9, 1) / (STEP[3] + 0.1))
     assert best_k(STEP, 0.99, 0.0, rows=lambda k: 2 * k + 1)[0] <= 4  # rows 2k + 1 <= 9
+
+
+def test_the_batch_cost_curve_is_measured_once_and_then_read_back(tiny, cache, capsys, monkeypatch):
+    """The batch curve (n = 1, 2, 4, ..., sampled) is cached like the others and read back at the next start, not
+    measured again: a server measured it at every start, and its planner once more in its first batch."""
+    from speculate.policy import profile
+
+    first = profile_for(tiny[0], batch=True)
+    assert "measuring" in capsys.readouterr().err
+    assert sorted(first.target_seconds)[:4] == [1, 2, 4, 8]
+    monkeypatch.setattr(auto, "measure_profile", lambda *a, **k: pytest.fail("measured again"))
+    again = profile_for(tiny[0], batch=True)
+    assert again.target_seconds == first.target_seconds and "measuring" not in capsys.readouterr().err
+    # A sampled curve still needs T(1); a gapless one is still required where no sampling is declared.
+    with pytest.raises(SpeculateError, match="n = 1"):
+        profile.Profile.from_dict({**first.to_dict(), "target_seconds": {"2": 0.1, "4": 0.2}}, sampled=True)
+    with pytest.raises(SpeculateError, match="without gaps"):
+        profile.Profile.from_dict(first.to_dict())

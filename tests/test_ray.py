@@ -26,7 +26,7 @@ serve = pytest.importorskip("ray.serve")
 
 from speculate.server.ray_serve import (  # noqa: E402
     APP_NAME, BLOCK_CHARS, HTTPCall, RayOptions, build, prefix_keys, prompt_text, start_ray)
-from speculate.server.background import BackgroundServer  # noqa: E402
+from speculate.server.background import BackgroundServer, free_port  # noqa: E402
 from speculate.server.config import ServerConfig  # noqa: E402
 from speculate.server.main import build_app  # noqa: E402
 from speculate.spec import SpeculativeSpec  # noqa: E402
@@ -35,12 +35,6 @@ KEY = "sk-ray-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SYSTEMS = [f"You are assistant number {i}. " + " ".join(f"rule {i}.{j}: answer in plain words." for j in range(24))
            for i in range(4)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _chat(model: str, system: str, question: str, max_tokens: int = 8, **extra) -> dict:
@@ -184,7 +178,7 @@ def test_bench_sharded_over_ray_reproduces_the_single_process_run(tmp_path, tiny
 @pytest.fixture(scope="module")
 def ray_url():
     start_ray(RayOptions(replicas=2))
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()

@@ -32,7 +32,6 @@ import argparse
 import os
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from pathlib import Path
 
 from ..errors import SpeculateError
 from ..models import DEFAULT_MODEL
+from ..server.background import free_port, wait_healthy
 from . import emit, machine_header, script
 from .client import chat, percentile
 
@@ -129,12 +129,6 @@ def command(template: str, values: dict, port: int) -> list[str]:
                              f"{', '.join(sorted([*values, 'port']))}") from None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def descendants(pid: int) -> list[int]:
     """``pid`` and every process below it (from /proc: vLLM runs its engine and worker as children)."""
     children: dict[int, list[int]] = {}
@@ -195,8 +189,6 @@ class Server:
     """One server process on a free loopback port, in its own process group; ready once ``/health`` answers 200."""
 
     def __init__(self, argv: list[str], port: int, threads: int, ready_timeout: float, log: Path | None = None):
-        import httpx
-
         self.url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         out = open(log, "ab") if log else subprocess.DEVNULL
@@ -208,20 +200,14 @@ class Server:
             if log:
                 out.close()
         self.memory = MemoryPeak(self.proc.pid)
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise SpeculateError(f"{shlex.join(argv[:3])} ... exited with code {self.proc.returncode} before it "
-                                     f"was ready" + (f" (its output: {log})" if log else ""))
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise SpeculateError(f"{argv[0]} was not ready after {ready_timeout:.0f} s")
-            time.sleep(0.2)
+        if wait_healthy(self.url, ready_timeout, lambda: self.proc.poll() is None, interval=0.2):
+            return
+        exited = self.proc.poll()
+        self.stop()  # (its memory sampling too)
+        if exited is not None:
+            raise SpeculateError(f"{shlex.join(argv[:3])} ... exited with code {exited} before it "
+                                 f"was ready" + (f" (its output: {log})" if log else ""))
+        raise SpeculateError(f"{argv[0]} was not ready after {ready_timeout:.0f} s")
 
     def stop(self) -> int:
         """Stop the process group (SIGTERM, then SIGKILL after 30 s); its peak memory (:class:`MemoryPeak`), bytes."""
@@ -293,7 +279,7 @@ def run(servers: dict[str, str], model: str = DEFAULT_MODEL, clients: list[int] 
     texts = prompt_texts(prompts, max([requests, *clients]))
     starts, own, rows = [], {}, []
     for r, name in order(list(servers), rounds):
-        port = _free_port()
+        port = free_port()
         argv = command(servers[name], values, port)
         print(f"round {r + 1}, {name}: {shlex.join(argv)}", file=sys.stderr, flush=True)
         t_start = time.perf_counter()

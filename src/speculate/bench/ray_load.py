@@ -78,28 +78,12 @@ def _ttft(answers: list[dict]) -> dict:
 
 
 def _wait_healthy(url: str, proc=None, seconds: float = 300) -> None:
-    import httpx
+    from ..server.background import wait_healthy
 
-    deadline = time.monotonic() + seconds
-    while True:
+    if not wait_healthy(url, seconds, lambda: proc is None or proc.poll() is None, interval=0.5):
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"the server at {url} exited: {proc.stdout.read()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not become healthy")
-        time.sleep(0.5)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        raise RuntimeError(f"{url} did not become healthy")
 
 
 def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters: list[str], replicas: int,
@@ -113,7 +97,7 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
 
     max_batch = max([*clients, 8])  # (part 2 runs 8 clients)
     config = ServerConfig(model=model, max_batch=max_batch, max_queue=2 * max_batch)
-    plain_port = _free_port()
+    plain_port = free_port()
     plain = subprocess.Popen([sys.executable, "-m", "speculate", "serve", "--model", model, "--port", str(plain_port),
                               "--max-batch", str(max_batch), "--max-queue", str(2 * max_batch), "--log-level",
                               "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -121,7 +105,7 @@ def run(model: str, clients: list[int], requests: int, max_tokens: int, drafters
     _wait_healthy(f"http://127.0.0.1:{plain_port}", plain)  # (before Ray's processes take ports of their own)
     options = RayOptions(replicas=replicas, replica_threads=replica_threads)
     start_ray(options)
-    ray_port = _free_port()
+    ray_port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": ray_port})
     urls = {"plain": f"http://127.0.0.1:{plain_port}", "ray": f"http://127.0.0.1:{ray_port}"}
 

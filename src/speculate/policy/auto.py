@@ -86,7 +86,7 @@ def profile_for(target, draft=None, progress: bool = True, batch: bool = False) 
         path = path.with_name(path.stem + "-batch.json")
     if path.is_file():
         try:
-            prof = load_profile(path)
+            prof = load_profile(path, sampled=batch)  # (the batch curve is sampled at powers of two)
             if draft is None or prof.draft_prefill_seconds is not None:
                 return prof
         except SpeculateError:

@@ -140,6 +140,7 @@ def _capped(run) -> bool:
     """Whether ``run``'s fixed k is a cap the planner may lower (module docstring). Not for a seeded sampling run: its
     draws follow its drafts, and a seeded request must give the same sample in any batch as alone."""
     return (isinstance(run.policy, FixedK) and run.k_is_cap and run.policy.k_max > 0
+            and run.most_nodes > 0  # (not a drafter that never drafts: ``none``, plain decoding)
             and run.draft_cost is not None
             and (run.sampling.greedy or run.sampling.seed is None))
 

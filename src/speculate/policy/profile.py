@@ -79,9 +79,10 @@ class Profile:
         }
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "profile") -> Profile:
+    def from_dict(cls, d: dict, source: str = "profile", sampled: bool = False) -> Profile:
         """Inverse of :meth:`to_dict`; ``target_seconds`` is the source of truth (``curve`` and ``c`` are
-        derived). Raises SpeculateError on anything malformed."""
+        derived). ``sampled``: a curve measured at some n, interpolated between (the batch curve: n = 1, 2, 4, ...);
+        otherwise every n from 1 up. Raises SpeculateError on anything malformed."""
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise SpeculateError(f"{source}: not a speculate profile (no \"format\": \"{FORMAT}\")")
         if d.get("version") != VERSION:
@@ -94,7 +95,9 @@ class Profile:
         except (TypeError, ValueError):
             raise SpeculateError(f"{source}: \"target_seconds\" must map integers to seconds") from None
         n_max = max(seconds, default=0)
-        if n_max < 2 or sorted(seconds) != list(range(1, n_max + 1)):
+        if sampled and (n_max < 2 or 1 not in seconds or min(seconds) < 1):
+            raise SpeculateError(f"{source}: \"target_seconds\" must hold n = 1 and a larger n")
+        if not sampled and (n_max < 2 or sorted(seconds) != list(range(1, n_max + 1))):
             raise SpeculateError(f"{source}: \"target_seconds\" must cover n = 1, 2, ... without gaps")
         draft, draft_prefill = d.get("draft_seconds"), d.get("draft_prefill_seconds")
         values = list(seconds.values()) + [v for v in (draft, draft_prefill) if v is not None]
@@ -121,8 +124,9 @@ def save_profile(profile: Profile, path: str | Path) -> Path:
     return path
 
 
-def load_profile(path: str | Path) -> Profile:
-    """Read a profile written by :func:`save_profile` (``speculate calc --profile --save FILE``)."""
+def load_profile(path: str | Path, sampled: bool = False) -> Profile:
+    """Read a profile written by :func:`save_profile` (``speculate calc --profile --save FILE``); ``sampled``: as
+    :meth:`Profile.from_dict`."""
     path = Path(path).expanduser()
     try:
         data = json.loads(path.read_text())
@@ -130,7 +134,7 @@ def load_profile(path: str | Path) -> Profile:
         raise SpeculateError(f"cannot read the profile '{path}': {e.strerror or e}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SpeculateError(f"'{path}' is not valid JSON: {e}") from None
-    return Profile.from_dict(data, source=str(path))
+    return Profile.from_dict(data, source=str(path), sampled=sampled)
 
 
 def _dtype_name(loaded) -> str:
