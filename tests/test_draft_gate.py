@@ -25,48 +25,45 @@ def test_buckets_are_exact_to_eight_then_four_per_doubling():
         [8, 10, 10, 14, 16, 16, 20, 28, 32, 32, 40, 56, 64]
 
 
-def test_arms_alternate_until_each_is_measured_then_the_faster_runs_and_the_slower_is_probed():
+def test_arms_alternate_until_each_is_measured_then_the_faster_runs_and_the_slower_is_probed_ever_less_often():
     gate = DraftGate(explore=4)
-    # Drafting gives 1 token in 1.1 s, plain 1 token in 1 s: 0.91x, a lead below 1.2, so plain runs and drafting is
-    # probed every 8th decision.
+    # Drafting gives 1 token in 1.1 s, plain 1 token in 1 s: plain takes the lead at the 9th decision, and drafting is
+    # probed 8 decisions later, then after 16, 32, and every 64 from then on.
     slow = drive(gate, 200, lambda drafted, i: (1, 1.1 if drafted else 1.0))
     assert slow[:8] == [True, False] * 4
-    assert [i + 1 for i, d in enumerate(slow[8:], start=8) if d] == list(range(16, 201, 8))
-    assert gate.withheld == 200 - sum(slow)
-    # Drafting twice as fast (a copying workload): it runs, and plain is probed every 32nd decision.
+    assert [i + 1 for i, d in enumerate(slow[8:], start=8) if d] == [16, 32, 64, 128, 192]
+    assert gate.withheld == 200 - sum(slow) and gate.leader["k"] is False
+    # Drafting twice as fast (a copying workload): it runs, and plain is probed on the same schedule.
     gate = DraftGate(explore=4)
     fast = drive(gate, 200, lambda drafted, i: (2 if drafted else 1, 1.0))
-    assert [i + 1 for i, d in enumerate(fast[8:], start=8) if not d] == list(range(32, 201, 32))
-    # A lead between 1.2 and 1.5: every 16th.
-    gate = DraftGate(explore=4)
-    mid = drive(gate, 100, lambda drafted, i: (1.3 if drafted else 1, 1.0))
-    assert [i + 1 for i, d in enumerate(mid[8:], start=8) if not d] == [16, 32, 48, 64, 80, 96]
+    assert [i + 1 for i, d in enumerate(fast[8:], start=8) if not d] == [16, 32, 64, 128, 192]
+    assert gate.withheld == 4 + 5  # (the exploration's plain rounds, then the probes)
 
 
 def test_the_gate_follows_a_change_of_workload_both_ways():
     gate = DraftGate()
-    drive(gate, 100, lambda drafted, i: (3 if drafted else 1, 1.0))  # copying: drafting pays 3x
+    drive(gate, 300, lambda drafted, i: (3 if drafted else 1, 1.0))  # copying: drafting pays 3x, probes every 64
     # The prompts change: drafting now gives 1 token in 1.2 s. It is the arm that runs, so it is re-measured every
-    # round, and plain takes over once the decayed sums have forgotten the 3x rounds (0.9^n of their weight left).
-    after = drive(gate, 60, lambda drafted, i: (1, 1.2 if drafted else 1.0), start=100)
-    switch = next(i for i in range(len(after)) if sum(after[i:]) <= len(after[i:]) // 8 + 1)
-    assert 15 <= switch <= 30 and sum(after[-32:]) == 4  # (then drafting is a probe every 8th round)
-    # And back: one probe that drafts 3 tokens a round is enough to hand the rounds back to drafting.
-    back = drive(gate, 40, lambda drafted, i: (3 if drafted else 1, 1.0), start=160)
+    # round, and plain takes over once the decayed sums have forgotten the 3x rounds (0.9^n of their weight left);
+    # then drafting is probed 8 rounds later, and after 16.
+    after = drive(gate, 60, lambda drafted, i: (1, 1.2 if drafted else 1.0), start=300)
+    switch = next(i for i in range(len(after)) if not any(after[i:i + 7]))  # (an earlier plain round: a probe)
+    assert 15 <= switch <= 30 and gate.leader["k"] is False
+    assert [i - switch + 1 for i, d in enumerate(after) if d and i > switch] == [8, 24]
+    # And back: the next probe that drafts 3 tokens a round hands the rounds back to drafting.
+    back = drive(gate, 80, lambda drafted, i: (3 if drafted else 1, 1.0), start=360)
     first_probe = back.index(True)
-    assert first_probe < 8 and all(back[first_probe:first_probe + 20])
+    assert first_probe < 32 and all(back[first_probe:first_probe + 7]) and gate.leader["k"] is True
 
 
 def test_keys_are_measured_apart_and_bad_settings_are_refused():
     gate = DraftGate()
     drive(gate, 50, lambda drafted, i: (1, 2.0 if drafted else 1.0), key=(32, ("lookup",)))
     drive(gate, 50, lambda drafted, i: (4 if drafted else 1, 1.0), key=(1, ("lookup",)))
-    rates = gate.rates()
-    assert rates[(32, ("lookup",))] == pytest.approx((0.5, 1.0))
-    assert rates[(1, ("lookup",))] == pytest.approx((4.0, 1.0))
-    assert not gate.draft((32, ("lookup",))) or gate.turns[(32, ("lookup",))] % 8 == 0
-    assert gate.draft((1, ("lookup",))) or gate.turns[(1, ("lookup",))] % 32 == 0
-    for bad in ({"decay": 1.0}, {"decay": 0.0}, {"explore": 0}):
+    assert gate.rates() == {(32, ("lookup",)): pytest.approx((0.5, 1.0)), (1, ("lookup",)): pytest.approx((4.0, 1.0))}
+    assert gate.leader == {(32, ("lookup",)): False, (1, ("lookup",)): True}
+    for bad in ({"decay": 1.0}, {"decay": 0.0}, {"explore": 0}, {"first_probe": 0}, {"first_probe": 9,
+                                                                                      "longest_wait": 8}):
         with pytest.raises(ValueError):
             DraftGate(**bad)
 
@@ -106,29 +103,30 @@ def test_the_planner_withholds_drafts_that_measure_slower_and_the_tokens_stay_th
     assert arms[True].rounds >= 4 and arms[False].rounds >= 4
     assert recorded == sum(arm.rounds for both in planner.gate.arms.values() for arm in both.values())
     late = [ks for ks in plans[10:] if ks is not None and len(ks) == 4]
-    assert len(late) >= 16 and sum(any(ks) for ks in late) <= len(late) // 8 + 1
-    assert all(ks in ([5] * 4, [0] * 4) for ks in late) and planner.gate.withheld >= len(late) - len(late) // 8 - 1
+    assert len(late) >= 16 and sum(any(ks) for ks in late) <= 2  # (probes: 8 and 24 rounds after plain led)
+    assert all(ks in ([5] * 4, [0] * 4) for ks in late) and planner.gate.withheld >= len(late) - 2
     for run, prompt in zip(runs, prompts):
         plain = SpeculativeDecoder(target, SpeculativeSpec("none", verifier="greedy")).generate(
             prompt, max_new_tokens=48, chat=False)
         assert run.generation.token_ids == plain.token_ids
 
 
-def test_a_batch_of_one_is_gated_and_prefill_rounds_are_not_measured(tiny):
+def test_a_batch_of_one_keeps_its_own_policy_and_prefill_rounds_are_not_measured(tiny):
     from speculate import SpeculativeDecoder
     from speculate.policy.batch import BatchPlanner
     from speculate.spec import SpeculativeSpec
 
     decoder = SpeculativeDecoder(tiny[0], SpeculativeSpec("lookup", verifier="greedy", k=5))
     planner = BatchPlanner(tiny[0])
-    alone = decoder.start([3], max_new_tokens=20)
-    alone.k_is_cap = True
-    assert planner([alone]) == [5] and planner._pending == ((1, ("lookup",)), True, 0)  # its own policy's k
-    planner.observe([alone], 1.0)
-    assert planner([alone]) == [0]  # exploring: the plain round
-    named = decoder.start([3], max_new_tokens=20)  # a k the request named is not the planner's
-    assert planner([named]) is None
+    planner._curve = {1: 1.0, 2: 1.0, 256: 1.0}
+    runs = [decoder.start([3], max_new_tokens=20) for _ in range(2)]
+    for run in runs:
+        run.k_is_cap = True
+    assert planner(runs[:1]) is None and planner._pending is None  # alone: its own policy, not gated
+    assert planner(runs) == [5, 5] and planner._pending == ((2, ("lookup",)), True, 0)
+    planner.observe(runs, 1.0)
+    assert planner(runs) == [0, 0]  # exploring: the plain round
     prefilling = decoder.start(list(range(3, 40)), max_new_tokens=20, prefill_chunk=8)
     assert prefilling.prefilling
-    planner([alone, prefilling])
+    assert planner([*runs, prefilling])[2] is None
     assert planner._pending is None  # a round with a prefill chunk does not time decoding

@@ -20,8 +20,11 @@ T(n) is measured once per model, precision and thread count (auto.py, ``profile_
 ..., 256, interpolated between), αᵢ is each generation's running estimate (``AutoK.alpha``).
 
 The plan is a prediction, so a measured gate (gate.py) has the last word: per batch size and drafter it times rounds
-run as planned against rounds run plain, and runs plain where drafting measures slower. A batch of one is gated
-too: its plan is its own policy's k.
+run as planned against rounds run plain, and runs plain where drafting measures slower. Not a batch of one: it keeps
+its own policy, because there the gate, which pools rounds over time, lost to it. One MT-Bench answer alone,
+engine-level: over its first 100 rounds drafting ran 0.96× plain and the gate 0.96× too (exploring and probing cost
+what withholding saved); over 300 rounds, as the answer turned repetitive, drafting ran 1.31× and the gate 1.19×
+(docs/benchmarks.md, "Speculation that never costs").
 """
 
 from __future__ import annotations
@@ -80,9 +83,9 @@ def plan(alphas: list[float | None], fixed: list[int | None], k_max: list[int], 
 
 class BatchPlanner:
     """``planner(runs) -> ks | None``: the scheduler's (server/scheduler.py) per-round choice, and
-    ``planner.observe(runs, seconds)`` after the round, for the gate. None (each run's own policy) where no run's k may
-    be planned (``auto``, or a cap: module docstring); for a batch of one, its own policy's k, gated. The batch cost
-    curve is measured at the first batch that needs it (the server measures it at start)."""
+    ``planner.observe(runs, seconds)`` after the round, for the gate. None (each run's own policy) for a batch of one,
+    or where no run's k may be planned (``auto``, or a cap: module docstring). The batch cost curve is measured at the
+    first batch that needs it (the server measures it at start)."""
 
     def __init__(self, target, gate: DraftGate | None = None):
         self.target = target
@@ -98,9 +101,9 @@ class BatchPlanner:
     def __call__(self, runs) -> list[int] | None:
         self._pending = None
         auto = [not run.prefilling and (isinstance(run.policy, AutoK) or _capped(run)) for run in runs]
-        if not any(auto):
+        if len(runs) < 2 or not any(auto):
             return None
-        ks = [run.draft_length() for run in runs] if len(runs) == 1 else self._plan(runs, auto)
+        ks = self._plan(runs, auto)
         # The gate: drafted as planned, or plain where drafting measures slower (gate.py). Only the plannable runs'
         # drafts count and are withheld; a named k is kept either way.
         key = (bucket(sum(not run.prefilling for run in runs)),

@@ -13,10 +13,12 @@ throughput each way:
   planned without drafts counts there too). Each arm keeps the tokens its rounds gave and the seconds they took,
   both decayed by ``decay`` per round of that arm, so a rate is a ratio of sums over its last ~1/(1 − decay) rounds.
 - **Exploration first.** Until each arm of a key has ``explore`` rounds, the arms alternate.
-- **Then the faster arm, with probes.** The arm with the higher tokens per second runs, and every ``period``-th round
-  the other one, so that the loser is re-measured as the load, the machine and the prompts change. The period grows
-  with the lead (:data:`PERIODS`): a 2× lead, like a copying workload's, is probed every 32nd round, so it costs
-  under 2 %.
+- **Then the faster arm, with probes.** The arm with the higher tokens per second runs, and now and then the other
+  one, so that the loser is re-measured as the load, the machine and the prompts change. The first probe comes 8
+  rounds after an arm takes the lead, and each probe that leaves it in the lead doubles the wait, up to 64 rounds: a
+  probe costs a round of the slower arm, so a settled key pays for one round in 64 (engine-level on MT-Bench at one
+  generation, probes every 8th round cost 3-4 %: docs/benchmarks.md, "Speculation that never costs"). The leader
+  itself is measured every round, so when it slows down, the other arm takes over as soon as the decayed sums say so.
 
 The arms differ only in k, and k never changes what a generation emits where the planner may set it (greedy,
 lossless sampling without a seed; a seeded sampling run keeps its k: batch.py, ``_capped``), so the gate moves speed
@@ -26,11 +28,10 @@ clock or a run.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-#: (lead below, probe every n-th round): the faster arm runs and the slower one is re-measured every n-th round.
-PERIODS = ((1.2, 8), (1.5, 16), (math.inf, 32))
+#: Rounds from a new leader to the first probe of the other arm, and the longest wait between probes.
+FIRST_PROBE, LONGEST_WAIT = 8, 64
 
 
 def bucket(n: int) -> int:
@@ -59,12 +60,14 @@ class DraftGate:
     """``draft(key) -> bool``: whether this round of ``key`` runs as planned (True) or plain (False);
     ``record(key, drafted, tokens, seconds)``: what a round gave (module docstring)."""
 
-    def __init__(self, decay: float = 0.9, explore: int = 4, periods=PERIODS):
-        if not 0.0 < decay < 1.0 or explore < 1:
-            raise ValueError("need 0 < decay < 1 and explore >= 1")
-        self.decay, self.explore, self.periods = decay, explore, periods
+    def __init__(self, decay: float = 0.9, explore: int = 4, first_probe: int = FIRST_PROBE,
+                 longest_wait: int = LONGEST_WAIT):
+        if not 0.0 < decay < 1.0 or explore < 1 or not 1 <= first_probe <= longest_wait:
+            raise ValueError("need 0 < decay < 1, explore >= 1 and 1 <= first_probe <= longest_wait")
+        self.decay, self.explore, self.first_probe, self.longest_wait = decay, explore, first_probe, longest_wait
         self.arms: dict = {}  # key -> {True: Arm (draft), False: Arm (plain)}
-        self.turns: dict = {}  # key -> times draft(key) was asked
+        self.leader: dict = {}  # key -> the arm in the lead (True: draft), once both are measured
+        self.wait: dict = {}  # key -> [rounds until the next probe, the wait after it]
         self.withheld = 0  # rounds run plain against the plan
 
     def _arms(self, key) -> dict[bool, Arm]:
@@ -72,15 +75,18 @@ class DraftGate:
 
     def draft(self, key) -> bool:
         arms = self._arms(key)
-        turn = self.turns[key] = self.turns.get(key, 0) + 1
         if min(arm.rounds for arm in arms.values()) < self.explore:
             choice = arms[True].rounds <= arms[False].rounds  # alternate, drafting first
         else:
-            fast, slow = sorted(arms.values(), key=lambda arm: arm.rate, reverse=True)
-            lead = fast.rate / slow.rate if slow.rate > 0 else math.inf
-            period = next(p for bound, p in self.periods if lead < bound)
-            leader = arms[True] is fast
-            choice = leader if turn % period else not leader
+            leader = arms[True].rate >= arms[False].rate
+            if self.leader.get(key) != leader:  # a new leader: probe the other arm soon
+                self.leader[key], self.wait[key] = leader, [self.first_probe, 2 * self.first_probe]
+            wait = self.wait[key]
+            wait[0] -= 1
+            choice = leader
+            if wait[0] == 0:  # the probe; it doubles the wait while the leader stays in the lead
+                choice = not leader
+                wait[0], wait[1] = wait[1], min(2 * wait[1], self.longest_wait)
         self.withheld += not choice
         return choice
 

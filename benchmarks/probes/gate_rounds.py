@@ -1,0 +1,91 @@
+"""What drafting costs a batch of generations, round by round, with and without the measured gate (issue 41).
+
+B generations of a prompt set (default: the first MT-Bench first turns; chat prompts, greedy) in four copies, each moved by engine.step
+in turn, round after round, the order reversed every other round: ``none`` (plain decoding), ``k=0`` (the drafter
+runs, every k forced to 0: what drafting costs when it drafts nothing), ``planned`` (the server's default k = 6 as
+a cap the batch planner lowers, no gate: the planner before policy/gate.py) and ``gated`` (the planner with its
+gate, as `speculate serve` runs it). Per copy: the median and mean round, tokens/s over the timed rounds, and the
+gate's rates per key. No server, no HTTP: the engine's cost alone.
+
+    python benchmarks/probes/gate_rounds.py --batch 1 8 32 --rounds 100 [--dtype q4] [--drafter auto] [--prompts copy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from speculate import SpeculativeDecoder
+from speculate.bench import machine_header
+from speculate.bench.serve_load import prompt_texts
+from speculate.drafters import resolve
+from speculate.engine import step
+from speculate.models import load_model
+from speculate.policy.batch import BatchPlanner
+from speculate.policy.gate import DraftGate
+from speculate.spec import SpeculativeSpec
+
+
+class Ungated(DraftGate):
+    def draft(self, key) -> bool:
+        return True
+
+
+def one_batch(target, drafter: str, batch: int, rounds: int, prompts: str, warm: int = 3) -> None:
+    texts = prompt_texts(prompts)
+    texts = (texts * (batch // len(texts) + 1))[:batch]
+
+    def runs(name):
+        decoder = SpeculativeDecoder(target, SpeculativeSpec(name, verifier="greedy", k=6))
+        out = [decoder.start(t, max_new_tokens=rounds + 50, chat=True) for t in texts]
+        for run in out:
+            run.k_is_cap = True  # (the server's k, not the request's)
+        return out
+
+    gated = BatchPlanner(target)
+    copies = {"none": (runs("none"), None), "k=0": (runs(drafter), lambda rs: [0] * len(rs)),
+              "planned": (runs(drafter), BatchPlanner(target, Ungated())), "gated": (runs(drafter), gated)}
+    for rs, _ in copies.values():
+        while any(r.prefilling for r in rs):
+            step(rs, None)
+    times = {name: [] for name in copies}
+    tokens = dict.fromkeys(copies, 0)
+    for i in range(rounds + warm):
+        for name in (list(copies) if i % 2 == 0 else list(copies)[::-1]):
+            rs, plan = copies[name]
+            live = [r for r in rs if not r.done]
+            before = sum(r.produced for r in live)
+            t0 = time.perf_counter()
+            step(live, plan(live) if plan else None)
+            dt = time.perf_counter() - t0
+            if plan is not None and hasattr(plan, "observe"):
+                plan.observe(live, dt)
+            if i >= warm:
+                times[name].append(dt)
+                tokens[name] += sum(r.produced for r in live) - before
+    base = tokens["none"] / sum(times["none"])
+    for name, ts in times.items():
+        rate = tokens[name] / sum(ts)
+        print(f"B={batch:<3d} {name:8s} round median {statistics.median(ts) * 1e3:7.2f} ms, mean "
+              f"{statistics.fmean(ts) * 1e3:7.2f} ms; {rate:6.1f} tokens/s = {rate / base:.3f}x none")
+    rates = {k: tuple(round(x, 1) for x in v) for k, v in gated.gate.rates().items()}
+    print(f"B={batch:<3d} gate (draft, plain) tokens/s per key: {rates}; rounds withheld: {gated.gate.withheld}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--rounds", type=int, default=100)
+    p.add_argument("--dtype", default="q4")
+    p.add_argument("--drafter", default="auto")
+    p.add_argument("--prompts", default="mt_bench", help="as serve_load's --prompts (copy, paraphrase, mt_bench, ...)")
+    args = p.parse_args()
+    target = load_model(dtype=args.dtype, progress=False)
+    print(machine_header()["machine"])
+    for batch in args.batch:
+        one_batch(target, resolve(args.drafter, target), batch, args.rounds, args.prompts)
+
+
+if __name__ == "__main__":
+    main()
