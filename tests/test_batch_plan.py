@@ -125,3 +125,31 @@ def test_a_request_that_names_its_k_keeps_it_and_the_servers_default_is_a_cap(ti
     decoders = Decoders(lambda spec: build_decoder(tiny[0], None, spec), keep=2)
     assert open_run(prepared(), decoders)[0].k_is_cap
     assert not open_run(prepared({"k": 4}), decoders)[0].k_is_cap
+
+
+def test_a_fixed_k_runs_alpha_has_the_prior_so_one_rejected_draft_does_not_stop_its_drafts(tiny):
+    """A fixed-k run's α is its own statistics under AutoK's prior (0.6 over 4 pseudo-rounds): after one rejected draft
+    it is 2.4 / 5, not 0, so a batch where drafting at that α pays plans it a draft again; its α then follows its own
+    rounds."""
+    from speculate import SpeculativeDecoder
+    from speculate.policy.batch import BatchPlanner, _alpha
+    from speculate.spec import SpeculativeSpec
+
+    decoder = SpeculativeDecoder(tiny[0], SpeculativeSpec("lookup", verifier="greedy", k=5))
+    runs = [decoder.start([3], max_new_tokens=20) for _ in range(2)]
+    for run in runs:
+        run.k_is_cap = True
+    assert _alpha(runs[0]) == pytest.approx(0.6)
+    runs[0].stats.rejected_rounds = 1  # (one draft, rejected)
+    assert _alpha(runs[0]) == pytest.approx(2.4 / 5)
+    runs[1].stats.accepted_draft_tokens, runs[1].stats.rejected_rounds = 30, 10
+    assert _alpha(runs[1]) == pytest.approx(32.4 / 44)
+    planner = BatchPlanner(tiny[0])
+    # A curve where a row costs a fifth of a step: a draft at α 0.48 raises the batch's tokens per step (2 / 1.2 ->
+    # 2.48 / 1.4); at α 0 it could not.
+    planner._curve = {1: 1.0, 2: 1.2, 256: 52.0}
+    ks = planner(runs)
+    assert plan([0.0, 32.4 / 44], [None, None], [5, 5], [chain, chain], [0.0, 0.0], planner._curve)[0] == 0
+    assert ks[0] >= 1 and ks == plan([2.4 / 5, 32.4 / 44], [None, None], [5, 5], [chain, chain], [0.0, 0.0],
+                                     planner._curve)
+

@@ -4,10 +4,9 @@ B generations of a prompt set (default: the first MT-Bench first turns; chat pro
 in turn, round after round, the order reversed every other round: ``none`` (plain decoding), ``k=0`` (the drafter
 runs, every k forced to 0: what drafting costs when it drafts nothing), ``planned`` (the server's default k = 6 as
 a cap the batch planner lowers, no gate: the planner before policy/gate.py) and ``gated`` (the planner with its
-gate, as `speculate serve` runs it). Per copy: the median and mean round, tokens/s over the timed rounds, and the
-gate's rates per key. No server, no HTTP: the engine's cost alone.
+gate, as `speculate serve` runs it). Per copy: its rounds, seconds and tokens/s, and the gate's rates per key. No server, no HTTP: the engine's cost alone.
 
-    python benchmarks/probes/gate_rounds.py --batch 1 8 32 --rounds 100 [--dtype q4] [--drafter auto] [--prompts copy]
+    python benchmarks/probes/gate_rounds.py --batch 1 8 32 --max-tokens 128 [--dtype q4] [--drafter auto] [--prompts copy]
 """
 
 from __future__ import annotations
@@ -32,13 +31,13 @@ class Ungated(DraftGate):
         return True
 
 
-def one_batch(target, drafter: str, batch: int, rounds: int, prompts: str, warm: int = 3) -> None:
+def one_batch(target, drafter: str, batch: int, max_tokens: int, prompts: str) -> None:
     texts = prompt_texts(prompts)
     texts = (texts * (batch // len(texts) + 1))[:batch]
 
     def runs(name):
         decoder = SpeculativeDecoder(target, SpeculativeSpec(name, verifier="greedy", k=6))
-        out = [decoder.start(t, max_new_tokens=rounds + 50, chat=True) for t in texts]
+        out = [decoder.start(t, max_new_tokens=max_tokens, chat=True) for t in texts]
         for run in out:
             run.k_is_cap = True  # (the server's k, not the request's)
         return out
@@ -49,26 +48,27 @@ def one_batch(target, drafter: str, batch: int, rounds: int, prompts: str, warm:
     for rs, _ in copies.values():
         while any(r.prefilling for r in rs):
             step(rs, None)
-    times = {name: [] for name in copies}
-    tokens = dict.fromkeys(copies, 0)
-    for i in range(rounds + warm):
-        for name in (list(copies) if i % 2 == 0 else list(copies)[::-1]):
+    seconds, rounds = dict.fromkeys(copies, 0.0), dict.fromkeys(copies, 0)
+    # Every copy to the end of every answer (the same tokens: greedy and exact), a round of each in turn.
+    for i in range(100 * max_tokens):
+        order = [name for name in copies if any(not r.done for r in copies[name][0])]
+        if not order:
+            break
+        for name in (order if i % 2 == 0 else order[::-1]):
             rs, plan = copies[name]
             live = [r for r in rs if not r.done]
-            before = sum(r.produced for r in live)
             t0 = time.perf_counter()
             step(live, plan(live) if plan else None)
             dt = time.perf_counter() - t0
             if plan is not None and hasattr(plan, "observe"):
                 plan.observe(live, dt)
-            if i >= warm:
-                times[name].append(dt)
-                tokens[name] += sum(r.produced for r in live) - before
-    base = tokens["none"] / sum(times["none"])
-    for name, ts in times.items():
-        rate = tokens[name] / sum(ts)
-        print(f"B={batch:<3d} {name:8s} round median {statistics.median(ts) * 1e3:7.2f} ms, mean "
-              f"{statistics.fmean(ts) * 1e3:7.2f} ms; {rate:6.1f} tokens/s = {rate / base:.3f}x none")
+            seconds[name] += dt
+            rounds[name] += 1
+    tokens = {name: sum(r.produced for r in rs) for name, (rs, _) in copies.items()}
+    assert len(set(tokens.values())) == 1, tokens
+    for name in copies:
+        print(f"B={batch:<3d} {name:8s} {rounds[name]:4d} rounds, {seconds[name]:6.2f} s, "
+              f"{tokens[name] / seconds[name]:6.1f} tokens/s = {seconds['none'] / seconds[name]:.3f}x none")
     rates = {k: tuple(round(x, 1) for x in v) for k, v in gated.gate.rates().items()}
     print(f"B={batch:<3d} gate (draft, plain) tokens/s per key: {rates}; rounds withheld: {gated.gate.withheld}")
 
@@ -76,7 +76,7 @@ def one_batch(target, drafter: str, batch: int, rounds: int, prompts: str, warm:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--rounds", type=int, default=100)
+    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--dtype", default="q4")
     p.add_argument("--drafter", default="auto")
     p.add_argument("--prompts", default="mt_bench", help="as serve_load's --prompts (copy, paraphrase, mt_bench, ...)")
@@ -84,7 +84,7 @@ def main() -> None:
     target = load_model(dtype=args.dtype, progress=False)
     print(machine_header()["machine"])
     for batch in args.batch:
-        one_batch(target, resolve(args.drafter, target), batch, args.rounds, args.prompts)
+        one_batch(target, resolve(args.drafter, target), batch, args.max_tokens, args.prompts)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,9 @@ from .speedup import best_k
 
 #: Largest k that ``--k auto`` considers (the profile covers n = 1..AUTO_K_MAX + 1).
 AUTO_K_MAX = 8
+#: α's prior: ALPHA0 over PRIOR_WEIGHT pseudo-rounds, before a generation's own rounds (AutoK, and the batch planner's
+#: estimate of a fixed-k run's α).
+ALPHA0, PRIOR_WEIGHT = 0.6, 4.0
 #: The most rows the batch cost curve covers (T(n) measured at n = 1, 2, 4, ..., BATCH_ROWS; interpolated between).
 BATCH_ROWS = 256
 #: Training tokens of the aliased models (model cards), for the Chinchilla estimate beside ``--eps auto``.
@@ -109,8 +112,8 @@ class AutoK:
 
     GRID = 100  # α resolution of the precomputed best-k table
 
-    def __init__(self, curve, c: float, k_max: int = AUTO_K_MAX, alpha0: float = 0.6, prior_weight: float = 4.0,
-                 rows=None):
+    def __init__(self, curve, c: float, k_max: int = AUTO_K_MAX, alpha0: float = ALPHA0,
+                 prior_weight: float = PRIOR_WEIGHT, rows=None):
         if not 0.0 <= alpha0 < 1.0:
             raise SpeculateError(f"alpha0 must be in [0, 1), got {alpha0}")
         # best k for α = 0, 0.01, ..., 0.99: a table lookup per round instead of a search.

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import bisect
 
-from .auto import AutoK, FixedK, profile_for
+from ..stats import alpha_mle
+from .auto import ALPHA0, PRIOR_WEIGHT, AutoK, FixedK, profile_for
 from .gate import DraftGate, bucket
 from .speedup import expected_tokens
 
@@ -123,7 +124,7 @@ class BatchPlanner:
             self._pending = None
 
     def _plan(self, runs, auto) -> list[int | None]:
-        # Fixed-k runs count with their own α so far (the prior's 0.6 before any); a prefill chunk yields no token,
+        # Fixed-k runs count with their own α so far, under the prior (``_alpha``); a prefill chunk yields no token,
         # its rows are a fixed "draft" of rows - 1.
         alphas = [None if run.prefilling else _alpha(run) for run in runs]
         fixed = [None if a else run.prefill_rows - 1 if run.prefilling else run.draft_length()
@@ -149,11 +150,20 @@ def _capped(run) -> bool:
 
 
 def _alpha(run) -> float:
-    """An auto run's running α (its policy's), a fixed-k run's from its statistics (the prior's 0.6 before any)."""
+    """An auto run's running α (its policy's), a fixed-k run's from its statistics under the same prior (``ALPHA0``
+    over ``PRIOR_WEIGHT`` pseudo-rounds), as ``AutoK`` does: one draft does not swing it to 0 or 1.
+
+    A run that is planned no draft never learns otherwise, though. Every MT-Bench and copy-prompt run at 2-8
+    generations drafts one token in the round that completes its prompt, loses it, and sits at 0.48 after (0 before
+    the prior), just below what a third row pays at two generations on this Xeon's curve: so the planner drafts
+    nothing at load on these prompts. Letting an idle run's evidence fade back to the prior was tried (docs/
+    benchmarks.md, "Speculation that never costs"): it drafted again, 1.05× plain at 4 generations on copy prompts
+    but 0.88× at 2, where retrieval's all-or-nothing copies break the independent-acceptance model."""
     if isinstance(run.policy, AutoK):
         return run.policy.alpha
-    estimate = run.stats.alpha_estimate
-    return 0.6 if estimate is None else estimate
+    stats = run.stats
+    return alpha_mle(stats.accepted_draft_tokens + ALPHA0 * PRIOR_WEIGHT,
+                     stats.rejected_rounds + (1.0 - ALPHA0) * PRIOR_WEIGHT)
 
 
 def _rows(run):
