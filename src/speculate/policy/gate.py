@@ -1,12 +1,12 @@
 """Drafting that never costs: a measured gate over the batch planner's plan (issue 41).
 
 The planner (batch.py) predicts: it weighs E(α, k) tokens against a cost curve T(n)/T(1) measured once, when the
-server started. Both ends of that prediction can be wrong while it serves. The curve was measured on a quiet machine
-over one sequence's rows, not on a busy one over many sequences; α is the lesson's independent-acceptance model,
-which a retrieval drafter's all-or-nothing matches do not follow; and what a round costs beside the forward (proposing,
-verifying, rolling back) is left out. On MT-Bench at 32 clients the default server's planned drafts lost ~4 % to plain
-decoding (engine-level, interleaved rounds, this Xeon). So the gate measures the one thing that matters, the
-throughput each way:
+server started. Both ends of that prediction can be wrong while it serves. The curve was measured on one sequence's
+rows, at one moment of a machine that other tenants share; α is the lesson's independent-acceptance model, which a
+retrieval drafter's all-or-nothing copies do not follow (an idle run's α left to fade back to its prior made the
+planner draft again at 0.88× plain on copy prompts at two generations: docs/benchmarks.md, "Speculation that never
+costs"); and what a round costs beside the forward (proposing, verifying, rolling back) is left out. So the gate
+measures the one thing that matters, the throughput each way:
 
 - **Two arms per key.** A key is a batch size bucket and the drafters in the batch. Arm "draft" is a round run as the
   planner planned it, with some draft. Arm "plain" is a round with every plannable k set to 0 (a round the planner
@@ -23,7 +23,8 @@ throughput each way:
 The arms differ only in k, and k never changes what a generation emits where the planner may set it (greedy,
 lossless sampling without a seed; a seeded sampling run keeps its k: batch.py, ``_capped``), so the gate moves speed
 only, never tokens. It is a pure function of its own state and the rounds reported to it: it never sees a model, a
-clock or a run.
+clock or a run. Its weakness: each arm pools rounds over time, so arms measured in different phases compare unevenly
+(in the fading-α trial above, the plain tally came from the answers' slower first rounds and misled it).
 """
 
 from __future__ import annotations
