@@ -6,10 +6,8 @@ import contextlib
 import copy
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -19,6 +17,7 @@ from speculate import load_model
 from speculate.models.cache import cache_root
 from speculate.models.loader import QUANTIZED, quantized_cache_folder
 from speculate.models.tiny import save_tiny_model
+from speculate.server.background import free_port, wait_healthy
 
 
 @pytest.fixture(scope="session")
@@ -85,23 +84,14 @@ def assert_pytest_passed(done, skipped: bool = True) -> None:
 def serve_subprocess(args: list[str], env: dict, seconds: float = 60):
     """``speculate serve ARGS`` in a subprocess on a free loopback port, as a user starts it: yields (the process, its
     URL) once /health answers; kills it on the way out if the test has not stopped it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "speculate", "serve", *args, "--port", str(port), "--log-level",
                              "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + seconds
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        healthy = wait_healthy(url, seconds, lambda: proc.poll() is None, interval=0.1)
+        assert proc.poll() is None, proc.stdout.read()
+        assert healthy, f"{url} did not answer /health within {seconds} s"
         yield proc, url
     finally:
         if proc.poll() is None:

@@ -275,17 +275,10 @@ def test_open_connections_are_capped_and_the_server_stays_up(strict):
     assert closed_within(idle[0], 2) is not None and closed_within(extra, 0.3) is None
     for s in idle + [extra]:
         s.close()
-    import time
+    from speculate.server.background import wait_healthy
 
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # the slots free as the sockets close
-        try:
-            if httpx.get(strict.url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.1)
-    else:
-        pytest.fail("the server did not answer after the idle connections closed")
+    # the slots free as the sockets close
+    assert wait_healthy(strict.url, 10, interval=0.1), "the server did not answer after the idle connections closed"
 
 
 def connect_from(server, address: str) -> socket.socket:

@@ -81,7 +81,8 @@ class DraftGate:
         else:
             leader = arms[True].rate >= arms[False].rate
             if self.leader.get(key) != leader:  # a new leader: probe the other arm soon
-                self.leader[key], self.wait[key] = leader, [self.first_probe, 2 * self.first_probe]
+                self.leader[key] = leader
+                self.wait[key] = [self.first_probe, min(2 * self.first_probe, self.longest_wait)]
             wait = self.wait[key]
             wait[0] -= 1
             choice = leader
