@@ -130,3 +130,20 @@ def test_a_batch_of_one_keeps_its_own_policy_and_prefill_rounds_are_not_measured
     assert prefilling.prefilling
     assert planner([*runs, prefilling])[2] is None
     assert planner._pending is None  # a round with a prefill chunk does not time decoding
+
+
+def test_a_gate_switched_off_drafts_as_planned_and_still_times_both_arms(tiny):
+    """``speculate serve --no-draft-gate``: the server's planner drafts whenever the plan does, and its rounds are still
+    timed, for /metrics."""
+    from speculate.server import ServerConfig
+    from speculate.server.app import create_app
+
+    off = DraftGate(enabled=False)
+    drive(off, 40, lambda drafted, i: (1, 2.0 if drafted else 1.0))  # drafting twice as slow: the gate would withhold
+    assert off.withheld == 0 and off.arms["k"][True].rounds == 40 and off.arms["k"][True].rate == pytest.approx(0.5)
+    on = DraftGate()
+    drive(on, 40, lambda drafted, i: (1, 2.0 if drafted else 1.0))
+    assert on.withheld > 20
+    for enabled in (True, False):
+        app = create_app(ServerConfig(model=str(tiny[0].name), draft_gate=enabled), tiny[0])
+        assert app.state.scheduler.plan.gate.enabled is enabled and app.state.metrics.gate is app.state.scheduler.plan.gate

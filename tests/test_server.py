@@ -412,6 +412,8 @@ def test_metrics_add_up(served):
     assert delta("speculate_target_forward_passes_total") == sum(s["target_calls"] for s in stats)
     assert delta("speculate_drafted_tokens_total") == sum(s["drafted_tokens"] for s in stats)
     assert delta("speculate_accepted_tokens_total") == sum(s["accepted_draft_tokens"] for s in stats)
+    assert delta("speculate_peeked_rounds_total") == sum(s["peeked_rounds"] for s in stats)
+    assert delta("speculate_peek_hits_total") == sum(s["peek_hits"] for s in stats)
     by_position = sum(delta("speculate_accepted_tokens_by_position_total", position=str(p)) for p in range(1, 7))
     assert by_position == delta("speculate_accepted_tokens_total")
     assert delta("speculate_drafted_tokens_by_position_total", position="1") > 0
@@ -582,6 +584,9 @@ def test_cli_serve_flags_and_a_real_subprocess(tiny_folders, capsys):
     args = _parser().parse_args(["serve", "--model", "m"])
     assert (args.host, args.port, args.max_batch, args.prefill_chunk, args.api_key) == ("127.0.0.1", 8000, 8, 128, None)
     assert args.no_prefix_cache is False and _parser().parse_args(["serve", "--model", "m", "--no-prefix-cache"]).no_prefix_cache
+    gated = [ServerConfig.from_cli(_parser().parse_args(["serve", "--model", "m", *f])).draft_gate
+             for f in ([], ["--no-draft-gate"])]
+    assert gated == [True, False]
     assert main(["serve", "--model", str(tiny_folders[0]), "--max-batch", "0"]) == 2
     assert main(["serve", "--model", str(tiny_folders[0]), "--prefill-chunk", "0"]) == 2
     assert main(["serve", "--model", str(tiny_folders[0]), "--verifier", "consultant", "--eps", "-1",
@@ -833,9 +838,16 @@ def test_batched_requests_answer_exactly_what_each_gets_alone(tiny_folders, monk
     finally:
         s.stop()
     monkeypatch.undo()
-    # The planner's gate (speculate/policy/gate.py) timed rounds both ways: drafted as planned, and plain.
-    arms = app.state.scheduler.plan.gate.arms
-    assert any(both[True].rounds and both[False].rounds for both in arms.values())
+    # The planner's gate (speculate/policy/gate.py) timed rounds both ways: drafted as planned, and plain; /metrics
+    # shows it, per bucket, drafters and arm.
+    gate = app.state.scheduler.plan.gate
+    assert gate.enabled and any(both[True].rounds and both[False].rounds for both in gate.arms.values())
+    for (size, drafters), both in gate.arms.items():
+        for drafted, arm in both.items():
+            labels = {"batch": str(size), "drafters": "+".join(drafters), "arm": "draft" if drafted else "plain"}
+            assert metric(m, "speculate_draft_gate_rounds", **labels) == arm.rounds
+            assert metric(m, "speculate_draft_gate_tokens_per_second", **labels) == pytest.approx(arm.rate)
+    assert metric(m, "speculate_draft_gate_withheld_rounds") == gate.withheld
     assert left == [4]
     assert results[5].status_code == 500 and "boom mid-batch" in results[5].json()["error"]["message"]
     for i, (drafter, prompt, n) in [*enumerate(specs), (6, ("lookup", prompts[0] + " again", 20))]:

@@ -3,8 +3,9 @@
 B generations of a prompt set (default: the first MT-Bench first turns; chat prompts, greedy) in four copies, each moved by engine.step
 in turn, round after round, the order reversed every other round: ``none`` (plain decoding), ``k=0`` (the drafter
 runs, every k forced to 0: what drafting costs when it drafts nothing), ``planned`` (the server's default k = 6 as
-a cap the batch planner lowers, no gate: the planner before policy/gate.py) and ``gated`` (the planner with its
-gate, as `speculate serve` runs it). Per copy: its rounds, seconds and tokens/s, and the gate's rates per key. No server, no HTTP: the engine's cost alone.
+a cap the batch planner lowers, no gate: the planner before policy/gate.py) ``gated`` (the planner with its
+gate, as `speculate serve` runs it) and ``no-peeks`` (the same, but rounds planned no draft do not peek: the planner
+before Drafter.peek). Per copy: its rounds, seconds and tokens/s, and the gate's rates per key. No server, no HTTP: the engine's cost alone.
 
     python benchmarks/probes/gate_rounds.py --batch 1 8 32 --max-tokens 128 [--dtype q4] [--drafter auto] [--prompts copy]
 """
@@ -35,16 +36,21 @@ def one_batch(target, drafter: str, batch: int, max_tokens: int, prompts: str) -
     texts = prompt_texts(prompts)
     texts = (texts * (batch // len(texts) + 1))[:batch]
 
-    def runs(name):
+    def runs(name, peek=True):
         decoder = SpeculativeDecoder(target, SpeculativeSpec(name, verifier="greedy", k=6))
         out = [decoder.start(t, max_new_tokens=max_tokens, chat=True) for t in texts]
         for run in out:
             run.k_is_cap = True  # (the server's k, not the request's)
+            if not peek:  # (before peeks: a round planned no draft learned nothing)
+                run.drafter.peek = lambda tokens: None
         return out
 
     gated = BatchPlanner(target)
     copies = {"none": (runs("none"), None), "k=0": (runs(drafter), lambda rs: [0] * len(rs)),
-              "planned": (runs(drafter), BatchPlanner(target, Ungated())), "gated": (runs(drafter), gated)}
+              "planned": (runs(drafter), BatchPlanner(target, Ungated())), "gated": (runs(drafter), gated),
+              "no-peeks": (runs(drafter, peek=False), BatchPlanner(target))}
+    if batch == 1:  # alone, the planner leaves the k = 6 cap to the run; this copy plans it
+        copies["alone"] = (runs(drafter), BatchPlanner(target, Ungated(), alone=True))
     for rs, _ in copies.values():
         while any(r.prefilling for r in rs):
             step(rs, None)
@@ -67,7 +73,8 @@ def one_batch(target, drafter: str, batch: int, max_tokens: int, prompts: str) -
     tokens = {name: sum(r.produced for r in rs) for name, (rs, _) in copies.items()}
     assert len(set(tokens.values())) == 1, tokens
     for name in copies:
-        print(f"B={batch:<3d} {name:8s} {rounds[name]:4d} rounds, {seconds[name]:6.2f} s, "
+        drafted = sum(r.stats.drafted_tokens for r in copies[name][0])
+        print(f"B={batch:<3d} {name:8s} {rounds[name]:4d} rounds, {drafted:5d} drafted, {seconds[name]:6.2f} s, "
               f"{tokens[name] / seconds[name]:6.1f} tokens/s = {seconds['none'] / seconds[name]:.3f}x none")
     rates = {k: tuple(round(x, 1) for x in v) for k, v in gated.gate.rates().items()}
     print(f"B={batch:<3d} gate (draft, plain) tokens/s per key: {rates}; rounds withheld: {gated.gate.withheld}")

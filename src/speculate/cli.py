@@ -232,6 +232,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--share-drafts", action="store_true",
                    help="drafters that learn from served answers (suffix) draft for every API key from every key's "
                         "answers; by default each key's answers draft for that key only")
+    s.add_argument("--no-draft-gate", action="store_true",
+                   help="draft as the batch planner plans, without timing rounds with and without drafts to withhold "
+                        "those that measure slower (the gate's rates are still on /metrics)")
     s.add_argument("--max-batch", type=int, default=8,
                    help="generations running at once, their rows verified in one forward per round (continuous "
                         "batching; default 8)")

@@ -280,6 +280,7 @@ class Run:
         self.tokens = list(prompt_ids)  # prompt + everything committed so far
         self.prompt_tokens = len(prompt_ids)
         self.verifier_state, self.produced, self.draft, self.rows_last = None, 0, None, 0
+        self.peeked = None  # a round that drafts nothing: the token its drafter would have drafted first (None: none)
         self.done, self.generation, self.error = False, None, None
         self.resumed = 0  # times it was preempted and resumed (server/scheduler.py: admission by memory)
         # A fixed k that the batch planner may lower, in a batch where drafting does not pay (the server's default
@@ -483,6 +484,10 @@ class Run:
             drafter.observe(kv.hidden[rows])
         if draft.from_k:  # (model+lookup's copies say nothing about the draft model's acceptance)
             self.policy.update(draft.depth, len(path))
+        if self.peeked is not None:  # no draft, but a free one was there: a one-token round's verdict, for α
+            hit = self.peeked == verdict.next_token  # (greedy: what verifying it would say; sampling: p_target)
+            self.policy.update(1, int(hit))
+            self.stats.peek(hit)
         self.stats.record(len(draft), len(path), draft.depth)
         new = draft.tokens[path].tolist() + [verdict.next_token]
         # Row rows[j] scored new[j]: the accepted drafts' values are the verification forward's, so they are the
@@ -620,6 +625,8 @@ def _propose(runs: list[Run], ks: dict | None) -> dict[int, Draft]:
         groups.setdefault(many, []).append(run)
     for many, group in groups.items():
         lengths = [run.draft_length(None if ks is None else ks[id(run)]) for run in group]
+        for run, k in zip(group, lengths):  # k = 0 with tokens to go: peek, so α is still learned (Drafter.peek)
+            run.peeked = run.drafter.peek(run.tokens) if k == 0 < run.budget else None
         if many is None:  # one by one: a drafter that raises ends its own run
             for run, k in zip(group, lengths):
                 try:

@@ -36,6 +36,10 @@ class Stats:
     # How the target's verified rows equal one-token decoding (models/exactness.py): "batched" (checked at load
     # on this machine), "row-by-row" (the check failed: rows verified one at a time) or "none" (not claimed).
     exactness: str = "none"
+    # Rounds that drafted nothing (k = 0) but peeked at the drafter's free first token (Drafter.peek), and those whose
+    # next token was it: α's evidence where nothing is drafted (a capped k's, speculate/policy/batch.py).
+    peeked_rounds: int = 0
+    peek_hits: int = 0
 
     def record(self, n_drafted: int, n_accepted: int, depth: int | None = None) -> None:
         """One round: ``n_drafted`` tokens proposed, ``n_accepted`` of them kept. A tree of
@@ -53,6 +57,11 @@ class Stats:
         for i in range(depth):
             self.drafted_by_position[i] += 1
             self.accepted_by_position[i] += i < n_accepted
+
+    def peek(self, hit: bool) -> None:
+        """A round that drafted nothing peeked; ``hit``: the target's next token was the peeked one."""
+        self.peeked_rounds += 1
+        self.peek_hits += hit
 
     def timed_round(self, draft_seconds: float, target_seconds: float) -> None:
         """The seconds of one round's proposal and target forward (called before :meth:`record` counts the round)."""
@@ -93,6 +102,8 @@ class Stats:
             "drafted_tokens": self.drafted_tokens,
             "accepted_draft_tokens": self.accepted_draft_tokens,
             "rejected_rounds": self.rejected_rounds,
+            "peeked_rounds": self.peeked_rounds,
+            "peek_hits": self.peek_hits,
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "llm_calls_ratio": round(self.llm_calls_ratio, 4),
             "acceptance_by_position": [round(a, 4) for a in self.acceptance_by_position],

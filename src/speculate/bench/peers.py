@@ -58,6 +58,8 @@ from .client import chat, percentile
 PRESETS = {
     "speculate": "{python} -m speculate serve --model {model} --port {port} --max-batch {clients} "
                  "--max-queue {queue} --log-level warning",
+    "speculate-nogate": "{python} -m speculate serve --model {model} --port {port} --max-batch {clients} "
+                        "--max-queue {queue} --log-level warning --no-draft-gate",
     "speculate-plain": "{python} -m speculate serve --model {model} --port {port} --max-batch {clients} "
                        "--max-queue {queue} --log-level warning --drafter none",
     "speculate-fp32": "{python} -m speculate serve --model {model} --port {port} --max-batch {clients} "

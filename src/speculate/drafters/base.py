@@ -153,6 +153,14 @@ class Drafter:
     # The engine then calls it once per round for all of that class's drafters; else propose, one by one.
     propose_many = None
 
+    def peek(self, tokens: list[int]) -> int | None:
+        """The first token a proposal would draft after ``tokens`` now, told without drafting and without changing
+        what a later proposal or :meth:`update` does; None where there is none, or where telling it is not free (a
+        drafter with a model). The engine peeks in rounds that draft nothing (k = 0): whether the target's next token
+        equals it is one more observation of α, so a generation planned no draft still learns when drafting would
+        pay again (engine.py, ``Run.take``)."""
+        return None
+
     def max_nodes(self, k: int) -> int:
         """The most draft tokens one proposal at ``k`` holds (k for chains); sizes the KV caches."""
         return k

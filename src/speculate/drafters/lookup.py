@@ -60,8 +60,26 @@ class LookupDrafter(Drafter):
         self.growth = 1  # the next full-match copy is growth · k long (at most max_copy)
         self.copied = 0  # the length of the last proposal when it was such a copy, else 0
 
+    #: A context match shorter than this drafts from the subclass's other source first (:meth:`elsewhere`).
+    min_context = 0
+
     def max_nodes(self, k):
         return max(k, self.max_copy)
+
+    def peek(self, tokens):
+        """What :meth:`propose` would draft first: the other source's token where the context match is weak, else the
+        match's continuation. (Indexing new n-grams is no change of behaviour: a proposal would index them too.)"""
+        found = self.match(tokens)
+        if found is None or found[0] < self.min_context:
+            first = self.elsewhere(tokens)
+            if first is not None:
+                return first
+        return None if found is None else tokens[found[1]]
+
+    def elsewhere(self, tokens) -> int | None:
+        """The first token the subclass's other source (an answer store, the served index) drafts after ``tokens``,
+        without counting it as a lookup; None: nothing (prompt lookup alone has no other source)."""
+        return None
 
     def propose(self, tokens, k):
         self.copied = 0

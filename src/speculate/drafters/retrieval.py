@@ -62,6 +62,10 @@ class RetrievalDrafter(LookupDrafter):
         super().begin(prompt_ids, sampling, generator)
         self.from_store = 0
 
+    def elsewhere(self, tokens):
+        chain = self.store.chain(tokens, 1, self.min_n, self.min_share)
+        return chain[0] if chain else None
+
     def propose(self, tokens, k):
         self.copied = 0
         found = self.match(tokens)

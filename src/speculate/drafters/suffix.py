@@ -100,9 +100,10 @@ class ServedIndex:
         token, count = min(nexts.items(), key=lambda item: (-item[1], item[0]))
         return token, count / sum(nexts.values()), n
 
-    def chain(self, context: list[int], k: int, min_share: float, alpha: float) -> list[int]:
+    def chain(self, context: list[int], k: int, min_share: float, alpha: float, counted: bool = True) -> list[int]:
         """Up to k tokens, each the index's top continuation after the ones before, while its share >= ``min_share``;
-        at most ``alpha`` · n of them after a first match of n tokens."""
+        at most ``alpha`` · n of them after a first match of n tokens. ``counted``: a lookup for /metrics (not a
+        peek's, drafters/base.py)."""
         out: list[int] = []
         limit = k
         recent = list(context[-self.max_n:])
@@ -115,8 +116,8 @@ class ServedIndex:
                     limit = min(k, max(1, int(alpha * hit[2])))
                 out.append(hit[0])
                 recent = (recent + [hit[0]])[-self.max_n:]
-            self.lookups += 1
-            self.hits += bool(out)
+            self.lookups += counted
+            self.hits += counted and bool(out)
         return out
 
     def tree(self, context: list[int], k: int, min_share: float, alpha: float, budget: int
@@ -229,6 +230,12 @@ class SuffixDrafter(LookupDrafter):
             return k
         width = int(1 / self.min_share) if self.min_share > 0 else self.budget
         return min(self.budget, sum(width ** depth for depth in range(1, k + 1)))
+
+    def elsewhere(self, tokens):
+        if self.served is None:
+            return None
+        chain = self.served.chain(tokens, 1, self.min_share, self.alpha, counted=False)
+        return chain[0] if chain else None
 
     def propose(self, tokens, k):
         self.copied = 0

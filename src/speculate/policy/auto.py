@@ -13,8 +13,10 @@ The α estimate is the maximum-likelihood one under the lesson's model (each dra
 independently with probability α, stopping at the first rejection): a round that drafted m and kept n
 contributes n successes, plus one failure when n < m, so α̂ = Σn / (Σn + #rounds with a rejection). A
 prior of ``prior_weight`` pseudo-rounds at ``alpha0`` keeps the first rounds from swinging to k = 1 or
-k_max on one observation. The estimate restarts with each generation, so a seeded generation does not
-depend on what the decoder generated before.
+k_max on one observation. A round at k = 0 whose drafter could tell its first token for free (prompt lookup,
+retrieval, suffix: ``Drafter.peek``) counts as a round that drafted that one token, so α is still learned where
+drafting stopped paying, and drafting resumes when the text turns copyable. The estimate restarts with each
+generation, so a seeded generation does not depend on what the decoder generated before.
 
 ``--eps auto`` (:func:`calibrate_eps`). The Consultant Decoding paper (§3.3, eq. 9) sets ε to the
 target's converged training loss estimated by the Chinchilla law, and names choosing ε as an open

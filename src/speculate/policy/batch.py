@@ -17,7 +17,8 @@ model (prompt lookup, retrieval, heads); speculation then never costs a batch wh
 request named, a draft model's, or a seeded sampling request's (its draws follow its drafts) is kept.
 
 T(n) is measured once per model, precision and thread count (auto.py, ``profile_for(batch=True)``: n = 1, 2, 4,
-..., 256, interpolated between), αᵢ is each generation's running estimate (``AutoK.alpha``).
+..., 256, interpolated between), αᵢ is each generation's running estimate (``AutoK.alpha``), which rounds planned
+no draft still feed where the drafter's proposal is free (prompt lookup, retrieval, suffix: they peek, ``_alpha``).
 
 The plan is a prediction, so a measured gate (gate.py) has the last word: per batch size and drafter it times rounds
 run as planned against rounds run plain, and runs plain where drafting measures slower. Not a batch of one: it keeps
@@ -88,9 +89,11 @@ class BatchPlanner:
     or where no run's k may be planned (``auto``, or a cap: module docstring). The batch cost curve is measured at the
     first batch that needs it (the server measures it at start)."""
 
-    def __init__(self, target, gate: DraftGate | None = None):
+    def __init__(self, target, gate: DraftGate | None = None, alone: bool = False):
+        """``alone``: plan a batch of one too (its capped k; not gated), rather than leave it to its own policy."""
         self.target = target
         self.gate = gate or DraftGate()
+        self.alone = alone
         self._curve = None
         self._pending = None  # (gate key, drafted, tokens before) of the round planned last; None: not to record
 
@@ -102,9 +105,11 @@ class BatchPlanner:
     def __call__(self, runs) -> list[int] | None:
         self._pending = None
         auto = [not run.prefilling and (isinstance(run.policy, AutoK) or _capped(run)) for run in runs]
-        if len(runs) < 2 or not any(auto):
+        if len(runs) < (1 if self.alone else 2) or not any(auto):
             return None
         ks = self._plan(runs, auto)
+        if len(runs) == 1:
+            return ks
         # The gate: drafted as planned, or plain where drafting measures slower (gate.py). Only the plannable runs'
         # drafts count and are withheld; a named k is kept either way.
         key = (bucket(sum(not run.prefilling for run in runs)),
@@ -153,17 +158,18 @@ def _alpha(run) -> float:
     """An auto run's running α (its policy's), a fixed-k run's from its statistics under the same prior (``ALPHA0``
     over ``PRIOR_WEIGHT`` pseudo-rounds), as ``AutoK`` does: one draft does not swing it to 0 or 1.
 
-    A run that is planned no draft never learns otherwise, though. Every MT-Bench and copy-prompt run at 2-8
-    generations drafts one token in the round that completes its prompt, loses it, and sits at 0.48 after (0 before
-    the prior), just below what a third row pays at two generations on this Xeon's curve: so the planner drafts
-    nothing at load on these prompts. Letting an idle run's evidence fade back to the prior was tried (docs/
-    benchmarks.md, "Speculation that never costs"): it drafted again, 1.05× plain at 4 generations on copy prompts
-    but 0.88× at 2, where retrieval's all-or-nothing copies break the independent-acceptance model."""
+    Both count the rounds that drafted nothing but peeked (engine.py, ``Run.take``; Drafter.peek): one trial each,
+    the drafter's free first token against the target's next. Without them a run planned no draft never learned
+    again: every MT-Bench and copy-prompt run at 2-8 generations drafted one token in the round that completed its
+    prompt, lost it, and sat at 0.48 after, just below what a third row pays at two generations on the Xeon's curve,
+    so the planner drafted nothing at load on these prompts. (Letting an idle run's evidence fade back to the prior
+    was tried first, docs/benchmarks.md, "Speculation that never costs": 1.05× plain at 4 generations on copy
+    prompts but 0.88× at 2, where it drafted on no evidence.)"""
     if isinstance(run.policy, AutoK):
         return run.policy.alpha
     stats = run.stats
-    return alpha_mle(stats.accepted_draft_tokens + ALPHA0 * PRIOR_WEIGHT,
-                     stats.rejected_rounds + (1.0 - ALPHA0) * PRIOR_WEIGHT)
+    return alpha_mle(stats.accepted_draft_tokens + stats.peek_hits + ALPHA0 * PRIOR_WEIGHT,
+                     stats.rejected_rounds + stats.peeked_rounds - stats.peek_hits + (1.0 - ALPHA0) * PRIOR_WEIGHT)
 
 
 def _rows(run):

@@ -62,10 +62,13 @@ class DraftGate:
     ``record(key, drafted, tokens, seconds)``: what a round gave (module docstring)."""
 
     def __init__(self, decay: float = 0.9, explore: int = 4, first_probe: int = FIRST_PROBE,
-                 longest_wait: int = LONGEST_WAIT):
+                 longest_wait: int = LONGEST_WAIT, enabled: bool = True):
+        """``enabled`` False (``speculate serve --no-draft-gate``): every round runs as planned, and is still timed
+        (``rates``, the server's /metrics), so the gate's view can be read without its decisions."""
         if not 0.0 < decay < 1.0 or explore < 1 or not 1 <= first_probe <= longest_wait:
             raise ValueError("need 0 < decay < 1, explore >= 1 and 1 <= first_probe <= longest_wait")
         self.decay, self.explore, self.first_probe, self.longest_wait = decay, explore, first_probe, longest_wait
+        self.enabled = enabled
         self.arms: dict = {}  # key -> {True: Arm (draft), False: Arm (plain)}
         self.leader: dict = {}  # key -> the arm in the lead (True: draft), once both are measured
         self.wait: dict = {}  # key -> [rounds until the next probe, the wait after it]
@@ -76,6 +79,8 @@ class DraftGate:
 
     def draft(self, key) -> bool:
         arms = self._arms(key)
+        if not self.enabled:
+            return True
         if min(arm.rounds for arm in arms.values()) < self.explore:
             choice = arms[True].rounds <= arms[False].rounds  # alternate, drafting first
         else:

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from .. import __version__
 from ..policy.batch import BatchPlanner
+from ..policy.gate import DraftGate
 from ..errors import SpeculateError
 from ..models.loader import LoadedModel
 from ..drafters.suffix import indexes as suffix_indexes
@@ -57,8 +58,9 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
     scheduler.on_admit = metrics.queue_time.observe
     scheduler.on_preempt = metrics.preemptions.inc
     # --k auto and the server's k as a cap: each round's draft lengths, gated by measurement (speculate/policy/batch.py)
-    scheduler.plan = planner = BatchPlanner(target)
+    scheduler.plan = planner = BatchPlanner(target, DraftGate(enabled=config.draft_gate))
     scheduler.observe = planner.observe
+    metrics.gate = planner.gate
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -26,6 +26,9 @@ class ServerConfig:
     # (drafters that learn from served answers: suffix) unless --share-drafts.
     api_keys: tuple[str, ...] = ()
     share_drafts: bool = False
+    # The batch planner's measured gate (speculate/policy/gate.py): withhold drafts in batches where drafting measures
+    # slower than plain rounds; --no-draft-gate: draft as planned (still measured, on /metrics).
+    draft_gate: bool = True
     max_batch: int = 8  # generations that share a forward (server/scheduler.py: continuous batching)
     max_queue: int = 16  # admitted requests waiting for a place in the batch; beyond that: 429
     prefill_chunk: int = 128  # prompt tokens a joining request feeds per round
@@ -103,7 +106,7 @@ class ServerConfig:
         keys = args.api_key or [key for key in os.environ.get("SPECULATE_API_KEY", "").split(",") if key.strip()]
         return cls(model=args.model, spec=args.spec, draft_model=args.draft_model,
                    dtype=args.dtype, host=args.host, port=args.port, api_keys=tuple(keys),
-                   share_drafts=args.share_drafts, max_batch=args.max_batch, max_queue=args.max_queue,
+                   share_drafts=args.share_drafts, draft_gate=not args.no_draft_gate, max_batch=args.max_batch, max_queue=args.max_queue,
                    prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
                    max_body_bytes=args.max_body_bytes,
                    prefix_cache=not args.no_prefix_cache, prefix_cache_gib=args.prefix_cache_gib,

@@ -106,6 +106,19 @@ class Metrics:
         self.preemptions = Counter("speculate_preemptions", "Generations preempted for KV memory (--kv-memory): their "
                                    "cache given up, their tokens recomputed or found cached when they resume",
                                    registry=r)
+        self.peeked = Counter("speculate_peeked_rounds", "Rounds that drafted nothing but asked the drafter for its "
+                              "free first token (lookup, retrieval, suffix), so acceptance is still learned",
+                              registry=r)
+        self.peek_hits = Counter("speculate_peek_hits", "Peeked rounds whose next token was the peeked one", registry=r)
+        gate_labels = ["batch", "drafters", "arm"]
+        self.gate_rate = Gauge("speculate_draft_gate_tokens_per_second", "The batch planner's gate: decayed tokens "
+                               "per second of rounds run with drafts (arm=draft) and without (arm=plain), per batch "
+                               "size bucket and drafters in the batch", gate_labels, registry=r)
+        self.gate_rounds = Gauge("speculate_draft_gate_rounds", "Rounds the gate has timed, per bucket, drafters and "
+                                 "arm", gate_labels, registry=r)
+        self.gate_withheld = Gauge("speculate_draft_gate_withheld_rounds", "Rounds the gate ran plain against the "
+                                   "plan (drafting measured slower)", registry=r)
+        self.gate = None  # the batch planner's DraftGate (speculate/policy/gate.py), if any
         self.store = None  # the server's PrefixStore, if any
         self._tokens = 0
         self._calls = 0
@@ -129,6 +142,8 @@ class Metrics:
         self.target_calls.inc(s.target_calls)
         self.drafted.inc(s.drafted_tokens)
         self.accepted.inc(s.accepted_draft_tokens)
+        self.peeked.inc(s.peeked_rounds)
+        self.peek_hits.inc(s.peek_hits)
         for i, (d, a) in enumerate(zip(s.drafted_by_position, s.accepted_by_position), start=1):
             self.drafted_by_position.labels(str(i)).inc(d)
             self.accepted_by_position.labels(str(i)).inc(a)
@@ -165,6 +180,13 @@ class Metrics:
         self.index_ngrams.set(sum(len(i.counts) for i in indexes))
         lookups = sum(i.lookups for i in indexes)
         self.index_hit_rate.set(sum(i.hits for i in indexes) / lookups if lookups else 0.0)
+        if self.gate is not None:
+            for (size, drafters), arms in list(self.gate.arms.items()):  # (a copy: the scheduler's thread adds keys)
+                for drafted, arm in list(arms.items()):
+                    labels = (str(size), "+".join(drafters), "draft" if drafted else "plain")
+                    self.gate_rate.labels(*labels).set(arm.rate)
+                    self.gate_rounds.labels(*labels).set(arm.rounds)
+            self.gate_withheld.set(self.gate.withheld)
         return generate_latest(self.registry)
 
 
