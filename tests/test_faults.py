@@ -135,7 +135,10 @@ def test_a_full_disk_during_a_first_conversion_is_one_line(tmp_path, monkeypatch
     capsys.readouterr()  # (the tiny model's own saving)
     assert main(["generate", "hi", "--model", str(model), "--dtype", "int8", "--max-new-tokens", "2"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and err[0].startswith("speculate: error: cannot write the cache in "), err
+    # (a CPU without VNNI also warns, one line, that int8 runs 7-bit activation rows there: models/loader.py)
+    warned = [line for line in err if line.startswith("speculate: warning: int8 on this CPU: ")]
+    err = [line for line in err if line not in warned]
+    assert len(warned) <= 1 and len(err) == 1 and err[0].startswith("speculate: error: cannot write the cache in "), err
     assert "No space left on device" in err[0]
     assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name == "kernels"] == []
 
