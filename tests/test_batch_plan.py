@@ -153,3 +153,25 @@ def test_a_fixed_k_runs_alpha_has_the_prior_so_one_rejected_draft_does_not_stop_
     assert ks[0] >= 1 and ks == plan([2.4 / 5, 32.4 / 44], [None, None], [5, 5], [chain, chain], [0.0, 0.0],
                                      planner._curve)
 
+
+
+def test_a_capped_k_alone_is_planned_as_in_a_batch_and_not_gated(tiny):
+    """A batch of one with the server's k as a cap is planned (by default; ``alone=False``: its own policy, the whole
+    cap every round): no draft on a curve where a row costs 0.7 of a step at the prior α, the whole cap where rows are
+    free; never gated."""
+    from speculate import SpeculativeDecoder
+    from speculate.policy.batch import BatchPlanner, _alpha
+    from speculate.spec import SpeculativeSpec
+
+    decoder = SpeculativeDecoder(tiny[0], SpeculativeSpec("lookup", verifier="greedy", k=5))
+    run = decoder.start([3], max_new_tokens=60)
+    run.k_is_cap = True
+    steep = {1: 1.0, 2: 1.7, 256: 180.0}
+    for alone, want in ((False, None), (True, [0])):
+        planner = BatchPlanner(tiny[0], alone=alone)
+        planner.gate.draft = None  # (never asked: a batch of one is not gated)
+        planner._curve = steep
+        assert planner([run]) == want and planner._pending is None
+    planner._curve = {1: 1.0, 2: 1.0, 256: 1.0}  # rows for free: the whole cap
+    assert planner([run]) == [5]
+    assert plan([_alpha(run)], [None], [5], [chain], [0.0], steep) == [0] and _alpha(run) == pytest.approx(0.6)

@@ -122,7 +122,8 @@ def test_a_batch_of_one_keeps_its_own_policy_and_prefill_rounds_are_not_measured
     runs = [decoder.start([3], max_new_tokens=20) for _ in range(2)]
     for run in runs:
         run.k_is_cap = True
-    assert planner(runs[:1]) is None and planner._pending is None  # alone: its own policy, not gated
+    assert planner(runs[:1]) == [5] and planner._pending is None  # alone: planned (rows free: the cap), not gated
+    assert BatchPlanner(tiny[0], alone=False)(runs[:1]) is None  # (or left to its own policy)
     assert planner(runs) == [5, 5] and planner._pending == ((2, ("lookup",)), True, 0)
     planner.observe(runs, 1.0)
     assert planner(runs) == [0, 0]  # exploring: the plain round

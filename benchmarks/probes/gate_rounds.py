@@ -48,9 +48,9 @@ def one_batch(target, drafter: str, batch: int, max_tokens: int, prompts: str) -
     gated = BatchPlanner(target)
     copies = {"none": (runs("none"), None), "k=0": (runs(drafter), lambda rs: [0] * len(rs)),
               "planned": (runs(drafter), BatchPlanner(target, Ungated())), "gated": (runs(drafter), gated),
-              "no-peeks": (runs(drafter, peek=False), BatchPlanner(target))}
-    if batch == 1:  # alone, the planner leaves the k = 6 cap to the run; this copy plans it
-        copies["alone"] = (runs(drafter), BatchPlanner(target, Ungated(), alone=True))
+              "no-peeks": (runs(drafter, peek=False), BatchPlanner(target)),
+              "own-alone": (runs(drafter), BatchPlanner(target, alone=False)),
+              "before": (runs(drafter, peek=False), BatchPlanner(target, alone=False))}
     for rs, _ in copies.values():
         while any(r.prefilling for r in rs):
             step(rs, None)

@@ -20,9 +20,15 @@ T(n) is measured once per model, precision and thread count (auto.py, ``profile_
 ..., 256, interpolated between), αᵢ is each generation's running estimate (``AutoK.alpha``), which rounds planned
 no draft still feed where the drafter's proposal is free (prompt lookup, retrieval, suffix: they peek, ``_alpha``).
 
+A batch of one is planned too (``alone``): a capped k alone was the whole cap every round, and on an AVX2 EPYC,
+whose q4 rows are dear (T(2) = 1.49, T(8) = 4.2), that ran MT-Bench answers at 0.84× plain; planned, 0.98× (and
+copy prompts at 1.81× against 1.83×), a batch of two whose answers end apart at 0.86× against 0.73× (its last rounds
+run alone; docs/benchmarks.md, "Peeks"). Planned alone, a run at k = 0 learns from its peeks, or it would never draft
+again.
+
 The plan is a prediction, so a measured gate (gate.py) has the last word: per batch size and drafter it times rounds
-run as planned against rounds run plain, and runs plain where drafting measures slower. Not a batch of one: it keeps
-its own policy, because there the gate, which pools rounds over time, lost to it. One MT-Bench answer alone,
+run as planned against rounds run plain, and runs plain where drafting measures slower. Not a batch of one: there
+the gate, which pools rounds over time, lost to the run's own policy. One MT-Bench answer alone,
 engine-level: over its first 100 rounds drafting ran 0.96× plain and the gate 0.96× too (exploring and probing cost
 what withholding saved); over 300 rounds, as the answer turned repetitive, drafting ran 1.31× and the gate 1.19×
 (docs/benchmarks.md, "Speculation that never costs").
@@ -85,12 +91,13 @@ def plan(alphas: list[float | None], fixed: list[int | None], k_max: list[int], 
 
 class BatchPlanner:
     """``planner(runs) -> ks | None``: the scheduler's (server/scheduler.py) per-round choice, and
-    ``planner.observe(runs, seconds)`` after the round, for the gate. None (each run's own policy) for a batch of one,
-    or where no run's k may be planned (``auto``, or a cap: module docstring). The batch cost curve is measured at the
+    ``planner.observe(runs, seconds)`` after the round, for the gate. None (each run's own policy) where no run's k
+    may be planned (``auto``, or a cap: module docstring). The batch cost curve is measured at the
     first batch that needs it (the server measures it at start)."""
 
-    def __init__(self, target, gate: DraftGate | None = None, alone: bool = False):
-        """``alone``: plan a batch of one too (its capped k; not gated), rather than leave it to its own policy."""
+    def __init__(self, target, gate: DraftGate | None = None, alone: bool = True):
+        """``alone``: plan a batch of one too (a capped k, as for a batch; not gated); False: leave it to its own
+        policy (a fixed k = the cap every round)."""
         self.target = target
         self.gate = gate or DraftGate()
         self.alone = alone
