@@ -158,7 +158,7 @@ def test_a_fixed_k_runs_alpha_has_the_prior_so_one_rejected_draft_does_not_stop_
 def test_a_capped_k_alone_is_planned_as_in_a_batch_and_not_gated(tiny):
     """A batch of one with the server's k as a cap is planned (by default; ``alone=False``: its own policy, the whole
     cap every round): no draft on a curve where a row costs 0.7 of a step at the prior α, the whole cap where rows are
-    free; never gated."""
+    free; never gated. An auto k alone is left to AutoK."""
     from speculate import SpeculativeDecoder
     from speculate.policy.batch import BatchPlanner, _alpha
     from speculate.spec import SpeculativeSpec
@@ -175,3 +175,9 @@ def test_a_capped_k_alone_is_planned_as_in_a_batch_and_not_gated(tiny):
     planner._curve = {1: 1.0, 2: 1.0, 256: 1.0}  # rows for free: the whole cap
     assert planner([run]) == [5]
     assert plan([_alpha(run)], [None], [5], [chain], [0.0], steep) == [0] and _alpha(run) == pytest.approx(0.6)
+    # An auto k alone plans itself (AutoK, on its own finer curve): not planned here, alone=True or not.
+    auto = SpeculativeDecoder(tiny[0], SpeculativeSpec("lookup", verifier="greedy", k="auto")).start([3],
+                                                                                                    max_new_tokens=9)
+    pair = BatchPlanner(tiny[0])
+    pair._curve = steep
+    assert planner([auto]) is None and pair([auto, run]) is not None

@@ -138,7 +138,7 @@ def test_rounds_that_draft_nothing_peek_and_alpha_learns_exactly_their_hits(tiny
 
 
 class Oracle(LookupDrafter):
-    """Drafts ``answer``'s next tokens (right where ``answer`` is plain decoding's), or ``shift`` added to each (wrong)."""
+    """Drafts ``answer``'s next tokens (right where ``answer`` is plain decoding's), or ``shift`` added to each."""
 
     name = "oracle"
 
@@ -147,7 +147,8 @@ class Oracle(LookupDrafter):
         self.answer, self.shift = answer, shift
 
     def propose(self, tokens, k):
-        return Draft(torch.tensor([t + self.shift for t in self.answer[len(tokens): len(tokens) + k]], dtype=torch.long))
+        chain = [t + self.shift for t in self.answer[len(tokens): len(tokens) + k]]
+        return Draft(torch.tensor(chain, dtype=torch.long))
 
     def peek(self, tokens):
         return self.answer[len(tokens)] + self.shift if len(tokens) < len(self.answer) else None
@@ -189,8 +190,8 @@ def test_a_run_planned_no_draft_is_planned_drafts_again_once_its_peeks_hit(tiny,
         assert not drafting and all(run.stats.peek_hits == 0 for run in runs)
         assert all(run.stats.peeked_rounds == 39 for run in runs)  # every round but the last peeked
     else:
-        # Round i has seen 1 + i peeks, all hits: α = (2.4 + 1 + i) / (4 + 1 + 1 + i). A draft pays where (2 + α) / T(3)
-        # > 2 / T(2), T(3) = 1.7 + 178.3 / 254: α > 0.826, first at i = 9.
+        # Round i has seen 1 + i peeks, all hits: α = (2.4 + 1 + i) / (4 + 1 + 1 + i). A draft pays where
+        # (2 + α) / T(3) > 2 / T(2), T(3) = 1.7 + 178.3 / 254: α > 0.826, first at i = 9.
         assert drafting and drafting[0] == 9 and all(ks and ks[0] for ks in plans[9:30])
     for run, answer in zip(runs, answers):
         assert run.tokens == answer

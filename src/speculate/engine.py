@@ -626,7 +626,11 @@ def _propose(runs: list[Run], ks: dict | None) -> dict[int, Draft]:
     for many, group in groups.items():
         lengths = [run.draft_length(None if ks is None else ks[id(run)]) for run in group]
         for run, k in zip(group, lengths):  # k = 0 with tokens to go: peek, so α is still learned (Drafter.peek)
-            run.peeked = run.drafter.peek(run.tokens) if k == 0 < run.budget else None
+            try:
+                run.peeked = run.drafter.peek(run.tokens) if k == 0 < run.budget else None
+            except Exception as e:  # noqa: BLE001 — as a proposal that raises: its run ends with the error
+                run.peeked = None
+                run.fail(e)
         if many is None:  # one by one: a drafter that raises ends its own run
             for run, k in zip(group, lengths):
                 try:

@@ -96,8 +96,8 @@ class BatchPlanner:
     first batch that needs it (the server measures it at start)."""
 
     def __init__(self, target, gate: DraftGate | None = None, alone: bool = True):
-        """``alone``: plan a batch of one too (a capped k, as for a batch; not gated); False: leave it to its own
-        policy (a fixed k = the cap every round)."""
+        """``alone``: plan a batch of one's capped k too, as for a batch (not gated); False: leave it to its own policy
+        (the whole cap every round). An auto k alone plans itself either way (AutoK)."""
         self.target = target
         self.gate = gate or DraftGate()
         self.alone = alone
@@ -112,8 +112,8 @@ class BatchPlanner:
     def __call__(self, runs) -> list[int] | None:
         self._pending = None
         auto = [not run.prefilling and (isinstance(run.policy, AutoK) or _capped(run)) for run in runs]
-        if len(runs) < (1 if self.alone else 2) or not any(auto):
-            return None
+        if len(runs) < 2 and not (self.alone and auto[0] and _capped(runs[0])) or not any(auto):
+            return None  # (alone, an auto k plans itself: AutoK, on the finer curve of n = 1..9)
         ks = self._plan(runs, auto)
         if len(runs) == 1:
             return ks

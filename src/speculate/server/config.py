@@ -106,7 +106,8 @@ class ServerConfig:
         keys = args.api_key or [key for key in os.environ.get("SPECULATE_API_KEY", "").split(",") if key.strip()]
         return cls(model=args.model, spec=args.spec, draft_model=args.draft_model,
                    dtype=args.dtype, host=args.host, port=args.port, api_keys=tuple(keys),
-                   share_drafts=args.share_drafts, draft_gate=not args.no_draft_gate, max_batch=args.max_batch, max_queue=args.max_queue,
+                   share_drafts=args.share_drafts, draft_gate=not args.no_draft_gate, max_batch=args.max_batch,
+                   max_queue=args.max_queue,
                    prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
                    max_body_bytes=args.max_body_bytes,
                    prefix_cache=not args.no_prefix_cache, prefix_cache_gib=args.prefix_cache_gib,
