@@ -28,9 +28,9 @@ def load_models(config: ServerConfig):
         build_decoder(target, draft, request_spec(config, None))
     except APIError as e:
         raise SpeculateError(e.message) from None
-    # k by batch size's cost curve (--k auto, or the default k as a cap that drafts only where it pays): now, not in
-    # the first batch.
-    if config.max_batch > 1 and (config.spec.k == "auto" or config.spec.drafter != "none"):
+    # k by batch size's cost curve (--k auto, or the default k as a cap that drafts only where it pays, in a batch or
+    # alone): now, not in the first request.
+    if config.spec.drafter != "none" or (config.max_batch > 1 and config.spec.k == "auto"):
         from ..policy.auto import profile_for
 
         profile_for(target, batch=True)
