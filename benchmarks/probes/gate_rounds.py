@@ -1,11 +1,13 @@
 """What drafting costs a batch of generations, round by round, with and without the measured gate (issue 41).
 
-B generations of a prompt set (default: the first MT-Bench first turns; chat prompts, greedy) in four copies, each moved by engine.step
-in turn, round after round, the order reversed every other round: ``none`` (plain decoding), ``k=0`` (the drafter
-runs, every k forced to 0: what drafting costs when it drafts nothing), ``planned`` (the server's default k = 6 as
-a cap the batch planner lowers, no gate: the planner before policy/gate.py) ``gated`` (the planner with its
-gate, as `speculate serve` runs it) and ``no-peeks`` (the same, but rounds planned no draft do not peek: the planner
-before Drafter.peek). Per copy: its rounds, seconds and tokens/s, and the gate's rates per key. No server, no HTTP: the engine's cost alone.
+B generations of a prompt set (default: the first MT-Bench first turns; chat prompts, greedy) in seven copies, each
+moved by engine.step in turn, round after round, the order reversed every other round: ``none`` (plain decoding),
+``k=0`` (the drafter runs, every k forced to 0: what drafting costs when it drafts nothing), ``planned`` (the server's
+default k = 6 as a cap the batch planner lowers, no gate: the planner before policy/gate.py), ``gated`` (the planner
+with its gate, as `speculate serve` runs it), ``no-peeks`` (the same, but rounds planned no draft do not peek: the
+planner before Drafter.peek), ``own-alone`` (a batch of one left to its own policy, the whole cap every round) and
+``before`` (neither peeks nor a batch of one planned). Per copy: its rounds, drafted tokens, seconds and tokens/s,
+and the gate's rates per key. No server, no HTTP: the engine's cost alone.
 
     python benchmarks/probes/gate_rounds.py --batch 1 8 32 --max-tokens 128 [--dtype q4] [--drafter auto] [--prompts copy]
 """

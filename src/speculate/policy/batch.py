@@ -112,10 +112,11 @@ class BatchPlanner:
     def __call__(self, runs) -> list[int] | None:
         self._pending = None
         auto = [not run.prefilling and (isinstance(run.policy, AutoK) or _capped(run)) for run in runs]
-        if len(runs) < 2 and not (self.alone and auto[0] and _capped(runs[0])) or not any(auto):
+        alone = len(runs) == 1
+        if not any(auto) or (alone and not (self.alone and _capped(runs[0]))):
             return None  # (alone, an auto k plans itself: AutoK, on the finer curve of n = 1..9)
         ks = self._plan(runs, auto)
-        if len(runs) == 1:
+        if alone:
             return ks
         # The gate: drafted as planned, or plain where drafting measures slower (gate.py). Only the plannable runs'
         # drafts count and are withheld; a named k is kept either way.
