@@ -181,3 +181,88 @@ def test_a_capped_k_alone_is_planned_as_in_a_batch_and_not_gated(tiny):
     pair = BatchPlanner(tiny[0])
     pair._curve = steep
     assert planner([auto]) is None and pair([auto, run]) is not None
+
+
+def test_in_a_batch_a_planned_draft_is_cut_to_its_planned_depth_and_alone_or_named_it_is_not(tiny):
+    """A drafter may propose past k (lookup's copies that grow). In a batch, a planned run's draft is cut to its planned
+    k (the rows are the batch's: BatchPlanner.round); a k the request named keeps its whole draft, and so does a planned
+    run alone, where growing copies pay. The answers are plain decoding's throughout."""
+    import torch
+
+    from speculate import SpeculativeDecoder
+    from speculate.drafters.base import Draft
+    from speculate.drafters.lookup import LookupDrafter
+    from speculate.engine import step
+    from speculate.policy.batch import BatchPlanner
+    from speculate.spec import SpeculativeSpec
+
+    class Overdraft(LookupDrafter):
+        """Drafts ``answer``'s next 3·k tokens: always right, always three times deeper than asked."""
+
+        name = "overdraft"
+
+        def __init__(self, answer):
+            super().__init__()
+            self.answer = answer
+
+        def propose(self, tokens, k):
+            return Draft(torch.tensor(self.answer[len(tokens): len(tokens) + 3 * k], dtype=torch.long))
+
+        def peek(self, tokens):
+            return self.answer[len(tokens)] if len(tokens) < len(self.answer) else None
+
+    target = tiny[0]
+    prompts = [[3, 4, 5, 6] * 4, [7, 8, 9, 10, 11] * 3, [12, 13] * 5]
+    lengths, capped = [60, 20, 20], [True, True, False]
+    plain = SpeculativeDecoder(target, SpeculativeSpec("none", verifier="greedy"))
+    answers = [p + plain.generate(p, max_new_tokens=n, chat=False).token_ids for p, n in zip(prompts, lengths)]
+    runs = []
+    for prompt, answer, n, cap in zip(prompts, answers, lengths, capped):
+        decoder = SpeculativeDecoder(target, SpeculativeSpec(verifier="greedy", k=2), drafter=Overdraft(answer))
+        runs.append(decoder.start(prompt, max_new_tokens=n))
+        runs[-1].k_is_cap = cap
+    planner = BatchPlanner(target)
+    planner.gate.draft = lambda key: True  # (the plan alone, not the measured gate)
+    planner._curve = {1: 1.0, 2: 1.0, 256: 1.0}  # rows for free: the whole cap, k = 2, every round
+    seen = {"batch planned": [], "batch named": [], "alone planned": []}
+    while not all(run.done for run in runs):
+        live = [run for run in runs if not run.done]
+        ks, depths = planner.round(live)
+        before = [(run.prefilling, run.stats.drafted_tokens, run.budget) for run in live]
+        step(live, ks, depths)
+        for i, (run, (prefilling, drafted, budget)) in enumerate(zip(live, before)):
+            if prefilling:
+                continue
+            where = "alone" if len(live) == 1 else "batch"
+            seen[f"{where} {'planned' if run.k_is_cap else 'named'}"].append(
+                (run.stats.drafted_tokens - drafted, ks and ks[i], depths and depths[i], budget))
+    # Planned in a batch: cut to k = 2 (or the tokens left to draft); named beside it: 6 (3·k); alone: 6 again.
+    assert seen["batch planned"] and all(d == k == depth == min(2, b) for d, k, depth, b in seen["batch planned"])
+    assert seen["batch named"] and all(d == min(6, b) for d, _, _, b in seen["batch named"])
+    assert seen["alone planned"] and all(d == min(6, b) and depth is None for d, _, depth, b in seen["alone planned"])
+    assert max(d for d, *_ in seen["batch named"]) == 6 and max(d for d, *_ in seen["alone planned"]) == 6
+    for run, answer in zip(runs, answers):
+        assert run.tokens == answer
+
+
+def test_the_server_measures_the_batch_curve_at_start_only_where_a_run_may_be_planned(tiny_folders, monkeypatch):
+    """At start, `speculate serve` measures the batch cost curve where its default settings let the planner set k:
+    a drafter of known cost with the default k as a cap (alone too), or --k auto in batches. Not for plain decoding,
+    nor for a draft model's fixed k (kept as it is: policy/batch.py, ``_capped``), nor for --k auto alone (AutoK)."""
+    from speculate.policy import auto
+    from speculate.server import ServerConfig, load_models
+    from speculate.spec import SpeculativeSpec
+
+    measured = []
+    monkeypatch.setattr(auto, "profile_for", lambda target, draft=None, batch=False, **kw: measured.append(batch))
+    model, other = str(tiny_folders[0]), str(tiny_folders[1])
+    cases = [(dict(spec=SpeculativeSpec("lookup", k=4)), True), (dict(spec=SpeculativeSpec("suffix")), True),
+             (dict(spec=SpeculativeSpec("none")), False),
+             (dict(spec=SpeculativeSpec("model", k=4), draft_model=other), False),
+             (dict(spec=SpeculativeSpec("model", k=4), draft_model=other, max_batch=4), False),
+             (dict(spec=SpeculativeSpec("model", k="auto"), draft_model=other, max_batch=4), True),
+             (dict(spec=SpeculativeSpec("lookup", k="auto"), max_batch=1), False)]
+    for settings, want in cases:
+        measured.clear()
+        load_models(ServerConfig(model=model, **{"max_batch": 1, **settings}))
+        assert measured == ([True] if want else []), settings

@@ -147,5 +147,5 @@ def test_a_gate_switched_off_drafts_as_planned_and_still_times_both_arms(tiny):
     assert on.withheld > 20
     for enabled in (True, False):
         app = create_app(ServerConfig(model=str(tiny[0].name), draft_gate=enabled), tiny[0])
-        gate = app.state.scheduler.plan.gate
+        gate = app.state.planner.gate
         assert gate.enabled is enabled and app.state.metrics.gate is gate

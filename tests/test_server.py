@@ -840,7 +840,7 @@ def test_batched_requests_answer_exactly_what_each_gets_alone(tiny_folders, monk
     monkeypatch.undo()
     # The planner's gate (speculate/policy/gate.py) timed rounds both ways: drafted as planned, and plain; /metrics
     # shows it, per bucket, drafters and arm.
-    gate = app.state.scheduler.plan.gate
+    gate = app.state.planner.gate
     assert gate.enabled and any(both[True].rounds and both[False].rounds for both in gate.arms.values())
     for (size, drafters), both in gate.arms.items():
         for drafted, arm in both.items():

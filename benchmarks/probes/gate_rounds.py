@@ -1,15 +1,18 @@
 """What drafting costs a batch of generations, round by round, with and without the measured gate (issue 41).
 
-B generations of a prompt set (default: the first MT-Bench first turns; chat prompts, greedy) in seven copies, each
-moved by engine.step in turn, round after round, the order reversed every other round: ``none`` (plain decoding),
-``k=0`` (the drafter runs, every k forced to 0: what drafting costs when it drafts nothing), ``planned`` (the server's
-default k = 6 as a cap the batch planner lowers, no gate: the planner before policy/gate.py), ``gated`` (the planner
-with its gate, as `speculate serve` runs it), ``no-peeks`` (the same, but rounds planned no draft do not peek: the
-planner before Drafter.peek), ``own-alone`` (a batch of one left to its own policy, the whole cap every round) and
-``before`` (neither peeks nor a batch of one planned). Per copy: its rounds, drafted tokens, seconds and tokens/s,
-and the gate's rates per key. No server, no HTTP: the engine's cost alone.
+B generations of a prompt set (default: the first MT-Bench first turns; chat prompts, greedy) in up to eight copies
+(``--copies``), each moved by engine.step in turn, round after round, the order reversed every other round: ``none``
+(plain decoding), ``k=0`` (the drafter runs, every k forced to 0: what drafting costs when it drafts nothing),
+``planned`` (the server's default k = 6 as a cap the batch planner lowers, no gate: the planner before
+policy/gate.py), ``gated`` (the planner with its gate, as `speculate serve` runs it), ``uncut`` (the same, but a
+planned draft in a batch is not cut to its planned depth: lookup's growing copies pass it), ``no-peeks`` (uncut, and
+rounds planned no draft do not peek: the planner before Drafter.peek), ``own-alone`` (uncut, a batch of one left to
+its own policy, the whole cap every round) and ``before`` (uncut, neither peeks nor a batch of one planned). Per copy:
+its rounds, drafted tokens, seconds and tokens/s, and the gate's rates per key. No server, no HTTP: the engine's
+cost alone.
 
     python benchmarks/probes/gate_rounds.py --batch 1 8 32 --max-tokens 128 [--dtype q4] [--drafter auto] [--prompts copy]
+        [--copies none gated uncut] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -34,7 +37,26 @@ class Ungated(DraftGate):
         return True
 
 
-def one_batch(target, drafter: str, batch: int, max_tokens: int, prompts: str) -> None:
+class Uncut(BatchPlanner):
+    """The planner before planned drafts were cut to their depth in a batch: a growing copy drafts past k."""
+
+    def round(self, runs):
+        return self._ks(runs), None
+
+
+class Zero(BatchPlanner):
+    """Every k forced to 0 (the drafter still runs: what drafting costs when it drafts nothing)."""
+
+    def round(self, runs):
+        return [0] * len(runs), None
+
+    def observe(self, runs, seconds):
+        pass
+
+
+def one_batch(target, drafter: str, batch: int, max_tokens: int, prompts: str, chosen: list[str]) -> dict:
+    """One run of every copy at ``batch`` generations; prints a line per copy, returns copy → seconds(none) / its
+    seconds."""
     texts = prompt_texts(prompts)
     texts = (texts * (batch // len(texts) + 1))[:batch]
 
@@ -48,11 +70,14 @@ def one_batch(target, drafter: str, batch: int, max_tokens: int, prompts: str) -
         return out
 
     gated = BatchPlanner(target)
-    copies = {"none": (runs("none"), None), "k=0": (runs(drafter), lambda rs: [0] * len(rs)),
-              "planned": (runs(drafter), BatchPlanner(target, Ungated())), "gated": (runs(drafter), gated),
-              "no-peeks": (runs(drafter, peek=False), BatchPlanner(target)),
-              "own-alone": (runs(drafter), BatchPlanner(target, alone=False)),
-              "before": (runs(drafter, peek=False), BatchPlanner(target, alone=False))}
+    made = {"none": lambda: (runs("none"), None), "k=0": lambda: (runs(drafter), Zero(target)),
+            "planned": lambda: (runs(drafter), BatchPlanner(target, Ungated())),
+            "gated": lambda: (runs(drafter), gated),
+            "uncut": lambda: (runs(drafter), Uncut(target)),
+            "no-peeks": lambda: (runs(drafter, peek=False), Uncut(target)),
+            "own-alone": lambda: (runs(drafter), Uncut(target, alone=False)),
+            "before": lambda: (runs(drafter, peek=False), Uncut(target, alone=False))}
+    copies = {name: made[name]() for name in ["none", *(c for c in chosen if c != "none")]}
     for rs, _ in copies.values():
         while any(r.prefilling for r in rs):
             step(rs, None)
@@ -66,9 +91,9 @@ def one_batch(target, drafter: str, batch: int, max_tokens: int, prompts: str) -
             rs, plan = copies[name]
             live = [r for r in rs if not r.done]
             t0 = time.perf_counter()
-            step(live, plan(live) if plan else None)
+            step(live, *(plan.round(live) if plan else (None, None)))
             dt = time.perf_counter() - t0
-            if plan is not None and hasattr(plan, "observe"):
+            if plan is not None:
                 plan.observe(live, dt)
             seconds[name] += dt
             rounds[name] += 1
@@ -80,6 +105,10 @@ def one_batch(target, drafter: str, batch: int, max_tokens: int, prompts: str) -
               f"{tokens[name] / seconds[name]:6.1f} tokens/s = {seconds['none'] / seconds[name]:.3f}x none")
     rates = {k: tuple(round(x, 1) for x in v) for k, v in gated.gate.rates().items()}
     print(f"B={batch:<3d} gate (draft, plain) tokens/s per key: {rates}; rounds withheld: {gated.gate.withheld}")
+    return {name: seconds["none"] / seconds[name] for name in copies}
+
+
+COPIES = ("none", "k=0", "planned", "gated", "uncut", "no-peeks", "own-alone", "before")
 
 
 def main() -> None:
@@ -89,11 +118,21 @@ def main() -> None:
     p.add_argument("--dtype", default="q4")
     p.add_argument("--drafter", default="auto")
     p.add_argument("--prompts", default="mt_bench", help="as serve_load's --prompts (copy, paraphrase, mt_bench, ...)")
+    p.add_argument("--repeat", type=int, default=1, help="run it all this many times; the medians at the end")
+    p.add_argument("--copies", nargs="+", default=list(COPIES), choices=COPIES, help="which copies run (none always)")
     args = p.parse_args()
     target = load_model(dtype=args.dtype, progress=False)
     print(machine_header()["machine"])
-    for batch in args.batch:
-        one_batch(target, resolve(args.drafter, target), batch, args.max_tokens, args.prompts)
+    ratios = {}  # (batch, copy) → each repeat's ratio to plain decoding
+    for _ in range(args.repeat):  # (the batch sizes in turn, so that a slow spell of the machine spreads over them all)
+        for batch in args.batch:
+            got = one_batch(target, resolve(args.drafter, target), batch, args.max_tokens, args.prompts, args.copies)
+            for name, ratio in got.items():
+                ratios.setdefault((batch, name), []).append(ratio)
+    if args.repeat > 1:
+        print(f"over {args.repeat} repeats: median (min-max) of each copy's speed over plain decoding's")
+        for (batch, name), rs in ratios.items():
+            print(f"B={batch:<3d} {name:9s} {statistics.median(rs):.3f}x ({min(rs):.3f}-{max(rs):.3f})")
 
 
 if __name__ == "__main__":

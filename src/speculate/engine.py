@@ -571,18 +571,20 @@ class Run:
 
 
 @torch.inference_mode()
-def step(runs: list[Run], ks: list[int] | None = None) -> list[list[str]]:
+def step(runs: list[Run], ks: list[int] | None = None, depths: list[int | None] | None = None) -> list[list[str]]:
     """One round of every run: each drafts (or feeds a prefill chunk), ONE target forward scores all their rows
     (the linear layers and the LM head once; attention per run over its own cache), then each verifies, rolls
     back and commits. Returns each run's new text pieces. ``ks``: each run's draft length (default: its k
-    policy's). A run that raises is ended with the error (``Run.error``); the others go on."""
+    policy's); ``depths``: each run's deepest draft (None: as deep as its drafter proposes, which may pass k: lookup's
+    copies that grow; the batch planner's, ``BatchPlanner.round``). A run that raises is ended with the error
+    (``Run.error``); the others go on."""
     # 1. Draft: each run's rows, a prefill chunk or [root] + its drafter's proposal. (A run already done is left as
     # it is.)
     started = time.perf_counter()
     for run in runs:
         run.round_started = started  # (a run whose prompt completes this round counts its prefill to here)
     drafts = _propose([run for run in runs if not run.done and (not run.prefilling or run.joins)],
-                      ks and {id(r): k for r, k in zip(runs, ks)})
+                      ks and {id(r): k for r, k in zip(runs, ks)}, depths and {id(r): d for r, d in zip(runs, depths)})
     drafted = time.perf_counter()
     live, rows = [], []
     for run in runs:
@@ -616,9 +618,10 @@ def step(runs: list[Run], ks: list[int] | None = None) -> list[list[str]]:
     return [pieces.get(id(run), []) for run in runs]
 
 
-def _propose(runs: list[Run], ks: dict | None) -> dict[int, Draft]:
-    """id(run) → its draft this round. Drafters with their own model propose together (``Drafter.propose_many``:
-    their forwards batched); the others one by one. A drafter that raises ends its run (its group's, batched)."""
+def _propose(runs: list[Run], ks: dict | None, depths: dict | None = None) -> dict[int, Draft]:
+    """id(run) → its draft this round, cut to its depth where ``depths`` gives one. Drafters with their own model
+    propose together (``Drafter.propose_many``: their forwards batched); the others one by one. A drafter that
+    raises ends its run (its group's, batched)."""
     drafts, groups = {}, {}
     for run in runs:
         many = type(run.drafter).propose_many
@@ -644,6 +647,9 @@ def _propose(runs: list[Run], ks: dict | None) -> dict[int, Draft]:
         except Exception as e:  # noqa: BLE001 — a batched proposal that raises ends its group's runs
             for run in group:
                 run.fail(e)
+    for key, depth in (depths or {}).items():
+        if depth is not None and key in drafts:
+            drafts[key] = drafts[key].within(depth)
     return drafts
 
 

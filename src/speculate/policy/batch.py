@@ -110,8 +110,22 @@ class BatchPlanner:
         return self._curve
 
     def __call__(self, runs) -> list[int] | None:
+        return self.round(runs)[0]
+
+    def round(self, runs) -> tuple[list[int] | None, list[int | None] | None]:
+        """This round's ``(ks, depths)`` for ``engine.step``: the draft lengths (None: each run's own policy), and in a
+        batch each planned run's deepest draft (its k). A drafter may propose past k (lookup's copies that grow); alone
+        that pays (copy prompts 1.81x plain, cut 1.41x), in a batch the rows are the batch's, which the plan did not
+        count: on the AVX2 EPYC two copy-prompt answers drafted 8, 16 and 32 tokens where k = 2 was planned, a
+        136 ms round against 10 ms plain: 0.88x plain, cut 0.98x (docs/benchmarks.md, "Depth cut")."""
+        ks = self._ks(runs)
+        if ks is None or len(runs) == 1:
+            return ks, None
+        return ks, [k if _plannable(run) else None for run, k in zip(runs, ks)]
+
+    def _ks(self, runs) -> list[int] | None:
         self._pending = None
-        auto = [not run.prefilling and (isinstance(run.policy, AutoK) or _capped(run)) for run in runs]
+        auto = [_plannable(run) for run in runs]
         alone = len(runs) == 1
         if not any(auto) or (alone and not (self.alone and _capped(runs[0]))):
             return None  # (alone, an auto k plans itself: AutoK, on the finer curve of n = 1..9)
@@ -151,6 +165,11 @@ class BatchPlanner:
 
 def _chain(k: int) -> int:
     return k + 1
+
+
+def _plannable(run) -> bool:
+    """Whether the planner chooses ``run``'s k this round: an auto k, or a cap (``_capped``), not while it prefills."""
+    return not run.prefilling and (isinstance(run.policy, AutoK) or _capped(run))
 
 
 def _capped(run) -> bool:

@@ -58,7 +58,8 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
     scheduler.on_admit = metrics.queue_time.observe
     scheduler.on_preempt = metrics.preemptions.inc
     # --k auto and the server's k as a cap: each round's draft lengths, gated by measurement (speculate/policy/batch.py)
-    scheduler.plan = planner = BatchPlanner(target, DraftGate(enabled=config.draft_gate))
+    planner = BatchPlanner(target, DraftGate(enabled=config.draft_gate))
+    scheduler.plan = planner.round
     scheduler.observe = planner.observe
     metrics.gate = planner.gate
 
@@ -77,6 +78,7 @@ def create_app(config: ServerConfig, target: LoadedModel, draft: LoadedModel | N
     app.state.ready = False
     app.state.config, app.state.metrics, app.state.scheduler = config, metrics, scheduler
     app.state.target = target  # (tools that drive an app in-process: its tokenizer)
+    app.state.planner = planner  # (the draft gate's state, for tests and tools)
     routes = Routes(app, config, target, draft, scheduler, metrics)
     app.state.begin_shutdown = routes.begin_shutdown
     install_error_handlers(app, partial(check_api_key, api_keys=config.api_keys))

@@ -25,12 +25,14 @@ def load_models(config: ServerConfig):
     if draft is not None:
         check_same_tokenizer(draft.tokenizer, target.tokenizer)
     try:
-        build_decoder(target, draft, request_spec(config, None))
+        drafter = build_decoder(target, draft, request_spec(config, None)).drafter
     except APIError as e:
         raise SpeculateError(e.message) from None
-    # k by batch size's cost curve (--k auto, or the default k as a cap that drafts only where it pays, in a batch or
-    # alone): now, not in the first request.
-    if config.spec.drafter != "none" or (config.max_batch > 1 and config.spec.k == "auto"):
+    # k by batch size's cost curve, now, not in the first request: for --k auto in batches, and for the default k as a
+    # cap that drafts only where it pays, in a batch or alone (a drafter whose cost is known: not a draft model's,
+    # whose fixed k is kept; policy/batch.py, ``_capped``).
+    capped = config.spec.k != "auto" and config.spec.drafter != "none" and drafter.relative_cost() is not None
+    if capped or (config.max_batch > 1 and config.spec.k == "auto"):
         from ..policy.auto import profile_for
 
         profile_for(target, batch=True)

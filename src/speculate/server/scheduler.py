@@ -159,13 +159,14 @@ class _Running:
 
 class Scheduler:
     """``max_batch``: generations that share a forward; ``max_queue``: admitted requests waiting for a place.
-    ``plan(runs) -> ks | None``: each run's draft length this round (k by batch size, speculate/policy/batch.py; None:
-    each run's own policy), and ``observe(runs, seconds)`` what the round it planned took (the planner's gate, which
-    withholds drafts where they measure slower). ``on_change(running, queued)``, ``on_round(generations, rows,
+    ``plan(runs) -> (ks, depths)``: each run's draft length and deepest draft this round (k by batch size,
+    speculate/policy/batch.py, ``BatchPlanner.round``; None: each run's own policy, and as deep as it drafts), and
+    ``observe(runs, seconds)`` what the round it planned took (the planner's gate, which withholds drafts where they
+    measure slower). ``on_change(running, queued)``, ``on_round(generations, rows,
     seconds)`` and ``on_admit(seconds queued)`` feed the metrics."""
 
     def __init__(self, max_batch: int, max_queue: int, on_change: Callable[[int, int], None] | None = None,
-                 plan: Callable[[list[Run]], list[int] | None] | None = None, prefill_chunk: int = 128,
+                 plan: Callable[[list[Run]], tuple[list | None, list | None]] | None = None, prefill_chunk: int = 128,
                  prefill_budget: int | None = None, kv_budget: int = 0, stretch: int = STRETCH):
         prefill_budget = prefill_budget or 2 * prefill_chunk
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or prefill_budget < 1:
@@ -186,7 +187,7 @@ class Scheduler:
         self.on_admit: Callable[[float], None] = lambda queued_seconds: None
         self.on_preempt: Callable[[], None] = lambda: None
         self.preempted = 0  # generations preempted so far
-        self.plan = plan or (lambda runs: None)
+        self.plan = plan or (lambda runs: (None, None))
         self.observe: Callable[[list[Run], float], None] = lambda runs, seconds: None
         self._inbox: queue.Queue = queue.Queue()  # jobs, calls, None (stop)
         self._waiting: deque[Job] = deque()
@@ -433,7 +434,7 @@ class Scheduler:
             chosen.append(r.run)
         runs = [r.run for r in running]
         t0 = time.perf_counter()
-        pieces = step(runs, self.plan(runs))
+        pieces = step(runs, *self.plan(runs))
         now = time.perf_counter()
         self.observe(runs, now - t0)
         self.on_round(len(runs), sum(r.rows_last for r in runs), now - t0)
