@@ -81,9 +81,21 @@ class LookupDrafter(Drafter):
         without counting it as a lookup; None: nothing (prompt lookup alone has no other source)."""
         return None
 
+    def draft_elsewhere(self, tokens, k: int) -> Draft | None:
+        """The subclass's other source's draft of depth ``k`` (k >= 1) after ``tokens``, counted as one of its drafts;
+        None: nothing there, the context match drafts."""
+        return None
+
     def propose(self, tokens, k):
         self.copied = 0
-        return self.from_match(tokens, k, self.match(tokens))
+        if not k:  # (a round planned no draft: nothing to look up; its peek has matched already, engine._propose)
+            return Draft(EMPTY)
+        found = self.match(tokens)
+        if found is None or found[0] < self.min_context:
+            draft = self.draft_elsewhere(tokens, k)
+            if draft is not None:
+                return draft
+        return self.from_match(tokens, k, found)
 
     def from_match(self, tokens, k, found) -> Draft:
         """The draft for :meth:`match`'s answer ``found``: a copy (growing) on a full match, else

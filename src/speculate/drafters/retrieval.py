@@ -66,12 +66,9 @@ class RetrievalDrafter(LookupDrafter):
         chain = self.store.chain(tokens, 1, self.min_n, self.min_share)
         return chain[0] if chain else None
 
-    def propose(self, tokens, k):
-        self.copied = 0
-        found = self.match(tokens)
-        if k and (found is None or found[0] < self.min_context):
-            chain = self.store.chain(tokens, k, self.min_n, self.min_share)
-            if chain:
-                self.from_store += 1
-                return Draft(torch.tensor(chain, dtype=torch.long))
-        return self.from_match(tokens, k, found)
+    def draft_elsewhere(self, tokens, k):
+        chain = self.store.chain(tokens, k, self.min_n, self.min_share)
+        if not chain:
+            return None
+        self.from_store += 1
+        return Draft(torch.tensor(chain, dtype=torch.long))

@@ -237,19 +237,18 @@ class SuffixDrafter(LookupDrafter):
         chain = self.served.chain(tokens, 1, self.min_share, self.alpha, counted=False)
         return chain[0] if chain else None
 
-    def propose(self, tokens, k):
-        self.copied = 0
-        found = self.match(tokens)
-        if k and self.served is not None and (found is None or found[0] < self.min_context):
-            # A tree where decoding is greedy; sampling drafts the chain (its lossless rule is the chain's).
-            if self.tree and self.greedy:
-                nodes, parents = self.served.tree(tokens, k, self.min_share, self.alpha, self.budget)
-            else:
-                nodes, parents = self.served.chain(tokens, k, self.min_share, self.alpha), None
-            if nodes:
-                self.from_index += 1
-                return Draft(torch.tensor(nodes, dtype=torch.long), parents=parents)
-        return self.from_match(tokens, k, found)
+    def draft_elsewhere(self, tokens, k):
+        if self.served is None:
+            return None
+        # A tree where decoding is greedy; sampling drafts the chain (its lossless rule is the chain's).
+        if self.tree and self.greedy:
+            nodes, parents = self.served.tree(tokens, k, self.min_share, self.alpha, self.budget)
+        else:
+            nodes, parents = self.served.chain(tokens, k, self.min_share, self.alpha), None
+        if not nodes:
+            return None
+        self.from_index += 1
+        return Draft(torch.tensor(nodes, dtype=torch.long), parents=parents)
 
     def end(self, tokens: list[int]) -> None:
         """The generation's answer (``tokens`` after the prompt) goes into the index."""
