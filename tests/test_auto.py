@@ -216,3 +216,55 @@ def test_the_batch_cost_curve_is_measured_once_and_then_read_back(tiny, cache, c
         profile.Profile.from_dict({**first.to_dict(), "target_seconds": {"2": 0.1, "4": 0.2}}, sampled=True)
     with pytest.raises(SpeculateError, match="without gaps"):
         profile.Profile.from_dict(first.to_dict())
+
+
+def test_a_curve_measured_on_a_busy_machine_is_measured_again_and_not_cached(tiny, cache, capsys, monkeypatch):
+    """A profile timed while other processes took the CPUs (or whose T(n) falls as n grows) is not this machine's
+    curve: measured again, up to three times, the first quiet one cached; if none is quiet, the least busy one serves
+    the run, with one warning line, and nothing is cached (the next run measures again)."""
+    from speculate.policy import profile
+
+    # busy_share: the others' ticks over the machine's (clock ticks per second x seconds x CPUs).
+    hz, cpus = profile.os.sysconf("SC_CLK_TCK"), profile.os.cpu_count()
+    assert profile.busy_share((100, 40), (100 + hz * cpus, 40 + hz * cpus // 2), 1.0) == pytest.approx(0.5, abs=0.01)
+    assert profile.busy_share((100, 40), (100 + hz, 40 + hz), 2.0) == 0.0  # all of it this process's own
+    assert profile.busy_share(None, (1, 1), 1.0) is None
+    ticks = profile.cpu_ticks()
+    assert ticks is None or (ticks[0] >= ticks[1] >= 0)
+
+    def made(seconds, busy):
+        return profile.Profile(target_seconds=dict(enumerate(seconds, 1)), model="m", busy=busy)
+
+    monkeypatch.setenv("SPECULATE_BUSY_TOLERANCE", "0.25")  # (the product's default; the suite's conftest sets 1)
+    assert made([1.0, 1.1, 1.2], 0.1).doubtful() is None
+    assert made([1.0, 1.1, 1.2], 0.9).doubtful(tolerance=1.0) is None
+    assert "40%" in made([1.0, 1.1, 1.2], 0.4).doubtful()
+    assert "T(3)" in made([1.0, 1.1, 0.7], None).doubtful()  # faster over 3 rows than over 2: noise
+    assert made([1.0, 0.8, 1.2], None).doubtful() is None  # (within a quarter: kept)
+
+    real = auto.measure_profile
+    for busy, want_tries, cached in (([0.6, 0.3, 0.1], 3, True), ([0.6, 0.2], 2, True), ([0.9, 0.5, 0.7], 3, False)):
+        tries = []
+
+        def measured(*a, **k):
+            prof = real(*a, **k)
+            prof.busy = busy[len(tries)]
+            tries.append(prof)
+            return prof
+
+        monkeypatch.setattr(auto, "measure_profile", measured)
+        path = auto.profile_path(tiny[0]).with_name(auto.profile_path(tiny[0]).stem + "-batch.json")
+        path.unlink(missing_ok=True)
+        capsys.readouterr()
+        got = profile_for(tiny[0], batch=True)
+        err = capsys.readouterr().err
+        assert len(tries) == want_tries and path.is_file() == cached
+        if cached:
+            assert got is tries[-1] and profile.load_profile(path, sampled=True).busy == busy[-1]
+            assert "warning" not in err
+        else:
+            assert got is tries[1]  # the least busy (0.5)
+            assert err.count("warning") == 1 and "50% of the CPUs" in err and "not cached" in err
+    monkeypatch.setenv("SPECULATE_BUSY_TOLERANCE", "lots")
+    with pytest.raises(SpeculateError, match="SPECULATE_BUSY_TOLERANCE must be a share"):
+        made([1.0, 1.1], 0.1).doubtful()

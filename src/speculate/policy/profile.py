@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import random
 import statistics
 import time
@@ -47,6 +48,9 @@ class Profile:
     draft_prefill_seconds: float | None = None
     threads: int | None = None
     measured_at: str = ""
+    # The share of the machine's CPU time that other processes took while it was measured (``busy_share``): a curve
+    # timed beside other work is that work's, not this machine's (None: not known, e.g. no /proc).
+    busy: float | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -75,6 +79,7 @@ class Profile:
             "curve": {str(n): r for n, r in self.curve.items()},
             "draft_model": self.draft_model, "draft_seconds": self.draft_seconds, "c": self.c,
             "draft_prefill_seconds": self.draft_prefill_seconds,
+            **({"busy": self.busy} if self.busy is not None else {}),
             **({"extra": self.extra} if self.extra else {}),
         }
 
@@ -108,7 +113,22 @@ class Profile:
                    draft_model=d.get("draft_model"), draft_seconds=None if draft is None else float(draft),
                    draft_prefill_seconds=None if draft_prefill is None else float(draft_prefill),
                    threads=d.get("threads"), measured_at=str(d.get("measured_at", "")),
-                   extra=d.get("extra") or {})
+                   busy=d["busy"] if isinstance(d.get("busy"), (int, float)) else None, extra=d.get("extra") or {})
+
+    def doubtful(self, tolerance: float | None = None) -> str | None:
+        """Why this profile should not be trusted beyond the run that measured it, or None: other processes took
+        more than ``tolerance`` of the machine while it was timed, or a forward over more rows measured faster than
+        one over fewer by more than that (T(n) cannot fall as n grows; a curve that does was timed under noise).
+        On an AVX2 EPYC a batch curve measured beside the test suite read T(2) = 2.67, against 1.49 measured quiet.
+        ``tolerance``: default ``$SPECULATE_BUSY_TOLERANCE``, else 0.25; 1 trusts every profile."""
+        tolerance = busy_tolerance() if tolerance is None else tolerance
+        if self.busy is not None and self.busy > tolerance:
+            return f"other processes took {self.busy:.0%} of the CPUs while it was measured"
+        ns = sorted(self.target_seconds)
+        for lo, hi in zip(ns, ns[1:]):
+            if self.target_seconds[hi] < (1 - tolerance) * self.target_seconds[lo]:
+                return f"T({hi}) measured {self.target_seconds[hi] / self.target_seconds[lo]:.2f}x T({lo})"
+        return None
 
 
 def save_profile(profile: Profile, path: str | Path) -> Path:
@@ -135,6 +155,40 @@ def load_profile(path: str | Path, sampled: bool = False) -> Profile:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SpeculateError(f"'{path}' is not valid JSON: {e}") from None
     return Profile.from_dict(data, source=str(path), sampled=sampled)
+
+
+def busy_tolerance() -> float:
+    """``$SPECULATE_BUSY_TOLERANCE`` (a share in [0, 1]; default 0.25): see :meth:`Profile.doubtful`."""
+    raw = os.environ.get("SPECULATE_BUSY_TOLERANCE", "").strip()
+    try:
+        value = float(raw) if raw else 0.25
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise SpeculateError(f"SPECULATE_BUSY_TOLERANCE must be a share in [0, 1], got {raw!r}")
+    return value
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """(every CPU's busy clock ticks since boot, this process's), from /proc (Linux); None where it cannot say."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()  # (after the command name, which may hold spaces)
+        # busy: all but idle and iowait (steal counts: the hypervisor gave the CPU to someone else); own: utime + stime
+        return sum(ticks) - ticks[3] - ticks[4], int(own[11]) + int(own[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def busy_share(before: tuple[int, int] | None, after: tuple[int, int] | None, seconds: float) -> float | None:
+    """The share of the machine's CPU time, over ``seconds`` between two :func:`cpu_ticks`, that went to other
+    processes (0: this process alone; 1: every CPU busy with others' work)."""
+    if before is None or after is None or seconds <= 0:
+        return None
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, others / (os.sysconf("SC_CLK_TCK") * seconds * (os.cpu_count() or 1)))
 
 
 def _dtype_name(loaded) -> str:
@@ -211,6 +265,7 @@ def measure_profile(target, draft=None, context: int = 200, max_n: int = 16, rep
     gc.collect()
     gc_was_enabled = gc.isenabled()
     gc.disable()
+    ticks, started = cpu_ticks(), time.perf_counter()
     try:
         for _ in range(warmup):
             for run in runs:
@@ -221,6 +276,7 @@ def measure_profile(target, draft=None, context: int = 200, max_n: int = 16, rep
     finally:
         if gc_was_enabled:
             gc.enable()
+    busy = busy_share(ticks, cpu_ticks(), time.perf_counter() - started)
     medians = {label: statistics.median(ts) for label, ts in times.items()}
     return Profile(
         target_seconds={n: medians[n] for n in ns},
@@ -229,5 +285,5 @@ def measure_profile(target, draft=None, context: int = 200, max_n: int = 16, rep
         draft_seconds=None if draft is None else medians["draft"],
         draft_prefill_seconds=None if draft is None else medians["draft_prefill"],
         threads=torch.get_num_threads(),
-        measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), busy=busy,
     )
