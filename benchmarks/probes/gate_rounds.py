@@ -27,6 +27,8 @@ from speculate.bench.serve_load import prompt_texts
 from speculate.drafters import resolve
 from speculate.engine import step
 from speculate.models import load_model
+from speculate.models.loader import DEFAULT_MODEL
+from speculate.policy.auto import profile_for
 from speculate.policy.batch import BatchPlanner
 from speculate.policy.gate import DraftGate
 from speculate.spec import SpeculativeSpec
@@ -115,14 +117,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--model", default=None, help="a model alias or folder (default: the embedded default)")
     p.add_argument("--dtype", default="q4")
     p.add_argument("--drafter", default="auto")
     p.add_argument("--prompts", default="mt_bench", help="as serve_load's --prompts (copy, paraphrase, mt_bench, ...)")
     p.add_argument("--repeat", type=int, default=1, help="run it all this many times; the medians at the end")
     p.add_argument("--copies", nargs="+", default=list(COPIES), choices=COPIES, help="which copies run (none always)")
     args = p.parse_args()
-    target = load_model(dtype=args.dtype, progress=False)
-    print(machine_header()["machine"])
+    target = load_model(args.model or DEFAULT_MODEL, dtype=args.dtype, progress=False)
+    print(machine_header()["machine"], "|", target.name, args.dtype)
+    profile_for(target, batch=True)  # (measured now if not cached, not inside a timed round)
     ratios = {}  # (batch, copy) → each repeat's ratio to plain decoding
     for _ in range(args.repeat):  # (the batch sizes in turn, so that a slow spell of the machine spreads over them all)
         for batch in args.batch:
