@@ -184,9 +184,9 @@ def test_a_capped_k_alone_is_planned_as_in_a_batch_and_not_gated(tiny):
 
 
 def test_in_a_batch_a_planned_draft_is_cut_to_its_planned_depth_and_alone_or_named_it_is_not(tiny):
-    """A drafter may propose past k (lookup's copies that grow). In a batch, a planned run's draft is cut to its planned
-    k (the rows are the batch's: BatchPlanner.round); a k the request named keeps its whole draft, and so does a planned
-    run alone, where growing copies pay. The answers are plain decoding's throughout."""
+    """A drafter may propose past k (lookup's copies that grow). In a batch, a planned run's draft is cut to twice its
+    planned k (the rows are the batch's: BatchPlanner.round); a k the request named keeps its whole draft, and so does a
+    planned run alone, where growing copies pay. The answers are plain decoding's throughout."""
     import torch
 
     from speculate import SpeculativeDecoder
@@ -236,8 +236,10 @@ def test_in_a_batch_a_planned_draft_is_cut_to_its_planned_depth_and_alone_or_nam
             where = "alone" if len(live) == 1 else "batch"
             seen[f"{where} {'planned' if run.k_is_cap else 'named'}"].append(
                 (run.stats.drafted_tokens - drafted, ks and ks[i], depths and depths[i], budget))
-    # Planned in a batch: cut to k = 2 (or the tokens left to draft); named beside it: 6 (3·k); alone: 6 again.
-    assert seen["batch planned"] and all(d == k == depth == min(2, b) for d, k, depth, b in seen["batch planned"])
+    # Planned in a batch: cut to 2k = 4 (or the tokens left to draft); named beside it: 6 (3·k); alone: 6 again.
+    assert seen["batch planned"] and all(d == min(4, b) and k == min(2, b) and depth == 2 * k
+                                         for d, k, depth, b in seen["batch planned"])
+    assert max(d for d, *_ in seen["batch planned"]) == 4
     assert seen["batch named"] and all(d == min(6, b) for d, _, _, b in seen["batch named"])
     assert seen["alone planned"] and all(d == min(6, b) and depth is None for d, _, depth, b in seen["alone planned"])
     assert max(d for d, *_ in seen["batch named"]) == 6 and max(d for d, *_ in seen["alone planned"]) == 6

@@ -114,14 +114,18 @@ class BatchPlanner:
 
     def round(self, runs) -> tuple[list[int] | None, list[int | None] | None]:
         """This round's ``(ks, depths)`` for ``engine.step``: the draft lengths (None: each run's own policy), and in a
-        batch each planned run's deepest draft (its k). A drafter may propose past k (lookup's copies that grow); alone
-        that pays (copy prompts 1.81x plain, cut 1.41x), in a batch the rows are the batch's, which the plan did not
-        count: on the AVX2 EPYC two copy-prompt answers drafted 8, 16 and 32 tokens where k = 2 was planned, a
-        136 ms round against 10 ms plain: 0.88x plain, cut 0.98x (docs/benchmarks.md, "Depth cut")."""
+        batch each planned run's deepest draft, 2k: a draft may pass its plan by at most the plan's own length.
+
+        A drafter may propose past k (lookup's copies grow while they are accepted whole). Alone that pays (copy
+        prompts 1.81x plain, cut to k 1.41x). In a batch the rows are the batch's, which the plan did not count. On the
+        AVX2 EPYC, two generations of copy prompts (docs/benchmarks.md, "Depth cut"): SmolLM2-135M's copies grew to 8,
+        16 and 32 tokens where k = 2 was planned, one round took 136 ms against 10 ms plain: 0.88x plain uncut, 0.98x
+        cut to k, 0.99x cut to 2k. The Qwen 1.5B copies verbatim: 1.22x uncut, 1.10x cut to k, 1.17x cut to 2k. Cut to
+        2k, a copy that fails costs at most the plan's rows again, and one that grows once still pays."""
         ks = self._ks(runs)
         if ks is None or len(runs) == 1:
             return ks, None
-        return ks, [k if _plannable(run) else None for run, k in zip(runs, ks)]
+        return ks, [2 * k if _plannable(run) else None for run, k in zip(runs, ks)]
 
     def _ks(self, runs) -> list[int] | None:
         self._pending = None
