@@ -122,14 +122,14 @@ class BatchPlanner:
         16 and 32 tokens where k = 2 was planned, one round took 136 ms against 10 ms plain: 0.88x plain uncut, 0.98x
         cut to k, 0.99x cut to 2k. The Qwen 1.5B copies verbatim: 1.22x uncut, 1.10x cut to k, 1.17x cut to 2k. Cut to
         2k, a copy that fails costs at most the plan's rows again, and one that grows once still pays."""
-        ks = self._ks(runs)
+        auto = [_plannable(run) for run in runs]
+        ks = self._ks(runs, auto)
         if ks is None or len(runs) == 1:
             return ks, None
-        return ks, [2 * k if _plannable(run) else None for run, k in zip(runs, ks)]
+        return ks, [2 * k if a else None for a, k in zip(auto, ks)]
 
-    def _ks(self, runs) -> list[int] | None:
+    def _ks(self, runs, auto: list[bool]) -> list[int] | None:
         self._pending = None
-        auto = [_plannable(run) for run in runs]
         alone = len(runs) == 1
         if not any(auto) or (alone and not (self.alone and _capped(runs[0]))):
             return None  # (alone, an auto k plans itself: AutoK, on the finer curve of n = 1..9)
@@ -179,10 +179,17 @@ def _plannable(run) -> bool:
 def _capped(run) -> bool:
     """Whether ``run``'s fixed k is a cap the planner may lower (module docstring). Not for a seeded sampling run: its
     draws follow its drafts, and a seeded request must give the same sample in any batch as alone."""
-    return (isinstance(run.policy, FixedK) and run.k_is_cap and run.policy.k_max > 0
-            and run.most_nodes > 0  # (not a drafter that never drafts: ``none``, plain decoding)
-            and run.draft_cost is not None
+    return (isinstance(run.policy, FixedK) and run.k_is_cap
+            and cap_plannable(run.policy.k_max, run.most_nodes, run.draft_cost)
             and (run.sampling.greedy or run.sampling.seed is None))
+
+
+def cap_plannable(k: int, most_nodes: int, draft_cost: float | None) -> bool:
+    """Whether a fixed ``k`` may be a cap the planner lowers, by the drafter alone: one that drafts at all
+    (``most_nodes``, its ``max_nodes(k)``, > 0: not ``none``, plain decoding) at a cost known without a draft model's
+    profile (``draft_cost``, its ``relative_cost()``). The server measures the batch curve at start where this holds
+    for its default k (server/main.py, ``load_models``); ``_capped`` adds the request's side."""
+    return k > 0 and most_nodes > 0 and draft_cost is not None
 
 
 def _alpha(run) -> float:

@@ -18,6 +18,7 @@ def load_models(config: ServerConfig):
     here, so a bad flag stops the server before it listens."""
     from ..drafters.model import check_same_tokenizer
     from ..models import load_model
+    from ..policy.batch import cap_plannable
     from .generation import build_decoder, request_spec
 
     target = load_model(config.model, dtype=config.dtype)
@@ -30,8 +31,9 @@ def load_models(config: ServerConfig):
         raise SpeculateError(e.message) from None
     # k by batch size's cost curve, now, not in the first request: for --k auto in batches, and for the default k as a
     # cap that drafts only where it pays, in a batch or alone (a drafter whose cost is known: not a draft model's,
-    # whose fixed k is kept; policy/batch.py, ``_capped``).
-    capped = config.spec.k != "auto" and config.spec.drafter != "none" and drafter.relative_cost() is not None
+    # whose fixed k is kept; policy/batch.py, ``cap_plannable``).
+    k = config.spec.k
+    capped = k != "auto" and cap_plannable(k, drafter.max_nodes(k), drafter.relative_cost())
     if capped or (config.max_batch > 1 and config.spec.k == "auto"):
         from ..policy.auto import profile_for
 
