@@ -29,7 +29,7 @@ from speculate.engine import step
 from speculate.models import load_model
 from speculate.models.loader import DEFAULT_MODEL
 from speculate.policy.auto import profile_for
-from speculate.policy.batch import BatchPlanner
+from speculate.policy.batch import BatchPlanner, _plannable
 from speculate.policy.gate import DraftGate
 from speculate.spec import SpeculativeSpec
 
@@ -43,7 +43,7 @@ class Uncut(BatchPlanner):
     """The planner before planned drafts were cut to their depth in a batch: a growing copy drafts past k."""
 
     def round(self, runs):
-        return self._ks(runs), None
+        return self._ks(runs, [_plannable(run) for run in runs]), None
 
 
 class Zero(BatchPlanner):
