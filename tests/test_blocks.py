@@ -140,6 +140,30 @@ def test_kernel_reproduces_its_arithmetic_exactly_on_random_blocks(kind):
             assert torch.equal(plain(x), reference(w, kind, x, passes=passes))
 
 
+# The bytes of a block that hold its quants (Q6_K: the low 4 bits, then the high 2).
+QUANT_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q8_0": (2, 34), "Q4_K": (16, 144), "Q6_K": (0, 192)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_largest_integer_sums_are_exact(kind):
+    """Every quant at its largest (Q4 15, Q6_K 63, Q8_0 -128 and 127) against activations at +-127 in every lane:
+    the block sums the AVX2 path adds in 16 bits (kernels/blocks.c, q4_block and q6_half) at their bounds (30480,
+    32004), so an overflow would show as a wrong integer."""
+    k = 256 if kind in ("Q4_K", "Q6_K") else 64
+    size = blocks.TYPES[kind][2]
+    for value in ((0xFF,), (0x80, 0x7F)) if kind == "Q8_0" else ((0xFF,),):
+        w = random_blocks(kind, 24, k, 5).reshape(24, -1, size)
+        start, stop = QUANT_BYTES[kind]
+        w[..., start:stop] = torch.tensor(value, dtype=torch.uint8).repeat((stop - start) // len(value))
+        w = w.reshape(24, -1)
+        sign = torch.tensor([1.0, -1.0]).repeat(k // 64).repeat_interleave(32)
+        x = torch.stack([torch.ones(k), -torch.ones(k), sign, 3 * sign])  # constant blocks: every a = +-127
+        for passes in (2, 1):
+            layer = blocks.BlockLinear(w, kind, k)
+            layer.passes = passes
+            assert torch.equal(layer.matmul_2d(x), reference(w, kind, x, passes=passes)), (kind, value, passes)
+
+
 @pytest.mark.parametrize("sliced", [False, True])
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_interleaved_layout_is_a_permutation_of_the_fields(kind, sliced, monkeypatch):
