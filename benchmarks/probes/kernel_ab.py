@@ -8,8 +8,8 @@
    1 and 2 threads): every output must be the same bits. Then their time, interleaved call by call. Both builds
    must take the paged cache (models/paged.py; kernel.pages lays the keys out): a base before it takes a contiguous
    cache and cannot be called so.
-2. q4's matmul (kernels/blocks.c, speculate_block_matmul) on the default model's layer shapes, Q4_1 and Q8_0: the
-   same bits, and the time, interleaved.
+2. q4's matmul (kernels/blocks.c, speculate_block_matmul) on the default model's layer shapes, Q4_1 and Q8_0, and
+   the Qwen 1.5B's MLP (gate/up Q4_K, down Q6_K): the same bits, and the time, interleaved.
 3. With --model N: the default model at q4 through the lean decoder, N processes of each build alternating,
    T(1), T(8), T(16) after 200 and 800 tokens of context (the medians of 15 forwards), and a 1,000-token prefill
    (the median of 3).
@@ -119,16 +119,18 @@ def attention_time(libs, threads: int) -> None:
 def random_layer(kind: str, out: int, k: int) -> BlockLinear:
     number, elems, size = TYPES[kind]
     blocks = torch.randint(0, 256, (out, k // elems, size), dtype=torch.uint8)
-    blocks[..., 0:2] = torch.tensor([0x00, 0x20], dtype=torch.uint8)  # d = fp16 0x2000 (~0.008)
-    if kind == "Q4_1":
-        blocks[..., 2:4] = torch.tensor([0x00, 0xa0], dtype=torch.uint8)  # m = fp16 0xa000 (~-0.008)
+    d = 208 if kind == "Q6_K" else 0  # where the block's fp16 scale sits
+    blocks[..., d:d + 2] = torch.tensor([0x00, 0x20], dtype=torch.uint8)  # d = fp16 0x2000 (~0.008)
+    if kind in ("Q4_1", "Q4_K"):
+        blocks[..., 2:4] = torch.tensor([0x00, 0xa0], dtype=torch.uint8)  # m (Q4_K: dmin) = fp16 0xa000 (~-0.008)
     return BlockLinear(blocks.reshape(out, -1), kind, k)
 
 
 def matmul(libs, threads: int) -> None:
     print(f"q4 matmul (two activation rows a row), {threads} threads, base / tree µs:")
     torch.manual_seed(0)
-    for kind, out, k in (("Q4_1", 960, 576), ("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576)):
+    for kind, out, k in (("Q4_1", 960, 576), ("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576),
+                         ("Q4_K", 17920, 1536), ("Q6_K", 1536, 8960)):
         layer, number = random_layer(kind, out, k), TYPES[kind][0]
         cells = []
         for rows in (1, 2, 8, 16):
