@@ -335,7 +335,8 @@ def test_the_other_code_paths_compute_the_same(march, tmp_path):
     env = {**os.environ, "SPECULATE_KERNEL_FLAGS": f"-march={march}", "SPECULATE_CACHE": str(tmp_path)}
     here = Path(__file__).resolve()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here), "-k",
-                           "arithmetic or thread_count or several_types or dequantize_to or widened"], env=env,
+                           "arithmetic or thread_count or several_types or dequantize_to or widened or largest"],
+                          env=env,
                           cwd=here.parent.parent, capture_output=True, text=True, timeout=600)
     assert_pytest_passed(done)
     probe = subprocess.run([sys.executable, "-c", "from speculate.models import blocks; print(blocks.group())"],
