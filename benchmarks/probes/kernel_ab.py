@@ -126,14 +126,14 @@ def random_layer(kind: str, out: int, k: int) -> BlockLinear:
     return BlockLinear(blocks.reshape(out, -1), kind, k)
 
 
-def matmul(libs, threads: int) -> None:
+def matmul(libs, threads: int, row_counts=(1, 2, 8, 16)) -> None:
     print(f"q4 matmul (two activation rows a row), {threads} threads, base / tree µs:")
     torch.manual_seed(0)
     for kind, out, k in (("Q4_1", 960, 576), ("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576),
                          ("Q4_K", 17920, 1536), ("Q6_K", 1536, 8960)):
         layer, number = random_layer(kind, out, k), TYPES[kind][0]
         cells = []
-        for rows in (1, 2, 8, 16):
+        for rows in row_counts:
             x = torch.randn(rows, k)
             ys = [torch.empty(rows, out) for _ in libs]
             times = [[], []]
@@ -205,15 +205,18 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--flags", default="", help="more compiler flags for both builds")
     parser.add_argument("--model", type=int, default=0, help="processes of each build for the model's T(n)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8, 16], help="the matmuls' row counts")
+    parser.add_argument("--matmul-only", action="store_true", help="skip the attention calls (1.)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         folders = sources(args.base, Path(tmp))
         libs = [build(folder, args.flags.split()) for folder in folders]
         print(f"base {args.base} against the working tree; extra flags: {args.flags or 'none'}")
-        attention(libs)
-        attention_time(libs, args.threads)
-        matmul(libs, args.threads)
+        if not args.matmul_only:
+            attention(libs)
+            attention_time(libs, args.threads)
+        matmul(libs, args.threads, args.rows)
         if args.model:
             model(folders, args.threads, args.model)
 

@@ -134,9 +134,11 @@ static inline float block_amax(const float *restrict xb) {
 #endif
 }
 
-/* One row of x: int8 per block, da per block, and the block's Σ qa. */
+/* One row of x: int8 per block, da per block, the block's Σ qa, and sa = da · Σ qa (the offset terms' factor: once
+ * per row and block here, not once per output group in the dot loops, where its int-to-float conversion and product
+ * cost a fifth of a many-row call). */
 static void quantize_row(const float *restrict x, int64_t k, int8_t *restrict q, float *restrict da,
-                         int32_t *restrict sums, int32_t *restrict lows) {
+                         int32_t *restrict sums, int32_t *restrict lows, float *restrict sa) {
     for (int64_t b = 0; b < k / QK; b++) {
         const float *xb = x + b * QK;
         const float amax = block_amax(xb);
@@ -150,6 +152,7 @@ static void quantize_row(const float *restrict x, int64_t k, int8_t *restrict q,
         }
         da[b] = amax / 127.f;
         sums[b] = sum;
+        sa[b] = da[b] * (float)sum;
         lows[b] = low; /* Q6_K's scales cover 16 values: Σ qa of the block's first half */
     }
 }
@@ -264,7 +267,8 @@ typedef __m256i vi;
  * group_tile's cases, so that type and nr are constants there: no branches in the loop, accumulators in registers. */
 static inline __attribute__((always_inline)) void
 tile_body(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q,
-          const float *restrict da, const int32_t *restrict sums, int64_t k, const int nr, float *out) {
+          const float *restrict da, const int32_t *restrict sums, const float *restrict sa, int64_t k, const int nr,
+          float *out) {
     const int bytes = block_bytes(type), ns = scale_count(type);
 #if defined(WIDE) || defined(VECTOR)
     const int64_t unit = 4 * GROUP; /* bytes of one unit of 4 quants for every output */
@@ -327,7 +331,7 @@ tile_body(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *
                 if (type == Q4_0) isum = SUBI(isum, INTS(8 * sums[ab]));
             }
             acc[r] = ADD(acc[r], MUL(TOF(isum), MUL(dw, FLOATS(da[ab]))));
-            if (type == Q4_1) mt[r] = ADD(mt[r], MUL(mw, FLOATS(da[ab] * (float)sums[ab])));
+            if (type == Q4_1) mt[r] = ADD(mt[r], MUL(mw, FLOATS(sa[ab])));
         }
     }
     for (int r = 0; r < nr; r++) STORE(out + r * GROUP, type == Q4_1 ? ADD(acc[r], mt[r]) : acc[r]);
@@ -354,7 +358,7 @@ tile_body(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *
                 acc = acc + (float)isum * (dw * da[r * nb + b]);
                 if (type == Q4_1) {
                     memcpy(&h, blk + 2 * (GROUP + lane), 2);
-                    mt = mt + half_to_float(h) * (da[r * nb + b] * (float)sums[r * nb + b]);
+                    mt = mt + half_to_float(h) * sa[r * nb + b];
                 }
             }
             out[r * GROUP + lane] = type == Q4_1 ? acc + mt : acc;
@@ -374,7 +378,8 @@ tile_body(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *
 static inline float negate(float x) { union { float f; uint32_t u; } v = {x}; v.u ^= 0x80000000u; return v.f; }
 
 __attribute__((unused)) static void k_scalar(int type, const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q,
-                     const float *restrict da, const int32_t *restrict sums, const int32_t *restrict lows, int64_t k,
+                     const float *restrict da, const int32_t *restrict sums, const int32_t *restrict lows,
+                     const float *restrict sa, int64_t k,
                      int nr, float *out) {
     const int64_t rec = (int64_t)block_bytes(type) * GROUP, G = GROUP;
     for (int r = 0; r < nr; r++) {
@@ -400,7 +405,7 @@ __attribute__((unused)) static void k_scalar(int type, const uint8_t *restrict w
                         for (int i = 0; i < 4; i++) isum += (u[i] & 0x0f) * a[4 * c + i] + (u[i] >> 4) * a[16 + 4 * c + i];
                     }
                     acc = acc + (float)isum * (dw * da[ab]);
-                    mt = mt + mw * (da[ab] * (float)sums[ab]);
+                    mt = mt + mw * sa[ab];
                 } else {
                     const float dlo = d * (float)(int8_t)base[2 * G + 2 * j * G + lane];
                     const float dhi = d * (float)(int8_t)base[2 * G + (2 * j + 1) * G + lane];
@@ -430,7 +435,8 @@ __attribute__((unused)) static void k_scalar(int type, const uint8_t *restrict w
 /* The K types with outputs in the lanes: the same values as k_scalar. */
 static inline __attribute__((always_inline)) void
 k_vec(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q, const float *restrict da,
-      const int32_t *restrict sums, const int32_t *restrict lows, int64_t k, const int nr, float *out) {
+      const int32_t *restrict sums, const int32_t *restrict lows, const float *restrict sa, int64_t k, const int nr,
+      float *out) {
     const int64_t rec = (int64_t)block_bytes(type) * GROUP, G = GROUP, unit = 4 * GROUP;
     vf acc[TILE], mt[TILE];
     for (int r = 0; r < nr; r++) acc[r] = mt[r] = ZEROF();
@@ -479,7 +485,7 @@ k_vec(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *rest
             const vf dab = FLOATS(da[ab]);
             if (type == Q4_K) {
                 acc[r] = ADD(acc[r], MUL(TOF(ADDI(ilo, ihi)), MUL(dw, dab)));
-                mt[r] = ADD(mt[r], MUL(mw, FLOATS(da[ab] * (float)sums[ab])));
+                mt[r] = ADD(mt[r], MUL(mw, FLOATS(sa[ab])));
             } else {
                 ilo = SUBI(ilo, INTS(32 * lows[ab]));
                 ihi = SUBI(ihi, INTS(32 * (sums[ab] - lows[ab])));
@@ -662,15 +668,15 @@ static void float_tile(const void *restrict w, const float *restrict x, int64_t 
 /* tile_body with constant type and row count: one specialised copy each. */
 static void group_tile(int type, const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q,
                        const float *restrict da, const int32_t *restrict sums, const int32_t *restrict lows,
-                       int64_t k, int nr, float *out) {
-#define CASE(T, N) case T * 16 + N: tile_body(T, wg, nb, q, da, sums, k, N, out); break;
+                       const float *restrict sa, int64_t k, int nr, float *out) {
+#define CASE(T, N) case T * 16 + N: tile_body(T, wg, nb, q, da, sums, sa, k, N, out); break;
 #if TILE == 8
 #define ROWS(T) CASE(T, 1) CASE(T, 2) CASE(T, 3) CASE(T, 4) CASE(T, 5) CASE(T, 6) CASE(T, 7) CASE(T, 8)
 #else
 #define ROWS(T) CASE(T, 1) CASE(T, 2) CASE(T, 3) CASE(T, 4)
 #endif
 #if defined(WIDE) || defined(VECTOR)
-#define KCASE(T, N) case T * 16 + N: k_vec(T, wg, nb, q, da, sums, lows, k, N, out); break;
+#define KCASE(T, N) case T * 16 + N: k_vec(T, wg, nb, q, da, sums, lows, sa, k, N, out); break;
 #if TILE == 8
 #define KROWS(T) KCASE(T, 1) KCASE(T, 2) KCASE(T, 3) KCASE(T, 4) KCASE(T, 5) KCASE(T, 6) KCASE(T, 7) KCASE(T, 8)
 #else
@@ -680,7 +686,7 @@ static void group_tile(int type, const uint8_t *restrict wg, int64_t nb, const i
 #undef KROWS
 #undef KCASE
 #else
-    if (is_k(type)) { k_scalar(type, wg, nb, q, da, sums, lows, k, nr, out); return; }
+    if (is_k(type)) { k_scalar(type, wg, nb, q, da, sums, lows, sa, k, nr, out); return; }
     switch (type * 16 + nr) { ROWS(Q4_0) ROWS(Q4_1) ROWS(Q8_0) default: break; }
 #endif
 #undef ROWS
@@ -772,17 +778,19 @@ int speculate_block_matmul(int type, const uint8_t *restrict w, int64_t out, int
     int8_t *q = malloc((size_t)(qrows * k));
     float *da = malloc(sizeof(float) * (size_t)(qrows * nb));
     int32_t *sums = malloc(sizeof(int32_t) * (size_t)(qrows * nb)), *lows = malloc(sizeof(int32_t) * (size_t)(qrows * nb));
+    float *sa = malloc(sizeof(float) * (size_t)(qrows * nb));
     float *row = malloc(sizeof(float) * (size_t)k), *rest = malloc(sizeof(float) * (size_t)k);
-    if (!q || !da || !sums || !lows || !row || !rest) {
-        free(q); free(da); free(sums); free(lows); free(row); free(rest); return 3;
+    if (!q || !da || !sums || !lows || !sa || !row || !rest) {
+        free(q); free(da); free(sums); free(lows); free(sa); free(row); free(rest); return 3;
     }
     for (int64_t r = 0; r < rows; r++) {
         const int64_t h = r * passes; /* the row's first quantized row */
         prepare_row(x + r * k * (act ? 2 : 1), k, norm, eps, act, row);
-        quantize_row(row, k, q + h * k, da + h * nb, sums + h * nb, lows + h * nb);
+        quantize_row(row, k, q + h * k, da + h * nb, sums + h * nb, lows + h * nb, sa + h * nb);
         if (passes == 2) { /* what the first missed, quantized the same way: ~16 bits a block in all */
             for (int64_t j = 0; j < k; j++) rest[j] = row[j] - da[h * nb + j / QK] * (float)q[h * k + j];
-            quantize_row(rest, k, q + (h + 1) * k, da + (h + 1) * nb, sums + (h + 1) * nb, lows + (h + 1) * nb);
+            quantize_row(rest, k, q + (h + 1) * k, da + (h + 1) * nb, sums + (h + 1) * nb, lows + (h + 1) * nb,
+                         sa + (h + 1) * nb);
         }
     }
     free(row); free(rest);
@@ -792,12 +800,12 @@ int speculate_block_matmul(int type, const uint8_t *restrict w, int64_t out, int
         float got[TILE * GROUP];
         for (int64_t r0 = 0; r0 < qrows; r0 += TILE) { /* TILE is even: a row's passes share a tile */
             const int nr = qrows - r0 < TILE ? (int)(qrows - r0) : TILE;
-            group_tile(type, w + g * group_bytes, nb, q + r0 * k, da + r0 * nb, sums + r0 * nb, lows + r0 * nb, k, nr,
-                       got);
+            group_tile(type, w + g * group_bytes, nb, q + r0 * k, da + r0 * nb, sums + r0 * nb, lows + r0 * nb,
+                       sa + r0 * nb, k, nr, got);
             finish(got, GROUP, nr, passes, g * GROUP, out - g * GROUP < GROUP ? (int)(out - g * GROUP) : GROUP, r0, bias,
                    residual, y, ld);
         }
     }
-    free(q); free(da); free(sums); free(lows);
+    free(q); free(da); free(sums); free(lows); free(sa);
     return 0;
 }
