@@ -268,3 +268,35 @@ def test_the_server_measures_the_batch_curve_at_start_only_where_a_run_may_be_pl
         measured.clear()
         load_models(ServerConfig(model=model, **{"max_batch": 1, **settings}))
         assert measured == ([True] if want else []), settings
+
+
+def test_a_run_that_joins_in_a_batch_drafts_no_deeper_than_the_plans_deepest(tiny):
+    """A run whose prompt completes this round drafts with it (``Run.joins``) but has no α to plan with: in a batch it
+    drafts at most the plan's deepest k (none where the round is planned plain), cut to twice that; alone, or with a k
+    the request named, it keeps its own."""
+    from speculate import SpeculativeDecoder
+    from speculate.policy.batch import BatchPlanner
+    from speculate.spec import SpeculativeSpec
+
+    decoder = SpeculativeDecoder(tiny[0], SpeculativeSpec("lookup", verifier="greedy", k=5))
+
+    def run(prompt, cap=True):
+        r = decoder.start(prompt, max_new_tokens=20)
+        r.k_is_cap = cap
+        return r
+
+    # Two prompt tokens, none in: the first is its one prefill row, which goes in with its first draft (a longer rest
+    # would be rows the plan counts as fixed, which make drafts beside them cheaper).
+    joining = run([3, 4])
+    assert joining.prefilling and joining.joins and joining.prefill_rows == 1 and joining.draft_length() == 5
+    planner = BatchPlanner(tiny[0])
+    planner.gate.draft = lambda key: True  # (the gate lets every planned draft through: the plan alone decides)
+    planner._curve = {1: 1.0, 2: 2.0, 256: 256.0}  # every row a full step: no planned run drafts
+    assert planner.round([run([3]), run([3]), joining]) == ([0, 0, 0], [0, 0, 0])
+    planner._curve = {1: 1.0, 2: 1.0, 256: 1.0}  # rows for free: the planned runs draft the whole cap, so may it
+    assert planner.round([run([3]), joining]) == ([5, 5], [10, 10])
+    planner._curve = {1: 1.0, 2: 2.0, 256: 256.0}
+    named = run([3, 4], cap=False)  # a k the request named is kept (None: its own, 5), and not cut
+    ks, depths = planner.round([run([3]), named])
+    assert ks[1] is None and depths[1] is None and named.draft_length() == 5
+    assert planner.round([joining]) == (None, None)  # alone: nothing planned (a run that prefills plans itself)

@@ -126,7 +126,14 @@ class BatchPlanner:
         ks = self._ks(runs, auto)
         if ks is None or len(runs) == 1:
             return ks, None
-        return ks, [2 * k if a else None for a, k in zip(auto, ks)]
+        # A run whose prompt completes this round drafts too (engine.py, ``Run.joins``), but it has no α to plan with:
+        # it drafts no deeper than the plan's deepest, so a round planned plain stays plain. (Before, it drafted at its
+        # own policy's k: at 16 clients of the Qwen 1.5B two joining drafts made the round of everyone's first token
+        # 26 rows instead of 24, ~0.1 s more TTFT; docs/benchmarks.md, "Where the server's time goes at 16 clients".)
+        deepest = max((k for k, a in zip(ks, auto) if a), default=0)
+        joining = [_joining(run) for run in runs]
+        ks = [min(run.draft_length(), deepest) if j else k for run, k, j in zip(runs, ks, joining)]
+        return ks, [2 * k if a or j else None for a, j, k in zip(auto, joining, ks)]
 
     def _ks(self, runs, auto: list[bool]) -> list[int] | None:
         self._pending = None
@@ -174,6 +181,12 @@ def _chain(k: int) -> int:
 def _plannable(run) -> bool:
     """Whether the planner chooses ``run``'s k this round: an auto k, or a cap (``_capped``), not while it prefills."""
     return not run.prefilling and (isinstance(run.policy, AutoK) or _capped(run))
+
+
+def _joining(run) -> bool:
+    """Whether ``run`` joins this round (its prompt's last chunk goes in with its first draft) at a k the planner may
+    choose (an auto k or a cap)."""
+    return run.prefilling and run.joins and (isinstance(run.policy, AutoK) or _capped(run))
 
 
 def _capped(run) -> bool:
