@@ -149,3 +149,17 @@ def test_the_default_models_conversions_pass_the_gate(default_model):
         assert verdict.passed, (dtype, verdict.reasons)
         assert verdict.mean_gap < 0.03 and verdict.worst_gap < 0.1, (dtype, verdict.mean_gap, verdict.worst_gap)
     assert torch.is_tensor(quality.answer_nll(default_model.model, [1, 2, 3], [4, 5]))
+
+
+def test_the_precision_benchmark_runs_a_quantized_precision_at_one_activation_row(tiny_folders):
+    """``q4:1`` in bench.precision is q4 with one activation row a row: against q4 as the reference its NLL of q4's
+    answers differs (the activations' last bits), where q4 against itself differs nowhere; a bad suffix is refused."""
+    from speculate.bench.precision import run, valid_dtype
+
+    items = [("copy", str(i), p) for i, p in enumerate(("Repeat: one two three four.", "Say hello."))]
+    result = run(str(tiny_folders[2]), ["q4", "q4", "q4:1"], items, tokens=6)
+    same, one_row = result["rows"]["q4"], result["rows"]["q4:1"]
+    assert all(r["nll_gap"] == 0 and r["equal"] for r in same)
+    assert any(r["nll_gap"] != 0 for r in one_row)
+    assert [valid_dtype(d) for d in ("q4:1", "int8:2", "fp32:1", "q4:3", "q4:", "bf16")] == [True, True, False, False,
+                                                                                             False, True]

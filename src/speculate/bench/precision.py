@@ -3,6 +3,9 @@
     python -m speculate.bench.precision [--model M] [--dtypes fp32,int8,q4] [--mt-bench 80] [--gsm8k 50]
                                         [--copy 99] [--tokens 128] [--out FILE.json]
 
+A quantized precision may name its activation rows a row: ``q4:1`` is q4 with one (llama.cpp's 8-bit activations
+per block of 32, what q4 ran before issue 34), ``q4:2`` as served (models/quantize.py, ``set_activation_passes``).
+
 The first precision is the reference: its greedy answer to each prompt (MT-Bench first turns, GSM8K questions
 zero-shot, the copy and paraphrase prompts) through the engine's plain decoding; every other precision answers the
 same prompts and scores the reference's answer teacher-forced (both through the engine's own forward, where the
@@ -22,7 +25,8 @@ from datetime import date
 from ..engine import SpeculativeDecoder
 from ..spec import SpeculativeSpec
 from ..models import DEFAULT_MODEL, DTYPES, load_model
-from ..models import quality
+from ..models import quality, quantize
+from ..models.loader import QUANTIZED
 from ..models.fast import FastKVModel, supports
 from . import emit, machine_header, script
 from .datasets import load_dataset
@@ -65,7 +69,10 @@ def run(model: str, dtypes: list[str], items, tokens: int) -> dict:
     rows: dict[str, list[dict]] = {}
     weights = {}
     for i, dtype in enumerate(dtypes):  # one model in memory at a time: the 1.5B in fp32 holds ~7 GB
-        loaded = load_model(model, dtype=dtype)
+        base, _, rows_a_row = dtype.partition(":")
+        loaded = load_model(model, dtype=base)
+        if rows_a_row:  # (before anything runs: the lean decoder copies each layer's rows as it is built)
+            quantize.set_activation_passes(loaded.model, int(rows_a_row))
         weights[dtype] = loaded.weights
         ids, got = answers(loaded, items, tokens)
         targets = [r.ids for r in reference] if reference else got  # every precision scores the reference's answers
@@ -85,6 +92,12 @@ def run(model: str, dtypes: list[str], items, tokens: int) -> dict:
                for dtype, rs in rows.items()}
     return {"date": date.today().isoformat(), **machine, "model": model, "dtypes": dtypes, "weights": weights,
             "tokens": tokens, "summary": summary, "rows": rows}
+
+
+def valid_dtype(name: str) -> bool:
+    """A precision :func:`run` takes: one of DTYPES, or a quantized one with its activation rows a row (``q4:1``)."""
+    base, colon, rows_a_row = name.partition(":")
+    return base in DTYPES and (not colon or (base in QUANTIZED and rows_a_row in ("1", "2")))
 
 
 def table(result: dict) -> str:
@@ -111,8 +124,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the result as JSON here (atomically)")
     a = p.parse_args(argv)
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
-    if len(dtypes) < 2 or any(d not in DTYPES for d in dtypes) or a.tokens < 2:
-        p.error(f"--dtypes needs two or more of {', '.join(DTYPES)}; --tokens >= 2")
+    if len(dtypes) < 2 or not all(map(valid_dtype, dtypes)) or a.tokens < 2:
+        p.error(f"--dtypes needs two or more of {', '.join(DTYPES)} (a quantized one may end in :1 or :2, its "
+                f"activation rows a row); --tokens >= 2")
     if min(a.mt_bench, a.gsm8k, a.copy) < 0 or a.mt_bench + a.gsm8k + a.copy == 0:
         p.error("--mt-bench, --gsm8k and --copy take counts >= 0, not all 0")
     result = run(a.model, dtypes, prompts(a.mt_bench, a.gsm8k, a.copy), a.tokens)
