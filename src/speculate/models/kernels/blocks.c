@@ -136,7 +136,7 @@ static inline float block_amax(const float *restrict xb) {
 
 /* One row of x: int8 per block, da per block, the block's Σ qa, and sa = da · Σ qa (the offset terms' factor: once
  * per row and block here, not once per output group in the dot loops, where its int-to-float conversion and product
- * cost a fifth of a many-row call). */
+ * cost Q4_1 and Q4_K 3-11 % of a call; docs/benchmarks.md, "the offset terms' factor"). */
 static void quantize_row(const float *restrict x, int64_t k, int8_t *restrict q, float *restrict da,
                          int32_t *restrict sums, int32_t *restrict lows, float *restrict sa) {
     for (int64_t b = 0; b < k / QK; b++) {
