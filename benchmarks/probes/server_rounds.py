@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import tempfile
 import time
@@ -61,12 +60,11 @@ def serve(argv: list[str]) -> int:
 
 
 def metrics(http, url: str) -> dict[str, float]:
-    out = {}
-    for line in http.get(url + "/metrics").text.splitlines():
-        m = re.match(r"(speculate_[a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
-        if m and "le=" not in (m.group(2) or ""):
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-    return out
+    """The server's unlabelled samples by name (prometheus_client's own parser of its text format)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = http.get(url + "/metrics").text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
 
 
 def main() -> int:

@@ -180,13 +180,18 @@ def _chain(k: int) -> int:
 
 def _plannable(run) -> bool:
     """Whether the planner chooses ``run``'s k this round: an auto k, or a cap (``_capped``), not while it prefills."""
-    return not run.prefilling and (isinstance(run.policy, AutoK) or _capped(run))
+    return not run.prefilling and _choosable(run)
 
 
 def _joining(run) -> bool:
     """Whether ``run`` joins this round (its prompt's last chunk goes in with its first draft) at a k the planner may
     choose (an auto k or a cap)."""
-    return run.prefilling and run.joins and (isinstance(run.policy, AutoK) or _capped(run))
+    return run.prefilling and run.joins and _choosable(run)
+
+
+def _choosable(run) -> bool:
+    """Whether the planner may choose ``run``'s k at all: an auto k, or a cap (``_capped``)."""
+    return isinstance(run.policy, AutoK) or _capped(run)
 
 
 def _capped(run) -> bool:
