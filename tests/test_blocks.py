@@ -486,3 +486,53 @@ def test_without_a_compiler_auto_is_fp32_and_q4_says_why(tiny_folders, cache, mo
     assert resolve_dtype("smollm2-135m-instruct", "auto") == "fp32"
     with pytest.raises(SpeculateError, match="C compiler"):
         load_model(str(tiny_folders[1]), dtype="q4")
+
+
+def test_q4a8_is_q4s_tensors_at_one_activation_row_judged_once_per_model(tiny_folders, cache, monkeypatch):
+    """--dtype q4a8: q4's cached tensors with one 8-bit activation row in every layer (the kernel's arithmetic at
+    passes=1 is checked above), so its logits are not q4's; its quality gate runs at the first load only and the
+    verdict is cached; a failing verdict warns at every load, from the cache, without judging again."""
+    import json
+    import warnings
+
+    from speculate.models import quality
+    from speculate.models.loader import QualityWarning
+
+    from speculate.models import loader
+
+    # (a random tiny model at 4 bits is far from its fp32 self: the gate's limits are for real models)
+    monkeypatch.setattr(quality, "MAX_MEAN_GAP", 10.0)
+    monkeypatch.setattr(quality, "MAX_WORST_GAP", 10.0)
+    monkeypatch.setattr(loader, "CLOSE", 0)
+    q4 = load_model(str(tiny_folders[1]), dtype="q4")
+    a8 = load_model(str(tiny_folders[1]), dtype="q4a8")
+    assert a8.dtype == "q4a8" and a8.weights == q4.weights.replace(" x2", " x1") and a8.weights.endswith(" x1")
+    passes = {m.passes for m in a8.model.modules() if isinstance(m, blocks.BlockLinear)}
+    assert passes == {1} and {m.passes for m in q4.model.modules() if isinstance(m, blocks.BlockLinear)} == {2}
+    ids = torch.tensor(random_prompt(7, 40))
+    one, two = FastKVModel(a8), FastKVModel(q4)
+    one.reset(64), two.reset(64)
+    assert not torch.equal(one.forward(ids), two.forward(ids))
+    (gate,) = cache.glob("*.q4a8/gate.json")
+    stored = json.loads(gate.read_text())
+    assert stored["q4"] == blocks.settings() | {"close": "0", "source": stored["q4"]["source"]}
+    assert len(stored["verdict"]["rows"]) == len(quality.GATE_PROMPTS) and stored["verdict"]["passed"]
+
+    def judged(*args, **kwargs):
+        raise AssertionError("the gate ran again")
+
+    with monkeypatch.context() as patch, warnings.catch_warnings():
+        warnings.simplefilter("error", QualityWarning)
+        patch.setattr(quality, "reference_answers", judged)
+        patch.setattr(quality, "gate", judged)
+        assert load_model(str(tiny_folders[1]), dtype="q4a8").weights == a8.weights
+    # A model that fails it: judged once, then warned about from the cache.
+    __import__("shutil").rmtree(gate.parent)
+    failing = quality.Verdict(False, ["a degenerate answer where fp32's is not: 'x'"], 0.0, 0.0, [])
+    monkeypatch.setattr(quality, "gate", lambda *args, **kwargs: failing)
+    with pytest.warns(QualityWarning, match="q4a8 .* failed its quality gate .* degenerate"):
+        load_model(str(tiny_folders[1]), dtype="q4a8")
+    monkeypatch.setattr(quality, "gate", judged)
+    monkeypatch.setattr(quality, "reference_answers", judged)
+    with pytest.warns(QualityWarning, match="failed its quality gate"):
+        assert load_model(str(tiny_folders[1]), dtype="q4a8").dtype == "q4a8"

@@ -48,6 +48,19 @@ def test_the_verdict_fails_a_new_loop_and_large_nll_gaps_only():
     assert not worst.passed and "worst" in worst.reasons[0]
 
 
+def test_a_close_verdict_also_fails_an_answer_that_leaves_fp32s_at_its_start():
+    """q4a8's gate (``close``): SmolLM2 at one activation row answered "L'Étoile" for Paris, a first difference at
+    token 0 with NLL gaps well within the limits. An answer equal to fp32's, however short, passes."""
+    def at(first, equal=False):
+        return quality.Row("What is the capital of France?", 0.04, first, equal, False, False)
+
+    assert quality.verdict([at(0), at(18)]).passed  # what the NLL limits alone say
+    failed = quality.verdict([at(0), at(18)], close=4)
+    assert not failed.passed and failed.reasons == [
+        "an answer that leaves fp32's at token 0 (of the first 4): 'What is the capital of France?'"]
+    assert quality.verdict([at(4), at(2, equal=True)], close=4).passed
+
+
 def test_python_and_the_command_line_default_to_the_same_precision():
     """load_model() and `speculate generate` run the same precision (auto: q4 for the default model)."""
     from speculate.cli import _parser

@@ -62,6 +62,8 @@ PRESETS = {
                         "--max-queue {queue} --log-level warning --no-draft-gate",
     "speculate-plain": "{python} -m speculate serve --model {model} --port {port} --max-batch {clients} "
                        "--max-queue {queue} --log-level warning --drafter none",
+    "speculate-q4a8": "{python} -m speculate serve --model {model} --port {port} --max-batch {clients} "
+                      "--max-queue {queue} --log-level warning --dtype q4a8",
     "speculate-fp32": "{python} -m speculate serve --model {model} --port {port} --max-batch {clients} "
                       "--max-queue {queue} --log-level warning --drafter none --dtype fp32",
     "llama-server": "{llama_server} -m {gguf} --host 127.0.0.1 --port {port} -t {threads} -tb {threads} "

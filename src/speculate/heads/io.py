@@ -15,6 +15,7 @@ import torch
 
 from ..errors import SpeculateError
 from ..models.cache import atomic_path, atomic_write_text
+from ..models.loader import QUANTIZED
 from ..models.quantize import weight_bytes
 from ..params import Param
 from .eagle import EagleHead
@@ -189,7 +190,7 @@ def drafting_parts(loaded, kind: str, folder: str | Path | None = None) -> Draft
         weight = subset_weight(lm_head_weight(loaded.model), heads.vocab)
         lm = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         lm.weight = nn.Parameter(weight, requires_grad=False)
-        if getattr(loaded, "dtype", "fp32") in ("int8", "q4"):
+        if getattr(loaded, "dtype", "fp32") in QUANTIZED:
             heads, lm = quantize_linears(heads), quantize_linears(lm)
         parts = DraftingParts(heads, config, where, lm, feature_scale(loaded.model), weight_bytes(loaded.model))
         if key is None:

@@ -30,8 +30,12 @@ from .registry import ALIASES, DEFAULT_MODEL  # noqa: E402
 
 # Weight precisions. int8 loads the fp32 weights, then swaps in smoothed int8 linear layers (quantize.py); q4 swaps
 # in the GGUF file's own 4-bit blocks (blocks.py; other folders: their weights quantized to Q4_1 by llama.cpp's rule).
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32, "q4": torch.float32}
-QUANTIZED = ("int8", "q4")
+# q4a8 is q4's weights (the same cache) with llama.cpp's activations: one 8-bit integer row per activation row, not
+# q4's two (~15 bits). Opt-in: it halves the integer work of batched rows and prefill, but its answers are not fp32's
+# (it broke the default model's, issue 34), so its own quality gate runs once per model (_to_one_row).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32, "q4": torch.float32,
+          "q4a8": torch.float32}
+QUANTIZED = ("int8", "q4", "q4a8")
 AUTO = "auto"  # q4 for a model whose GGUF q4 runs as it ships (the default model), else fp32: resolve_dtype
 CHOICES = (*DTYPES, AUTO)  # what --dtype takes
 
@@ -145,7 +149,9 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = AUTO, progress: b
     loaded = _load_folder(folder, name_or_path, DTYPES[dtype])
     loaded.dtype = dtype
     warn_if_slow(dtype, loaded.model)  # (bf16: by where its layers run)
-    if dtype in QUANTIZED:
+    if dtype == "q4a8":
+        _to_one_row(loaded, name_or_path)
+    elif dtype in QUANTIZED:
         _to_quantized(loaded, name_or_path, dtype)
     return loaded
 
@@ -178,9 +184,7 @@ def _to_quantized(loaded: LoadedModel, name: str, kind: str) -> None:
         blocks.require_kernel()  # before any work: the layers need the compiled kernel (a one-line error if not)
     folder = quantized_cache_folder(name, loaded.path, kind)
     file = folder / f"{kind}.safetensors"
-    meta = quantize.settings() if kind == "int8" else blocks.settings()
-    if name not in ALIASES:  # a local folder: its weights may change under the same path; rebuild then
-        meta["source"] = ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in _weight_files(loaded.path))
+    meta = _cache_meta(name, loaded.path, quantize.settings() if kind == "int8" else blocks.settings())
     tensors = digest = None
     if verified(folder):
         try:
@@ -223,6 +227,51 @@ def _to_quantized(loaded: LoadedModel, name: str, kind: str) -> None:
     loaded.weights = f"{kind} {digest[:16]} x2"
     if kind == "int8" and quantize.activation_levels() != 127:  # the same weights, other numerics: name them
         loaded.weights += " a7"
+
+
+def _cache_meta(name: str, path: Path, settings: dict) -> dict:
+    """What a cached conversion was made with: the converter's ``settings``, and for a local folder (whose weights
+    may change under the same path: then it is converted again) its weight files' names, sizes and times."""
+    if name not in ALIASES:
+        settings["source"] = ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in _weight_files(path))
+    return settings
+
+
+# q4a8's gate also asks every answer to keep fp32's first tokens (quality.verdict's ``close``): the weights are
+# fp32's own, as in q4, so only the activations' rounding may move an answer, and not at its start.
+CLOSE = 4
+
+
+def _to_one_row(loaded: LoadedModel, name: str) -> None:
+    """q4a8: q4's layers (its cache, :func:`_to_quantized`) set to one 8-bit activation row
+    (``quantize.set_activation_passes``, before any decoder copies it). Its answers differ from fp32's, so the
+    conversion gate (models/quality.py, with :data:`CLOSE`) judges it once per model and q4 format: fp32's gate
+    answers are taken from the still-fp32 model only when no verdict is cached, and the verdict is cached
+    (atomically, checksummed) pass or fail. A failing model loads with a QualityWarning each time: the user asked
+    for this precision."""
+    from . import blocks, quality, quantize
+
+    folder = quantized_cache_folder(name, loaded.path, "q4a8")  # holds the gate's verdict only
+    meta = _cache_meta(name, loaded.path, {**blocks.settings(), "close": str(CLOSE)})
+    verdict = None
+    if verified(folder):
+        try:
+            stored = json.loads((folder / "gate.json").read_text())
+            verdict = stored["verdict"] if stored.get("q4") == meta else None
+        except (OSError, ValueError, KeyError, TypeError):  # unreadable: judge again
+            verdict = None
+    references = quality.reference_answers(loaded.model, loaded.tokenizer) if verdict is None else None
+    _to_quantized(loaded, name, "q4")
+    quantize.set_activation_passes(loaded.model, 1)
+    if verdict is None:
+        verdict = quality.gate(loaded.model, loaded.tokenizer, references, close=CLOSE).to_dict()
+        with building(folder) as tmp:
+            (tmp / "gate.json").write_text(json.dumps({"q4": meta, "verdict": verdict}, indent=1))
+    if not verdict["passed"]:
+        warnings.warn(f"q4a8 (8-bit activations) failed its quality gate against fp32 on {name} "
+                      f"({'; '.join(verdict['reasons'])}); use --dtype q4 for answers that match fp32's",
+                      QualityWarning, stacklevel=3)
+    loaded.weights = loaded.weights.replace(" x2", " x1")  # the same tensors, one activation row (bench records)
 
 
 _WARNED_THREAD = False
