@@ -16,6 +16,7 @@ import random
 import shutil
 import subprocess
 import sys
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ from speculate.drafters.lookup import LookupDrafter
 from speculate.engine import Run, step
 from speculate.models.fast import FastKVModel
 from speculate.models.kv import KVModel
-from speculate.models.loader import QUANTIZED, quantized_cache_folder
+from speculate.models.loader import QUANTIZED, QualityWarning, quantized_cache_folder
 from speculate.models.tiny import tiny_model, tiny_tokenizer
 from speculate.sampling import SamplingParams, warp
 from conftest import assert_pytest_passed, noisy_copy
@@ -156,7 +157,7 @@ def _quantized_load(folder, dtype):
 
 @pytest.fixture(scope="module")
 def models(tiny_folders, tmp_path_factory):
-    """Tiny random int8, q4, fp32 and bf16 targets (seed 0), a far int8 draft model (another random model, seed 1) and a
+    """Tiny random int8, q4, q4a8, fp32 and bf16 targets (seed 0), a far int8 draft model (another random model, seed 1) and a
     near one (the target's weights plus noise: agrees often, not always)."""
     folder = tmp_path_factory.mktemp("near") / "near"
     near = tiny_model(0)  # the target's weights (save_tiny_model(seed=0))
@@ -167,7 +168,11 @@ def models(tiny_folders, tmp_path_factory):
     near.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     try:
+        with warnings.catch_warnings():  # (a random tiny model fails q4a8's gate: its answers are not the point here)
+            warnings.simplefilter("ignore", QualityWarning)
+            q4a8 = _quantized_load(tiny_folders[0], "q4a8")
         out = {"int8": load_model(str(tiny_folders[0]), dtype="int8"), "q4": _quantized_load(tiny_folders[0], "q4"),
+               "q4a8": q4a8,
                "fp32": load_model(str(tiny_folders[0]), dtype="fp32"),  # (its own load: not the shared `tiny` one)
                "bf16": load_model(str(tiny_folders[0]), dtype="bf16"),
                "far": load_model(str(tiny_folders[1]), dtype="int8"), "near": load_model(str(folder), dtype="int8")}
@@ -208,7 +213,7 @@ def maker(target, drafter, draft_model=None, k=4, verifier="greedy", **kw):
 
 
 # ----------------------------------------------------------------------------------- 1. mixed drafters
-@pytest.mark.parametrize("dtype", ["int8", "q4", "fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["int8", "q4", "q4a8", "fp32", "bf16"])
 def test_mixed_drafters_batched_equal_each_request_alone(models, dtype, monkeypatch):
     target = models[dtype]
     if isinstance(target, Exception):
@@ -246,7 +251,7 @@ def test_mixed_drafters_batched_equal_each_request_alone(models, dtype, monkeypa
     assert sum(g.stats.drafted_tokens - g.stats.accepted_draft_tokens for g in gens) > 0
 
 
-@pytest.mark.parametrize("dtype", ["int8", "q4", "fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["int8", "q4", "q4a8", "fp32", "bf16"])
 def test_one_forward_over_several_caches_gives_each_its_own_bits(models, dtype):
     """``forward_many`` over four caches of one model (a prefill chunk, a chain, a tree, one token; logits of all
     rows, the last ones, none): each cache's logits, hidden rows and next state are bit for bit its forward alone."""

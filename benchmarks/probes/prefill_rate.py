@@ -1,4 +1,4 @@
-"""Probe: prompt tokens a second, ours at q4 (two activation rows a row, as run, and one, llama.cpp's) against
+"""Probe: prompt tokens a second, ours at q4 (two activation rows a row, as run, and one: q4a8, llama.cpp's) against
 llama.cpp's llama-server on the same GGUF (its own ``timings.prompt_per_second``), 2 threads each.
 
     python benchmarks/probes/prefill_rate.py [--model qwen2.5-coder-1.5b-instruct] [--tokens 128] [--llama-server BIN]
@@ -14,7 +14,6 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import time
 import urllib.request
 
@@ -22,16 +21,13 @@ import torch
 
 
 def ours(model: str, tokens: int) -> None:
-    from speculate.models import load_model
-    from speculate.models.blocks import BlockLinear
+    from speculate.models import load_model, quantize
     from speculate.models.kv import KVModel
 
     loaded = load_model(model, dtype="q4", progress=False)
-    layers = [m for m in loaded.model.modules() if isinstance(m, BlockLinear)]
     prompt = torch.randint(100, 20000, (tokens,))
-    for passes in (2, 1):
-        for layer in layers:
-            layer.passes = passes
+    for passes in (2, 1):  # q4 as run, then q4a8's numerics
+        quantize.set_activation_passes(loaded.model, passes)
         loaded.shared.pop("lean", None)  # (a lean decoder copies each layer's passes as it is built: build anew)
         kv = KVModel(loaded)
         times = []
@@ -41,34 +37,29 @@ def ours(model: str, tokens: int) -> None:
             kv.forward(prompt)
             times.append(time.perf_counter() - t0)
         t = statistics.median(times[1:])
-        print(f"ours, {passes} activation row(s) a row{' (as run)' if passes == 2 else ''}: {tokens} tokens in "
-              f"{t:.2f} s, {tokens / t:.1f} tokens/s", flush=True)
+        print(f"ours, {passes} activation row(s) a row{' (q4, as run)' if passes == 2 else ' (q4a8)'}: {tokens} "
+              f"tokens in {t:.2f} s, {tokens / t:.1f} tokens/s", flush=True)
 
 
 def llama(binary: str, model: str, tokens: int) -> None:
-    from speculate.bench.peers import _gguf
-    from speculate.server.background import free_port, wait_healthy
+    from speculate.bench.peers import Server, _gguf
+    from speculate.server.background import free_port
 
     port = free_port()
-    server = subprocess.Popen([binary, "-m", str(_gguf(model)), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
-                               "-tb", "2", "-np", "1", "-c", "4096", "--no-webui", "-nr"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = Server([binary, "-m", str(_gguf(model)), "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-tb", "2",
+                     "-np", "1", "-c", "4096", "--no-webui", "-nr"], port, threads=2, ready_timeout=300)
     try:
-        url = f"http://127.0.0.1:{port}"
-        if not wait_healthy(url, 300, lambda: server.poll() is None):
-            raise SystemExit("llama-server did not start")
         rng = random.Random(0)
         words = "the of and to in is was for on that with as by at from his her an which this".split()
         for _ in range(3):
             prompt = " ".join(rng.choice(words) + str(rng.randint(0, 999)) for _ in range(tokens // 2))
             body = json.dumps({"prompt": prompt, "n_predict": 1, "cache_prompt": False}).encode()
-            request = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
+            request = urllib.request.Request(server.url + "/completion", body, {"Content-Type": "application/json"})
             t = json.load(urllib.request.urlopen(request))["timings"]
             print(f"llama-server: {t['prompt_n']} tokens in {t['prompt_ms'] / 1e3:.2f} s, "
                   f"{t['prompt_per_second']:.1f} tokens/s", flush=True)
     finally:
-        server.terminate()
-        server.wait()
+        print(f"llama-server peak RSS {server.stop() / 1e9:.2f} GB", flush=True)
 
 
 def main() -> None:

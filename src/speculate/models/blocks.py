@@ -245,8 +245,8 @@ class BlockLinear(QuantizedLinear):
     def _setup(self, parts: list[tuple[str, torch.Tensor]], in_features: int, bias: torch.Tensor | None) -> None:
         self._fn = require_kernel()
         # self.passes (QuantizedLinear's, 2): activation rows per row of x in kernels/blocks.c, the row quantized to
-        # int8 per block and then what that missed, ~16 bits in all. 1 is llama.cpp's Q8 activations, which changed
-        # the default model's answers ("L'Étoile" for the capital of France; docs/benchmarks.md).
+        # int8 per block and then what that missed, ~16 bits in all. 1 is llama.cpp's Q8 activations (--dtype q4a8),
+        # which changed the default model's answers ("L'Étoile" for the capital of France; docs/benchmarks.md).
         self.width = group()
         self.in_features = in_features
         self.kinds, hot, start = [], [], 0

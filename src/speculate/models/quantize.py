@@ -170,8 +170,9 @@ class QuantizedLinear(nn.Module):
     BlockLinear (GGUF blocks) in blocks.py.
 
     ``passes``: integer activation rows per row of x, 2 (the row and what its rounding missed, ~15 bits) or 1
-    (8 bits: the numerics before issue 34, which broke the default model's answers; kept only so that the probe
-    and the quality test can show what the second row buys, through :func:`set_activation_passes`)."""
+    (8 bits: the numerics before issue 34, which broke the default model's answers; ``--dtype q4a8`` opts into it
+    for a model whose own gate passes, models/loader.py; and the probes and the quality test show what the second
+    row buys, through :func:`set_activation_passes`)."""
 
     in_features: int
     out_features: int
