@@ -67,7 +67,16 @@ def test_fixed_lengths_are_kept_and_their_rows_counted():
     assert sum(choose([0.8] * 4, curve, costs=[0.3] * 4)) < sum(choose([0.8] * 4, curve))
 
 
-def test_the_servers_default_k_is_a_cap_the_planner_lowers_where_drafting_does_not_pay(tiny):
+@pytest.fixture
+def seen(monkeypatch):
+    """Fresh runs planned at their α as though they had evidence (``batch._unseen``: in a batch, a run with none
+    drafts nothing in its first round)."""
+    from speculate.policy import batch
+
+    monkeypatch.setattr(batch, "_unseen", lambda run: False)
+
+
+def test_the_servers_default_k_is_a_cap_the_planner_lowers_where_drafting_does_not_pay(tiny, seen):
     """A fixed k the request did not name (``Run.k_is_cap``, the server's --k) is planned like auto up to that k: no
     draft where every row costs a full step, the whole k where rows are free; a k the request named is kept, and so
     is a draft model's (its cost needs its own profile)."""
@@ -127,7 +136,7 @@ def test_a_request_that_names_its_k_keeps_it_and_the_servers_default_is_a_cap(ti
     assert not open_run(prepared({"k": 4}), decoders)[0].k_is_cap
 
 
-def test_a_fixed_k_runs_alpha_has_the_prior_so_one_rejected_draft_does_not_stop_its_drafts(tiny):
+def test_a_fixed_k_runs_alpha_has_the_prior_so_one_rejected_draft_does_not_stop_its_drafts(tiny, seen):
     """A fixed-k run's α is its own statistics under AutoK's prior (0.6 over 4 pseudo-rounds): after one rejected draft
     it is 2.4 / 5, not 0, so a batch where drafting at that α pays plans it a draft again; its α then follows its own
     rounds."""
@@ -270,7 +279,7 @@ def test_the_server_measures_the_batch_curve_at_start_only_where_a_run_may_be_pl
         assert measured == ([True] if want else []), settings
 
 
-def test_a_run_that_joins_in_a_batch_drafts_no_deeper_than_the_plans_deepest(tiny):
+def test_a_run_that_joins_in_a_batch_drafts_no_deeper_than_the_plans_deepest(tiny, seen):
     """A run whose prompt completes this round drafts with it (``Run.joins``) but has no α to plan with: in a batch it
     drafts at most the plan's deepest k (none where the round is planned plain), cut to twice that; alone, or with a k
     the request named, it keeps its own."""
@@ -300,3 +309,51 @@ def test_a_run_that_joins_in_a_batch_drafts_no_deeper_than_the_plans_deepest(tin
     ks, depths = planner.round([run([3]), named])
     assert ks[1] is None and depths[1] is None and named.draft_length() == 5
     assert planner.round([joining]) == (None, None)  # alone: nothing planned (a run that prefills plans itself)
+
+
+def capped_lookup(tiny):
+    """A lookup decoder at k = 5, a maker of its runs with the server's k as a cap, and a planner whose gate lets every
+    planned draft through (the plan alone decides)."""
+    from speculate import SpeculativeDecoder
+    from speculate.policy.batch import BatchPlanner
+    from speculate.spec import SpeculativeSpec
+
+    decoder = SpeculativeDecoder(tiny[0], SpeculativeSpec("lookup", verifier="greedy", k=5))
+
+    def run(prompt):
+        r = decoder.start(prompt, max_new_tokens=20)
+        r.k_is_cap = True
+        return r
+
+    planner = BatchPlanner(tiny[0])
+    planner.gate.draft = lambda key: True
+    return decoder, run, planner
+
+
+def test_joining_runs_count_their_first_token_and_a_burst_of_them_drafts_nothing(tiny, seen):
+    """The round in which a burst of requests gets its first tokens: a joining run yields its first token, so the plan
+    counts it (its rows are not a cost without a return, which made drafts beside them look cheap), and where every
+    run of a batch joins, none is planned and each drafts nothing (before: each at its own k)."""
+    decoder, run, planner = capped_lookup(tiny)
+    planner._curve = {1: 1.0, 2: 2.0, 256: 256.0}  # every row a full step: eight tokens in eight rows, no draft pays
+    joiners = [run([3, 4]) for _ in range(7)]
+    assert all(j.joins and j.prefill_rows == 1 for j in joiners)
+    assert planner.round([run([3]), *joiners]) == ([0] * 8, [0] * 8)
+    assert planner.round(joiners) == ([0] * 7, [0] * 7)  # nothing planned: the burst drafts nothing
+    named = decoder.start([3, 4], max_new_tokens=20)  # (a k the request named: its own, as before)
+    assert planner.round([named, *joiners[:2]]) == ([None, 0, 0], [None, 0, 0])
+
+
+def test_in_a_batch_a_run_without_evidence_peeks_before_it_drafts(tiny):
+    """A new run has no α of its own (no draft verified, no peek): in a batch it drafts nothing, so a burst's
+    first-token round has plain's rows, and its drafter peeks (its first evidence); once it has evidence it is
+    planned. Alone it is planned as before."""
+    _, run, planner = capped_lookup(tiny)
+    planner._curve = {1: 1.0, 2: 1.0, 256: 1.0}  # rows for free: any run with evidence drafts the cap
+    runs = [run([3]), run([3])]  # (one prompt token: in with the first round, nothing to prefill)
+    assert not any(r.prefilling for r in runs) and planner(runs) == [0, 0]
+    runs[0].stats.peek(True)  # a round's peek: evidence (engine.py, Run.take)
+    assert planner(runs) == [5, 0]
+    runs[1].stats.peek(False)
+    assert planner(runs) == [5, 5]  # (α 2.4 / 5 still drafts where rows are free)
+    assert planner([run([3])]) == [5]  # alone: as before

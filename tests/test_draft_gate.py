@@ -79,6 +79,7 @@ def test_the_planner_withholds_drafts_that_measure_slower_and_the_tokens_stay_th
     from speculate.spec import SpeculativeSpec
 
     monkeypatch.setattr(batch, "_alpha", lambda run: 0.9)
+    monkeypatch.setattr(batch, "_unseen", lambda run: False)  # (planned at that α from the first round)
 
     target = tiny[0]
     prompts = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [7, 8, 9] * 4, [10, 11], [12, 13, 14, 12, 13, 14, 12]]
@@ -97,7 +98,7 @@ def test_the_planner_withholds_drafts_that_measure_slower_and_the_tokens_stay_th
         recorded += planner._pending is not None
         step(live, ks)
         planner.observe(live, 2.0 if drafted else 1.0)
-    assert plans[0] is None  # (the first round feeds the prompts: nothing to plan)
+    assert plans[0] == [0, 0, 0, 0]  # (the first round feeds the prompts, every run joining: none drafts)
     assert plans[1] == [5, 5, 5, 5] and plans[2] == [0, 0, 0, 0]  # exploring: as planned, then plain
     arms = planner.gate.arms[(4, ("lookup",))]
     assert arms[True].rounds >= 4 and arms[False].rounds >= 4
@@ -111,12 +112,14 @@ def test_the_planner_withholds_drafts_that_measure_slower_and_the_tokens_stay_th
         assert run.generation.token_ids == plain.token_ids
 
 
-def test_a_batch_of_one_keeps_its_own_policy_and_prefill_rounds_are_not_measured(tiny):
+def test_a_batch_of_one_keeps_its_own_policy_and_prefill_rounds_are_not_measured(tiny, monkeypatch):
     from speculate import SpeculativeDecoder
+    from speculate.policy import batch
     from speculate.policy.batch import BatchPlanner
     from speculate.spec import SpeculativeSpec
 
     decoder = SpeculativeDecoder(tiny[0], SpeculativeSpec("lookup", verifier="greedy", k=5))
+    monkeypatch.setattr(batch, "_unseen", lambda run: False)  # (fresh runs planned at the prior in a batch)
     planner = BatchPlanner(tiny[0])
     planner._curve = {1: 1.0, 2: 1.0, 256: 1.0}
     runs = [decoder.start([3], max_new_tokens=20) for _ in range(2)]

@@ -2,13 +2,15 @@
 at 16 clients loses to plain"), round by round.
 
     python benchmarks/probes/server_rounds.py [--model qwen2.5-coder-1.5b-instruct] [--clients 16] [--order spec plain spec]
+        [--max-tokens 64]
 
 Each server of ``--order`` is started in turn (``spec``: the defaults; ``plain``: ``--drafter none``) through this
 file with ``--serve``, which wraps the scheduler's round to log each round's running and prefilling generations, rows,
 seconds, the drafting (``engine._propose``) and target-forward (``engine.forward_many``) seconds and the first tokens
 it gave. The client warms the prefix store (2 requests, then the 16 MT-Bench prompts at 4 clients), then sends the
-16 prompts from ``--clients`` clients at once (greedy, 64 tokens), and prints the cell (tokens/s, TTFT), the /metrics
-differences over it (rounds, rows, drafted tokens) and the cell's first rounds from the log.
+16 prompts from ``--clients`` clients at once (greedy, ``--max-tokens``), and prints the cell (tokens/s, TTFT), the
+/metrics differences over it (rounds, rows, drafted tokens), the cell's rounds summed (drafting, forward, the rest) and
+its first rounds from the log.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def main() -> int:
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--order", nargs="+", default=["spec", "plain", "spec"], choices=["spec", "plain"])
+    p.add_argument("--max-tokens", type=int, default=64)
     a = p.parse_args()
     import httpx
 
@@ -98,10 +101,10 @@ def main() -> int:
                 with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=600) as http:
                     with ThreadPoolExecutor(2) as pool:
                         list(pool.map(lambda t: _request(http, server.url, a.model, t, 8), texts[:2]))
-                    _cell(http, server.url, a.model, texts, 4, 64)
+                    _cell(http, server.url, a.model, texts, 4, a.max_tokens)
                     before = metrics(http, server.url)
                     start = time.perf_counter()
-                    row, _ = _cell(http, server.url, a.model, texts, a.clients, 64)
+                    row, _ = _cell(http, server.url, a.model, texts, a.clients, a.max_tokens)
                     after = metrics(http, server.url)
             finally:
                 server.stop()
@@ -112,6 +115,12 @@ def main() -> int:
                   f"a round; drafted {diff['drafted_tokens_total']:.0f}, accepted {diff['accepted_tokens_total']:.0f}, "
                   f"peeked rounds {diff['peeked_rounds_total']:.0f}", flush=True)
             cell = [line for line in log.read_text().splitlines() if float(line.split()[0]) >= start]
+            # The cell's rounds summed: what the round spent outside drafting and the target forward is the
+            # scheduler's and the drafters' bookkeeping (acceptance, caches, streaming the pieces).
+            spent = {k: sum(float(line.split(f" {k} ")[1].split()[0]) for line in cell) for k in ("round", "drafting", "forward")}
+            print(f"    the cell's {len(cell)} logged rounds: {spent['round']:.0f} ms, drafting {spent['drafting']:.0f}, "
+                  f"forward {spent['forward']:.0f}, the rest {spent['round'] - spent['drafting'] - spent['forward']:.0f}",
+                  flush=True)
             for line in cell[:4]:
                 print("   ", line.split(" ", 1)[1], flush=True)
     return 0

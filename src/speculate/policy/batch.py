@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 
+from ..drafters.base import Drafter
 from ..stats import alpha_mle
 from .auto import ALPHA0, PRIOR_WEIGHT, AutoK, FixedK, profile_for
 from .gate import DraftGate, bucket
@@ -124,14 +125,19 @@ class BatchPlanner:
         2k, a copy that fails costs at most the plan's rows again, and one that grows once still pays."""
         auto = [_plannable(run) for run in runs]
         ks = self._ks(runs, auto)
-        if ks is None or len(runs) == 1:
+        if len(runs) == 1:
             return ks, None
         # A run whose prompt completes this round drafts too (engine.py, ``Run.joins``), but it has no α to plan with:
-        # it drafts no deeper than the plan's deepest, so a round planned plain stays plain. (Before, it drafted at its
-        # own policy's k: at 16 clients of the Qwen 1.5B two joining drafts made the round of everyone's first token
-        # 26 rows instead of 24, ~0.1 s more TTFT; docs/benchmarks.md, "Where the server's time goes at 16 clients".)
-        deepest = max((k for k, a in zip(ks, auto) if a), default=0)
+        # it drafts no deeper than the plan's deepest, so a round planned plain stays plain, and a burst of joining
+        # runs with nothing to plan drafts nothing. (Before, it drafted at its own policy's k: at 16 clients of the
+        # Qwen 1.5B two joining drafts made the round of everyone's first token 26 rows instead of 24, ~0.1 s more
+        # TTFT; docs/benchmarks.md, "Where the server's time goes at 16 clients".)
         joining = [_joining(run) for run in runs]
+        if ks is None:
+            if not any(joining):
+                return None, None
+            ks = [None] * len(runs)  # (the others: their own policy)
+        deepest = max((k for k, a in zip(ks, auto) if a), default=0)
         ks = [min(run.draft_length(), deepest) if j else k for run, k, j in zip(runs, ks, joining)]
         return ks, [2 * k if a or j else None for a, j, k in zip(auto, joining, ks)]
 
@@ -162,16 +168,29 @@ class BatchPlanner:
             self._pending = None
 
     def _plan(self, runs, auto) -> list[int | None]:
-        # Fixed-k runs count with their own α so far, under the prior (``_alpha``); a prefill chunk yields no token,
-        # its rows are a fixed "draft" of rows - 1.
-        alphas = [None if run.prefilling else _alpha(run) for run in runs]
+        # Fixed-k runs count with their own α so far, under the prior (``_alpha``); a prefill chunk's rows are a fixed
+        # "draft" of rows - 1, which yields no token, or (α = 0) one token where the run joins: its first. Counted as
+        # nothing, a burst's joining rows made the round's rate look low and drafts beside them cheap.
+        alphas = [(0.0 if run.joins else None) if run.prefilling else _alpha(run) for run in runs]
         fixed = [None if a else run.prefill_rows - 1 if run.prefilling else run.draft_length()
                  for run, a in zip(runs, auto)]
-        k_max = [max(run.draft_length(run.policy.k_max), 0) if a else 0 for run, a in zip(runs, auto)]
+        batch = len(runs) > 1
+        k_max = [max(run.draft_length(run.policy.k_max), 0) if a and not (batch and _unseen(run)) else 0
+                 for run, a in zip(runs, auto)]
         rows = [_rows(run) if a else _chain for run, a in zip(runs, auto)]
         costs = [_cost(run) if a else 0.0 for run, a in zip(runs, auto)]
         ks = plan(alphas, fixed, k_max, rows, costs, self.curve())
         return [None if run.prefilling else k for run, k in zip(runs, ks)]
+
+
+def _unseen(run) -> bool:
+    """Whether ``run`` has no evidence of its α yet (no draft verified, no peek) and its drafter tells its first token
+    for free (``Drafter.peek``). In a batch such a run drafts nothing: its round's peek is its first evidence. Planned
+    at the prior (``ALPHA0`` = 0.6) instead, every new run of a burst drafted in the round of its first token: at 16
+    clients of the Qwen 1.5B that round took 36 rows against plain's 24, 1.6-1.9 s against 1.1-1.5 s, and each
+    client's TTFT with it (docs/benchmarks.md, "The first-token round")."""
+    stats = run.stats
+    return stats.drafted_tokens == 0 and stats.peeked_rounds == 0 and type(run.drafter).peek is not Drafter.peek
 
 
 def _chain(k: int) -> int:
