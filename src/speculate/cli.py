@@ -16,8 +16,8 @@ K_AUTO_HELP = K_HELP[:-1] + ("; 'auto': per round, the k with the best predicted
 DTYPE_HELP = ("weight precision: fp32, bf16 (weights rounded to bfloat16; fp32 sums in the kernel), int8 "
               "(ours: SmoothQuant, per-row int8), q4 (a GGUF's own 4-bit blocks; other folders quantized to Q4_1), "
               "q4a8 (q4 with 8-bit activations as llama.cpp runs them: faster batches and prefill, answers not "
-              "fp32's; its own quality gate per model) or auto (default: q4 for a model that ships as a GGUF q4 reads, the default model among them; else "
-              "fp32)")
+              "fp32's; its own quality gate per model) or auto (default: q4 for a model that ships as a GGUF q4 "
+              "reads, the default model among them; else fp32)")
 
 def _either(names) -> str:
     """``a, b or c``."""
