@@ -9,6 +9,7 @@ the same GGUF; and greedy speculative decoding at q4 equals plain q4 decoding.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import subprocess
@@ -26,6 +27,7 @@ from speculate.errors import SpeculateError
 from speculate.models import blocks
 from speculate.models.loader import DTYPES
 from speculate.models.fast import FastKVModel
+from speculate.models.forward import Rows
 from speculate.models.cpu import cpu_flags
 from conftest import assert_chains_equal_one_token, assert_pytest_passed
 
@@ -248,6 +250,43 @@ def test_rows_do_not_depend_on_the_other_rows_or_the_thread_count(kind):
         assert torch.equal(layer.matmul_2d(x[:n]), batched[:n])
 
 
+@pytest.mark.parametrize("kind", blocks.ARGMAX_TYPES)
+def test_the_argmax_head_gives_each_rows_argmax_and_only_the_full_calls_bits(kind):
+    """BlockLinear.argmax_matmul_2d (greedy decoding's LM head): over rows where the first activation pass alone
+    would pick another output than both passes (one large value per block makes its 8-bit step coarse), every row's
+    argmax is the full call's, every value it computes is the full call's bits, the rest are -inf, and most groups
+    skip their second pass. Row and thread invariant, as the full call."""
+    k = 256
+    layer = blocks.BlockLinear(random_blocks(kind, 523, k, 11), kind, k)  # (523: the last group padded)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(600, k, generator=g)
+    x.view(600, k // 32, 32)[:, :, 0] *= 40
+    full = layer.matmul_2d(x)
+    layer.passes = 1
+    first = layer.matmul_2d(x)
+    layer.passes = 2
+    flipped = first.argmax(-1) != full.argmax(-1)
+    assert flipped.sum() >= 5  # (the rows where the second pass decides: the bound must keep them right)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        got, groups = layer.argmax_matmul_2d(x)
+        torch.set_num_threads(1)
+        alone = [layer.argmax_matmul_2d(x[i: i + 1]) for i in range(0, 600, 37)]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got.argmax(-1), full.argmax(-1))
+    kept = got != float("-inf")
+    assert torch.equal(got[kept], full[kept])
+    width = blocks.group()
+    assert torch.equal(groups, torch.tensor([len({o // width for o in row.nonzero()[:, 0].tolist()}) for row in kept]))
+    assert groups.float().mean() < -(-523 // width) / 4 and groups.min() >= 1
+    for j, (row, n) in zip(range(0, 600, 37), alone):
+        assert torch.equal(row[0], got[j]) and n[0] == groups[j]
+    with pytest.raises(SpeculateError):  # (a head with offset terms, or at one pass, computes every logit)
+        blocks.BlockLinear(random_blocks("Q4_1", 64, k, 1), "Q4_1", k).argmax_matmul_2d(x[:2])
+
+
 def f32_reference(w: torch.Tensor, x: torch.Tensor, bias=None, residual=None) -> torch.Tensor:
     """kernels/blocks.c's F32 arithmetic ("Float weights"): per (row, output) 16 partial sums, s_l = fma(w_j, x_j, s_l)
     for j = l, l + 16, ..., folded in halves, then the bias and the residual. Each fma in float64 (the product of two
@@ -335,7 +374,8 @@ def test_the_other_code_paths_compute_the_same(march, tmp_path):
     env = {**os.environ, "SPECULATE_KERNEL_FLAGS": f"-march={march}", "SPECULATE_CACHE": str(tmp_path)}
     here = Path(__file__).resolve()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here), "-k",
-                           "arithmetic or thread_count or several_types or dequantize_to or widened or largest"],
+                           "arithmetic or thread_count or several_types or dequantize_to or widened or largest "
+                           "or argmax_head"],
                           env=env,
                           cwd=here.parent.parent, capture_output=True, text=True, timeout=600)
     assert_pytest_passed(done)
@@ -400,6 +440,36 @@ def test_tiny_model_at_q4_chains_and_trees_equal_one_token_decoding(tiny_folders
     out = SpeculativeDecoder(loaded,
                              SpeculativeSpec("lookup", verifier="greedy", k=6)).generate(prompt, max_new_tokens=40)
     assert out.token_ids == ref.token_ids and ref.stats.exactness == "batched"
+
+
+def test_greedy_rows_take_the_argmax_head_and_decode_the_full_heads_tokens(tiny_folders, cache, monkeypatch):
+    """At q4 (head Q8_0) the rows of a greedy verification go through the argmax head (Rows.argmax): the logits that
+    cannot be a row's greatest are -inf, the others the full head's bits. Greedy decoding, plain and speculative,
+    gives the full head's tokens, and a request that reads more than the argmax (log-probabilities) gets every
+    logit."""
+    loaded = load_model(str(tiny_folders[0]), dtype="q4")
+    ids = torch.tensor(random_prompt(4, 40))
+    both = []
+    for argmax in (False, True):
+        kv = FastKVModel(loaded)
+        kv.reset()
+        both.append(kv.forward_many([Rows(kv, ids, want=12, argmax=argmax)])[0])
+    full, masked = both
+    kept = masked != float("-inf")
+    assert torch.equal(masked.argmax(-1), full.argmax(-1)) and torch.equal(masked[kept], full[kept])
+    assert kept.float().mean() < 0.5
+    prompt = random_prompt(5, 8) * 5
+    runs, scored = {}, {}
+    for head in ("argmax", "full"):
+        with monkeypatch.context() as patch:
+            if head == "full":
+                patch.setattr(FastKVModel(loaded).lean, "argmax_head", None)  # (the loaded model's one lean model)
+            for drafter in ("none", "lookup"):
+                decoder = SpeculativeDecoder(loaded, SpeculativeSpec(drafter, verifier="greedy", k=6))
+                runs[head, drafter] = decoder.generate(prompt, max_new_tokens=40).token_ids
+            scored[head] = decoder.generate(prompt, max_new_tokens=8, logprobs=3).logprobs
+    assert len(set(map(tuple, runs.values()))) == 1
+    assert scored["argmax"] == scored["full"] and all(math.isfinite(t.logprob) for t in scored["full"])
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -113,6 +113,21 @@ def test_a_subclass_that_changes_the_rule_changes_both_forms():
     assert differs  # (the two rules do differ somewhere)
 
 
+def test_only_greedys_own_rule_reads_the_argmax_alone():
+    """``argmax_only`` (the LM head may then leave the logits that cannot be the greatest at -inf): greedy and a
+    subclass that keeps its rule; not a subclass with a rule of its own, nor a verifier that reads probabilities."""
+
+    class Margin(GreedyVerifier):  # (a plugin's rule that reads more than the argmax)
+        name = "margin"
+
+        def verify(self, draft_tokens, draft_probs, target_probs, state=None, generator=None, sample_probs=None):
+            return super().verify(draft_tokens, draft_probs, target_probs.softmax(-1), state)
+
+    assert GreedyVerifier().argmax_only and MyGreedy().argmax_only
+    assert not Margin().argmax_only
+    assert not any(cls().argmax_only for cls in (SampleVerifier, MySample, ConsultantVerifier, MentoredVerifier))
+
+
 def test_a_verifier_without_a_tree_rule_says_so(tiny):
     class Custom(Verifier):
         name = "custom"

@@ -292,6 +292,10 @@ class Run:
         self.prompt_logprobs = [None] if sampling.prompt_logprobs is not None else None
         # Structured output: every new token follows the grammar (speculate/grammar.py: masked rows, cut drafts).
         self.constraint = Constraint(decoder.target.tokenizer, sampling.grammar) if sampling.grammar else None
+        # Whether only each verified row's argmax is read (greedy verification, nothing else asked of the logits): the
+        # LM head then leaves the logits that cannot be the greatest at -inf (Rows.argmax).
+        self.argmax_only = (self.verifier.argmax_only and sampling.greedy and self.logprobs is None
+                            and self.prompt_logprobs is None and self.constraint is None)
         self._bind(decoder, prefill_chunk, reserve)
         self.stats.reused_prompt_tokens = self.filled
         self._prefilled()
@@ -443,7 +447,7 @@ class Run:
                 self.draft = self.draft.within(self.constraint.valid_prefix(self.draft.tokens.tolist()))
             fed = torch.tensor(self.tokens[self.kv.length:])  # ..., then the root: the last committed token
             rows = Rows(self.kv, torch.cat([fed, self.draft.tokens]), _rooted(self.draft.parents, len(fed)),
-                        len(self.draft.tokens) + 1)  # (the logits of the root and the draft: what is verified)
+                        len(self.draft.tokens) + 1, self.argmax_only)  # (the root's and the draft's logits: verified)
         self.rows_last = rows.tokens.shape[0]  # (the scheduler's rows-per-forward metric)
         return rows
 

@@ -104,6 +104,10 @@ def _field_shapes(kind: str) -> list[tuple[int, ...]]:
 
 
 SLICE = 2048  # outputs :func:`interleave` lays out at a time
+#: Block types whose second activation pass adds no offset term: BlockLinear.argmax_matmul_2d takes them.
+ARGMAX_TYPES = ("Q4_0", "Q8_0", "Q6_K")
+#: Segments of the inputs the argmax head's bound takes its largest activation error over (kernels/blocks.c).
+SEGMENTS = 4
 
 
 def interleave(raw: torch.Tensor, kind: str, width: int) -> torch.Tensor:
@@ -318,6 +322,55 @@ class BlockLinear(QuantizedLinear):
 
     def matmul_2d(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, None)
+
+    def argmax_runs(self) -> bool:
+        """Whether :meth:`argmax_matmul_2d` takes this layer: one part of a type without offset terms
+        (:data:`ARGMAX_TYPES`), two activation passes, no bias."""
+        return (type(self) is BlockLinear and len(self.kinds) == 1 and self.kinds[0][0] in ARGMAX_TYPES
+                and self.passes == 2 and self.bias is None)
+
+    def argmax_matmul_2d(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(y, groups)``: :meth:`matmul_2d`'s values where a row's greatest may be, -inf everywhere else, so each
+        row's argmax (first index on ties) is :meth:`matmul_2d`'s, by construction (kernels/blocks.c,
+        ``speculate_block_argmax``: every second activation pass is bounded, and only the groups of outputs whose
+        bound reaches the row's best run it). ``groups`` [rows]: how many groups of :func:`group` outputs did.
+        Greedy decoding's LM head (models/fast.py): at 8 rows of the default model the second pass over its whole
+        head was a tenth of a round."""
+        if not self.argmax_runs():
+            raise SpeculateError(f"argmax_matmul_2d takes one part of {', '.join(ARGMAX_TYPES)} at two passes")
+        x = x.float().contiguous()
+        rows = x.shape[0]
+        y = torch.empty(rows, self.out_features, dtype=torch.float32)
+        groups = torch.empty(rows, dtype=torch.int64)
+        l1 = self.l1()
+        rc = kernel.function("speculate_block_argmax")(
+            TYPES[self.kinds[0][0]][0], self.packed0.data_ptr(), self.out_features, self.in_features, x.data_ptr(),
+            rows, l1.data_ptr(), l1.shape[1], y.data_ptr(), groups.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"block argmax failed ({rc})")
+        return y, groups
+
+    def l1(self) -> torch.Tensor:
+        """Σ |w_oj| over each segment of the inputs, as :meth:`argmax_matmul_2d`'s kernel reads it: [groups,
+        segments, :func:`group`] fp32 (padding outputs 0), block b of 32 inputs in segment b · segments // blocks, with
+        :data:`SEGMENTS` segments (fewer where the layer has fewer blocks). Computed once, a slice of outputs at a
+        time (the Qwen 1.5B's head de-quantized whole would be 0.9 GB)."""
+        if getattr(self, "_l1", None) is None:
+            (kind, _, rows), = self.kinds
+            nb = self.in_features // 32
+            segments = min(SEGMENTS, nb)
+            of = torch.arange(nb) * segments // nb  # each block's segment
+            step = SLICE // self.width
+            parts = []
+            for g in range(0, self.packed0.shape[0], step):
+                n = min(rows - g * self.width, step * self.width)
+                w = dequantize_fields(deinterleave(self.packed0[g: g + step], kind, n, self.width), kind)
+                per_block = w.double().abs().reshape(n, nb, 32).sum(-1)
+                parts.append(torch.zeros(n, segments, dtype=torch.float64).index_add_(1, of, per_block))
+            table = torch.zeros(self.packed0.shape[0] * self.width, segments)
+            table[:rows] = torch.cat(parts).float()
+            self._l1 = table.view(-1, self.width, segments).transpose(1, 2).contiguous()
+        return self._l1
 
     def add_matmul_2d(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, residual)

@@ -177,6 +177,13 @@ class LeanModel:
                                 _fuse([mlp.gate_proj, mlp.up_proj]), _residual(mlp.down_proj)))
         # (a tied LM head is the embedding's own tensor: FloatLinear reads it in place)
         self.lm_head = FloatLinear(*_fused([model.lm_head])).matmul_2d if floats else _fuse([model.lm_head])
+        # Greedy rows' head: the logits that may be a row's greatest, the others -inf (BlockLinear.argmax_matmul_2d),
+        # where the head's blocks have no offset terms (the default model's Q8_0, the Qwen's Q6_K) and it runs two
+        # passes (``argmax_runs``, asked at each call: a probe may set the passes after this).
+        head = _whole(model.lm_head)
+        self.argmax_head = head if isinstance(head, BlockLinear) else None
+        if self.argmax_head is not None and head.argmax_runs():
+            head.l1()  # (its bound's table, made now rather than in a request's first round: 0.3 s, the Qwen 1.5B's 3 s)
         self.vocab_size = model.lm_head.out_features
         self.dtype = torch.float32 if floats else self.embed.dtype  # (what the layers compute in)
         # int8, q4, and fp32 and bf16 through the kernel: an attention whose rows do not depend on the other rows of
@@ -235,11 +242,29 @@ class LeanModel:
         # The final-normed rows (the LM head's input) stay in ``kv.hidden`` for self-drafting heads (Medusa, EAGLE):
         # references, no copy; the norm is row-wise, so slicing after it is the same.
         wanted = torch.cat(heads) if len(heads) > 1 else heads[0]
-        logits = self.lm_head(wanted).float() if wanted.shape[0] else wanted.new_zeros(0, self.vocab_size).float()
+        logits = self._head(wanted, [item.argmax for item, h in zip(items, heads) for _ in range(h.shape[0])])
         out, lo = [], 0
         for item, h in zip(items, heads):
             out.append(logits[lo: lo + h.shape[0]] if item.want != 0 else None)
             lo += h.shape[0]
+        return out
+
+    def _head(self, x: torch.Tensor, argmax: list[bool]) -> torch.Tensor:
+        """The LM head's logits for the rows ``x``. A row of which only the argmax is read (``argmax[row]``,
+        ``Rows.argmax``) goes through :attr:`argmax_head` where the model has one: the same argmax by construction,
+        the second activation pass only where a logit may be the greatest. Each row on its own, so splitting the
+        rows between the two heads changes no row's values."""
+        if not x.shape[0]:
+            return x.new_zeros(0, self.vocab_size).float()
+        head = self.argmax_head
+        if head is None or not any(argmax) or not head.argmax_runs():
+            return self.lm_head(x).float()
+        if all(argmax):
+            return head.argmax_matmul_2d(x)[0]
+        pick = torch.tensor(argmax)
+        out = torch.empty(x.shape[0], self.vocab_size)
+        out[pick] = head.argmax_matmul_2d(x[pick])[0]
+        out[~pick] = self.lm_head(x[~pick]).float()
         return out
 
     @staticmethod

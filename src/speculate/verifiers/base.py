@@ -74,6 +74,9 @@ class Verifier:
       as ``target_probs`` (consultant's NLL, typical's entropy); the warped one used for sampling the
       correction token is then passed as ``sample_probs``.
     - ``lossless``: True when the output follows the target exactly (greedy at temperature 0, sample).
+    - ``argmax_only``: True when, at temperature 0, the rule reads nothing of ``target_probs`` but each row's argmax
+      (greedy): the target's LM head may then compute only the logits that can be a row's greatest
+      (models/fast.py, ``LeanModel._head``).
     """
 
     name = "base"
@@ -81,6 +84,7 @@ class Verifier:
     needs_draft_probs = True
     raw_target = False
     lossless = False
+    argmax_only = False
 
     def __init__(self, *args, **kwargs):
         cls = type(self)

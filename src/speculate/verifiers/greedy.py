@@ -14,6 +14,13 @@ class GreedyVerifier(Verifier):
     needs_draft_probs = False
     lossless = True  # (for greedy decoding: the engine uses it at temperature 0 only)
 
+    @property
+    def argmax_only(self) -> bool:
+        """True: :meth:`verify` and :meth:`verify_tree` read nothing of ``target_probs`` but each row's argmax. Not
+        for a subclass with a rule of its own (a plugin's), which may read more."""
+        cls = type(self)
+        return cls.verify is GreedyVerifier.verify and cls.verify_tree is GreedyVerifier.verify_tree
+
     def verify(self, draft_tokens, draft_probs, target_probs, state=None, generator=None, sample_probs=None):
         target_argmax = target_probs.argmax(dim=-1)  # [k+1]
         k = draft_tokens.shape[0]

@@ -231,6 +231,13 @@ typedef __m512i vi;
 #define TOF(a) _mm512_cvtepi32_ps(a)
 #define NEG(a) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), INTS((int)0x80000000u)))
 #define STORE(p, a) _mm512_storeu_ps(p, a)
+#define LOADF(p) _mm512_loadu_ps(p)
+#define SUBF(a, b) _mm512_sub_ps(a, b)
+#define MAXF(a, b) _mm512_max_ps(a, b)
+#define ABSF(a) _mm512_abs_ps(a)
+#define HMAXF(a) _mm512_reduce_max_ps(a)
+#define ANY_GE(a, b) (_mm512_cmp_ps_mask(a, b, _CMP_GE_OQ) != 0)
+#define ANY_NONFINITE(a) (_mm512_cmp_ps_mask(SUBF(a, a), SUBF(a, a), _CMP_UNORD_Q) != 0) /* inf − inf, NaN: NaN */
 #else
 typedef __m256 vf;
 typedef __m256i vi;
@@ -260,6 +267,18 @@ typedef __m256i vi;
 #define TOF(a) _mm256_cvtepi32_ps(a)
 #define NEG(a) _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(a), INTS((int)0x80000000u)))
 #define STORE(p, a) _mm256_storeu_ps(p, a)
+#define LOADF(p) _mm256_loadu_ps(p)
+#define SUBF(a, b) _mm256_sub_ps(a, b)
+#define MAXF(a, b) _mm256_max_ps(a, b)
+#define ABSF(a) _mm256_andnot_ps(_mm256_set1_ps(-0.f), a)
+#define HMAXF(a) hmax8(a)
+#define ANY_GE(a, b) (_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)) != 0)
+#define ANY_NONFINITE(a) (_mm256_movemask_ps(_mm256_cmp_ps(SUBF(a, a), SUBF(a, a), _CMP_UNORD_Q)) != 0)
+static inline float hmax8(__m256 a) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
 #endif
 #endif
 
@@ -711,6 +730,12 @@ static inline void finish(const float *got, int width, int nr, int passes, int64
     }
 }
 
+/* The second pass's row: what quantizing ``row`` (q, da: quantize_row's) missed, rest = x − da · qa per element. */
+static void missed(const float *restrict row, int64_t k, const int8_t *restrict q, const float *restrict da,
+                   float *restrict rest) {
+    for (int64_t j = 0; j < k; j++) rest[j] = row[j] - da[j / QK] * (float)q[j];
+}
+
 /* speculate_block_matmul for F32 or BF16 weights (``half``; row-major, k a multiple of 16): the rows prepared, then
  * "Float weights" above, tiles of FO outputs split among the threads, then y = residual + (x Wᵀ + bias) as for the
  * blocks. */
@@ -788,7 +813,7 @@ int speculate_block_matmul(int type, const uint8_t *restrict w, int64_t out, int
         prepare_row(x + r * k * (act ? 2 : 1), k, norm, eps, act, row);
         quantize_row(row, k, q + h * k, da + h * nb, sums + h * nb, lows + h * nb, sa + h * nb);
         if (passes == 2) { /* what the first missed, quantized the same way: ~16 bits a block in all */
-            for (int64_t j = 0; j < k; j++) rest[j] = row[j] - da[h * nb + j / QK] * (float)q[h * k + j];
+            missed(row, k, q + h * k, da + h * nb, rest);
             quantize_row(rest, k, q + (h + 1) * k, da + (h + 1) * nb, sums + (h + 1) * nb, lows + (h + 1) * nb,
                          sa + (h + 1) * nb);
         }
@@ -807,5 +832,150 @@ int speculate_block_matmul(int type, const uint8_t *restrict w, int64_t out, int
         }
     }
     free(q); free(da); free(sums); free(lows); free(sa);
+    return 0;
+}
+
+/* speculate_block_argmax's bound on one group's first-pass values v[0..n-1] of one row (l1g: the group's [S][GROUP]
+ * segment sums, a: the row's 1.01 A_s): with B_i = Σ_s a_s · l1g[s][i] + 2^-20 |v_i|, *hi = max_i (v_i + B_i) and
+ * *lo = max_i (v_i − B_i). Returns whether some v_i is not finite. The vector paths compute the same values lane by
+ * lane (the same operations in the same order), a group at a time where it is whole. */
+static inline int margins(const float *restrict v, const float *restrict l1g, const float *restrict a, int64_t S,
+                          int64_t n, float *hi, float *lo) {
+#if defined(WIDE) || defined(VECTOR)
+    if (n == GROUP) {
+        vf b = ZEROF();
+        for (int64_t s = 0; s < S; s++) b = ADD(b, MUL(FLOATS(a[s]), LOADF(l1g + s * GROUP)));
+        const vf x = LOADF(v), bo = ADD(b, MUL(FLOATS(0x1p-20f), ABSF(x)));
+        *hi = HMAXF(ADD(x, bo));
+        *lo = HMAXF(SUBF(x, bo));
+        return ANY_NONFINITE(x);
+    }
+#endif
+    int flag = 0;
+    *hi = *lo = -INFINITY;
+    for (int64_t i = 0; i < n; i++) {
+        float b = 0.f;
+        for (int64_t s = 0; s < S; s++) b = b + a[s] * l1g[s * GROUP + i];
+        const float bo = b + 0x1p-20f * fabsf(v[i]);
+        *hi = v[i] + bo > *hi ? v[i] + bo : *hi;
+        *lo = v[i] - bo > *lo ? v[i] - bo : *lo;
+        flag |= !isfinite(v[i]);
+    }
+    return flag;
+}
+
+/* Greedy decoding's LM head (issue 41): of a row's logits, exactly those that may be its greatest; every other one
+ * -inf. The argmax (its first index where several tie) is then the full call's, by construction, on any CPU.
+ *
+ * With two passes a logit is y = y_row + y_rest (finish: one rounding), where y_row is the first pass's value, the
+ * same bits as a one-pass call's. For the types whose blocks scale integers without an offset term (Q4_0, Q8_0,
+ * Q6_K), y_rest = Σ_j w_j · r_j over the de-quantized weights w_j and the rest's values r_j = da · qa (the integer
+ * dots exact), and |r_j| <= A_b, the largest |rest| of j's block b. The blocks fall into S segments (block b in
+ * segment b · S / nb); with A_s the largest A_b of segment s and l1[o][s] = Σ_{j in s} |w_oj| (given by the caller),
+ * |y_rest| <= Σ_s A_s · l1[o][s]. The float products and sums add at most a relative (1 + 2^-24)^(blocks + S + 3) to
+ * that (< 1.0001 below 10,000 blocks), and y's own rounding u · |y_row + y_rest|. So with
+ *     B_o = Σ_s (1.01 · A_s) · l1[o][s] + 2^-20 · |y_row_o|   and   T = max_o (y_row_o − B_o),
+ * every o with y_row_o + B_o < T has y_o < T <= max y: it can be neither the argmax nor tied with it. Only the
+ * groups of GROUP outputs that hold some other o run their second pass, per row (the same group_tile calls on the
+ * same integers as the full call, so each such y_o is the full call's bits); the rest are written -inf. A row with a
+ * non-finite value runs every group. (One segment, the row's largest |rest| for every weight, kept ~4 % of the
+ * default model's groups and ~8 % of the Qwen 1.5B's, whose hidden rows have a few very large values; eight kept
+ * 0.1 %: docs/benchmarks.md, "The argmax head".)
+ *
+ * x [rows, k] (the LM head's input, prepared: no norm, no SiLU), y [rows, out]; l1 [groups][S][GROUP] (an output's
+ * segment sums at lane o % GROUP of its group, padding outputs 0); ``counts`` [rows]: the groups that ran their
+ * second pass. Returns 0, 5 for a type with offset terms (Q4_1, Q4_K: the caller computes every logit) or a bad S,
+ * else speculate_block_matmul's codes. */
+int speculate_block_argmax(int type, const uint8_t *restrict w, int64_t out, int64_t k, const float *restrict x,
+                           int64_t rows, const float *restrict l1, int segments, float *restrict y,
+                           int64_t *restrict counts, int threads) {
+    if (type != Q4_0 && type != Q8_0 && type != Q6_K) return 5;
+    const int bytes = block_bytes(type);
+    if (k <= 0 || k % (is_k(type) ? 8 * QK : QK)) return 2;
+    const int64_t nb = k / QK, groups = (out + GROUP - 1) / GROUP, qrows = 2 * rows, S = segments;
+    if (S < 1 || S > nb) return 5;
+    if (rows <= 0) return 0;
+    const int64_t group_bytes = (is_k(type) ? nb / 8 : nb) * GROUP * bytes;
+    /* The rows' first passes at 0..rows-1, their rests' at rows..2·rows-1. */
+    int8_t *q = malloc((size_t)(qrows * k));
+    float *da = malloc(sizeof(float) * (size_t)(qrows * nb)), *sa = malloc(sizeof(float) * (size_t)(qrows * nb));
+    int32_t *sums = malloc(sizeof(int32_t) * (size_t)(qrows * nb));
+    int32_t *lows = malloc(sizeof(int32_t) * (size_t)(qrows * nb));
+    float *rest = malloc(sizeof(float) * (size_t)k), *a = malloc(sizeof(float) * (size_t)(rows * S));
+    float *high = malloc(sizeof(float) * (size_t)(rows * groups)), *t = malloc(sizeof(float) * (size_t)rows);
+    int *bad = malloc(sizeof(int) * (size_t)rows);
+    if (!q || !da || !sa || !sums || !lows || !rest || !a || !high || !t || !bad) {
+        free(q); free(da); free(sa); free(sums); free(lows); free(rest); free(a); free(high); free(t); free(bad);
+        return 3;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t h = rows + r;
+        quantize_row(x + r * k, k, q + r * k, da + r * nb, sums + r * nb, lows + r * nb, sa + r * nb);
+        missed(x + r * k, k, q + r * k, da + r * nb, rest);
+        quantize_row(rest, k, q + h * k, da + h * nb, sums + h * nb, lows + h * nb, sa + h * nb);
+        for (int64_t s = 0; s < S; s++) a[r * S + s] = 0.f;
+        for (int64_t b = 0; b < nb; b++) { /* 1.01 A_s, the margin of the bound above */
+            const float m = 1.01f * block_amax(rest + b * QK);
+            float *as = a + r * S + b * S / nb;
+            *as = m > *as ? m : *as;
+        }
+        t[r] = -INFINITY;
+        bad[r] = 0;
+        for (int64_t s = 0; s < S; s++) bad[r] |= !isfinite(a[r * S + s]);
+    }
+    free(rest);
+    /* The first passes, every group (speculate_block_matmul's loop at one pass); as each tile is written, per row the
+     * group's highest y_row + B (high[r · groups + g]) and the greatest y_row − B (t[r], over the threads). */
+#pragma omp parallel num_threads(threads) if (threads > 1 && groups * rows >= 32)
+    {
+        float *tl = malloc(sizeof(float) * (size_t)rows);
+        int *badl = malloc(sizeof(int) * (size_t)rows);
+        for (int64_t r = 0; r < rows && tl && badl; r++) tl[r] = -INFINITY, badl[r] = 0;
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            float got[TILE * GROUP];
+            const int64_t o0 = g * GROUP, n = out - o0 < GROUP ? out - o0 : GROUP;
+            for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+                const int nr = rows - r0 < TILE ? (int)(rows - r0) : TILE;
+                group_tile(type, w + g * group_bytes, nb, q + r0 * k, da + r0 * nb, sums + r0 * nb, lows + r0 * nb,
+                           sa + r0 * nb, k, nr, got);
+                finish(got, GROUP, nr, 1, o0, (int)n, r0, NULL, NULL, y, out);
+                for (int r = 0; r < nr && tl && badl; r++) {
+                    float lo;
+                    badl[r0 + r] |= margins(got + r * GROUP, l1 + g * S * GROUP, a + (r0 + r) * S, S, n,
+                                            high + (r0 + r) * groups + g, &lo);
+                    tl[r0 + r] = lo > tl[r0 + r] ? lo : tl[r0 + r];
+                }
+            }
+        }
+#pragma omp critical
+        for (int64_t r = 0; r < rows; r++) {
+            if (!tl || !badl) bad[r] = 1; /* (no memory for this thread's bounds: every group of every row) */
+            else t[r] = tl[r] > t[r] ? tl[r] : t[r], bad[r] |= badl[r];
+        }
+        free(tl); free(badl);
+    }
+    /* Per group and row: the second pass where the group's high reaches the row's T (y = y_row + y_rest, as finish
+     * adds them), else -inf. */
+    for (int64_t r = 0; r < rows; r++) counts[r] = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 64) if (threads > 1 && groups * rows >= 32)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t o0 = g * GROUP, n = out - o0 < GROUP ? out - o0 : GROUP;
+        for (int64_t r = 0; r < rows; r++) {
+            float *yr = y + r * out + o0;
+            if (bad[r] || high[r * groups + g] >= t[r]) {
+                const int64_t h = rows + r;
+                float got[GROUP];
+                group_tile(type, w + g * group_bytes, nb, q + h * k, da + h * nb, sums + h * nb, lows + h * nb,
+                           sa + h * nb, k, 1, got);
+                for (int64_t i = 0; i < n; i++) yr[i] = yr[i] + got[i];
+#pragma omp atomic
+                counts[r]++;
+            } else {
+                for (int64_t i = 0; i < n; i++) yr[i] = -INFINITY;
+            }
+        }
+    }
+    free(q); free(da); free(sa); free(sums); free(lows); free(a); free(high); free(t); free(bad);
     return 0;
 }
