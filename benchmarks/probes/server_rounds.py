@@ -2,7 +2,7 @@
 at 16 clients loses to plain"), round by round.
 
     python benchmarks/probes/server_rounds.py [--model qwen2.5-coder-1.5b-instruct] [--clients 16] [--order spec plain spec]
-        [--max-tokens 64]
+        [--max-tokens 64] [--keep DIR]
 
 Each server of ``--order`` is started in turn (``spec``: the defaults; ``plain``: ``--drafter none``) through this
 file with ``--serve``, which wraps the scheduler's round to log each round's running and prefilling generations, rows,
@@ -75,6 +75,7 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--order", nargs="+", default=["spec", "plain", "spec"], choices=["spec", "plain"])
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--keep", metavar="DIR", help="keep each server's round log in DIR (ORDER-NAME.log)")
     a = p.parse_args()
     import httpx
 
@@ -89,7 +90,7 @@ def main() -> int:
             "accepted_tokens_total", "peeked_rounds_total")
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(a.order):
-            log = Path(tmp) / f"{i}-{name}.log"
+            log = Path(a.keep or tmp) / f"{i}-{name}.log"
             log.touch()
             os.environ["ROUND_LOG"] = str(log)
             port = free_port()
