@@ -458,6 +458,12 @@ def test_greedy_rows_take_the_argmax_head_and_decode_the_full_heads_tokens(tiny_
     kept = masked != float("-inf")
     assert torch.equal(masked.argmax(-1), full.argmax(-1)) and torch.equal(masked[kept], full[kept])
     assert kept.float().mean() < 0.5
+    # One forward over a generation that reads its argmax alone and one that reads every logit: each gets its own.
+    kvs = [FastKVModel(loaded) for _ in range(2)]
+    for kv in kvs:
+        kv.reset()
+    mixed = kvs[0].forward_many([Rows(kvs[0], ids, want=12, argmax=True), Rows(kvs[1], ids, want=12)])
+    assert torch.equal(mixed[0], masked) and torch.equal(mixed[1], full)
     prompt = random_prompt(5, 8) * 5
     runs, scored = {}, {}
     for head in ("argmax", "full"):

@@ -335,7 +335,7 @@ class BlockLinear(QuantizedLinear):
         ``speculate_block_argmax``: every second activation pass is bounded, and only the groups of outputs whose
         bound reaches the row's best run it). ``groups`` [rows]: how many groups of :func:`group` outputs did.
         Greedy decoding's LM head (models/fast.py): at 8 rows of the default model the second pass over its whole
-        head was a tenth of a round."""
+        head was 6-10 % of a round (docs/benchmarks.md, "The argmax head")."""
         if not self.argmax_runs():
             raise SpeculateError(f"argmax_matmul_2d takes one part of {', '.join(ARGMAX_TYPES)} at two passes")
         x = x.float().contiguous()
