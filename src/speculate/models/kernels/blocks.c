@@ -878,9 +878,9 @@ static inline int margins(const float *restrict v, const float *restrict l1g, co
  * every o with y_row_o + B_o < T has y_o < T <= max y: it can be neither the argmax nor tied with it. Only the
  * groups of GROUP outputs that hold some other o run their second pass, per row (the same group_tile calls on the
  * same integers as the full call, so each such y_o is the full call's bits); the rest are written -inf. A row with a
- * non-finite value runs every group. (One segment, the row's largest |rest| for every weight, kept ~4 % of the
- * default model's groups and ~8 % of the Qwen 1.5B's, whose hidden rows have a few very large values; eight kept
- * 0.1 %: docs/benchmarks.md, "The argmax head".)
+ * non-finite value runs every group. (One segment, the row's largest |rest| for every weight, kept 1.4 % of the
+ * default model's groups and 4 % of the Qwen 1.5B's, whose hidden rows have a few very large values; four keep
+ * 0.1-0.2 %, and eight saved fewer second passes than their arithmetic cost: docs/benchmarks.md, "The argmax head".)
  *
  * x [rows, k] (the LM head's input, prepared: no norm, no SiLU), y [rows, out]; l1 [groups][S][GROUP] (an output's
  * segment sums at lane o % GROUP of its group, padding outputs 0); ``counts`` [rows]: the groups that ran their
