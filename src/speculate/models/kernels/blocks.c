@@ -233,10 +233,8 @@ typedef __m512i vi;
 #define STORE(p, a) _mm512_storeu_ps(p, a)
 #define LOADF(p) _mm512_loadu_ps(p)
 #define SUBF(a, b) _mm512_sub_ps(a, b)
-#define MAXF(a, b) _mm512_max_ps(a, b)
 #define ABSF(a) _mm512_abs_ps(a)
 #define HMAXF(a) _mm512_reduce_max_ps(a)
-#define ANY_GE(a, b) (_mm512_cmp_ps_mask(a, b, _CMP_GE_OQ) != 0)
 #define ANY_NONFINITE(a) (_mm512_cmp_ps_mask(SUBF(a, a), SUBF(a, a), _CMP_UNORD_Q) != 0) /* inf − inf, NaN: NaN */
 #else
 typedef __m256 vf;
@@ -269,10 +267,8 @@ typedef __m256i vi;
 #define STORE(p, a) _mm256_storeu_ps(p, a)
 #define LOADF(p) _mm256_loadu_ps(p)
 #define SUBF(a, b) _mm256_sub_ps(a, b)
-#define MAXF(a, b) _mm256_max_ps(a, b)
 #define ABSF(a) _mm256_andnot_ps(_mm256_set1_ps(-0.f), a)
 #define HMAXF(a) hmax8(a)
-#define ANY_GE(a, b) (_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)) != 0)
 #define ANY_NONFINITE(a) (_mm256_movemask_ps(_mm256_cmp_ps(SUBF(a, a), SUBF(a, a), _CMP_UNORD_Q)) != 0)
 static inline float hmax8(__m256 a) {
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
