@@ -118,7 +118,8 @@ def main() -> int:
             cell = [line for line in log.read_text().splitlines() if float(line.split()[0]) >= start]
             # The cell's rounds summed: what the round spent outside drafting and the target forward is the
             # scheduler's and the drafters' bookkeeping (acceptance, caches, streaming the pieces).
-            spent = {k: sum(float(line.split(f" {k} ")[1].split()[0]) for line in cell) for k in ("round", "drafting", "forward")}
+            spent = {k: sum(float(line.split(f" {k} ")[1].split()[0]) for line in cell)
+                     for k in ("round", "drafting", "forward")}
             print(f"    the cell's {len(cell)} logged rounds: {spent['round']:.0f} ms, drafting {spent['drafting']:.0f}, "
                   f"forward {spent['forward']:.0f}, the rest {spent['round'] - spent['drafting'] - spent['forward']:.0f}",
                   flush=True)
