@@ -103,3 +103,12 @@ def serve_subprocess(args: list[str], env: dict, seconds: float = 60):
         if proc.poll() is None:
             proc.kill()
             proc.wait(15)
+
+
+@pytest.fixture
+def seen(monkeypatch):
+    """Fresh runs planned at their α as though they had evidence (``batch._unseen``: in a batch, a run with none
+    drafts nothing in its first round)."""
+    from speculate.policy import batch
+
+    monkeypatch.setattr(batch, "_unseen", lambda run: False)

@@ -241,6 +241,14 @@ def test_a_curve_measured_on_a_busy_machine_is_measured_again_and_not_cached(tin
     assert "40%" in made([1.0, 1.1, 1.2], 0.4).doubtful()
     assert "T(3)" in made([1.0, 1.1, 0.7], None).doubtful()  # faster over 3 rows than over 2: noise
     assert made([1.0, 0.8, 1.2], None).doubtful() is None  # (within a quarter: kept)
+    # Nor may a cost per row rise past ceil(n / m) x T(m) (n rows fit in that many forwards of m): the batch curve a
+    # server measured at its start on the EPYC, against the one it measured quiet.
+    kinked = {1: 1.0, 2: 1.5, 4: 1.80, 8: 4.80, 16: 6.28, 32: 16.06}
+    quiet = {1: 1.0, 2: 1.49, 4: 2.25, 8: 4.09, 16: 7.24, 32: 13.45}
+    assert "T(8) measured 2.67x T(4)" in profile.Profile(target_seconds=kinked, busy=0.12).doubtful()
+    assert profile.Profile(target_seconds=quiet, busy=0.12).doubtful() is None
+    assert "T(2)" in made([1.0, 2.6], None).doubtful() and made([1.0, 2.4, 4.9], None).doubtful() is None
+    assert profile.Profile(target_seconds=kinked, busy=0.9).doubtful(tolerance=1.0) is None
 
     real = auto.measure_profile
     for busy, want_tries, cached in (([0.6, 0.3, 0.1], 3, True), ([0.6, 0.2], 2, True), ([0.9, 0.5, 0.7], 3, False)):

@@ -67,15 +67,6 @@ def test_fixed_lengths_are_kept_and_their_rows_counted():
     assert sum(choose([0.8] * 4, curve, costs=[0.3] * 4)) < sum(choose([0.8] * 4, curve))
 
 
-@pytest.fixture
-def seen(monkeypatch):
-    """Fresh runs planned at their α as though they had evidence (``batch._unseen``: in a batch, a run with none
-    drafts nothing in its first round)."""
-    from speculate.policy import batch
-
-    monkeypatch.setattr(batch, "_unseen", lambda run: False)
-
-
 def test_the_servers_default_k_is_a_cap_the_planner_lowers_where_drafting_does_not_pay(tiny, seen):
     """A fixed k the request did not name (``Run.k_is_cap``, the server's --k) is planned like auto up to that k: no
     draft where every row costs a full step, the whole k where rows are free; a k the request named is kept, and so

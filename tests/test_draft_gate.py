@@ -68,7 +68,7 @@ def test_keys_are_measured_apart_and_bad_settings_are_refused():
             DraftGate(**bad)
 
 
-def test_the_planner_withholds_drafts_that_measure_slower_and_the_tokens_stay_the_same(tiny, monkeypatch):
+def test_the_planner_withholds_drafts_that_measure_slower_and_the_tokens_stay_the_same(tiny, seen, monkeypatch):
     """Rounds of four lookup generations with the server's k as a cap, on a curve where rows are free and at an α of
     0.9 (so the plan drafts the whole cap): told that drafted rounds take twice as long, the planner runs plain but for
     probes; every generation is still exactly its plain greedy decoding."""
@@ -78,8 +78,7 @@ def test_the_planner_withholds_drafts_that_measure_slower_and_the_tokens_stay_th
     from speculate.policy.batch import BatchPlanner
     from speculate.spec import SpeculativeSpec
 
-    monkeypatch.setattr(batch, "_alpha", lambda run: 0.9)
-    monkeypatch.setattr(batch, "_unseen", lambda run: False)  # (planned at that α from the first round)
+    monkeypatch.setattr(batch, "_alpha", lambda run: 0.9)  # (and, with `seen`, planned at that α from the first round)
 
     target = tiny[0]
     prompts = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [7, 8, 9] * 4, [10, 11], [12, 13, 14, 12, 13, 14, 12]]
@@ -112,14 +111,12 @@ def test_the_planner_withholds_drafts_that_measure_slower_and_the_tokens_stay_th
         assert run.generation.token_ids == plain.token_ids
 
 
-def test_a_batch_of_one_keeps_its_own_policy_and_prefill_rounds_are_not_measured(tiny, monkeypatch):
+def test_a_batch_of_one_keeps_its_own_policy_and_prefill_rounds_are_not_measured(tiny, seen):
     from speculate import SpeculativeDecoder
-    from speculate.policy import batch
     from speculate.policy.batch import BatchPlanner
     from speculate.spec import SpeculativeSpec
 
     decoder = SpeculativeDecoder(tiny[0], SpeculativeSpec("lookup", verifier="greedy", k=5))
-    monkeypatch.setattr(batch, "_unseen", lambda run: False)  # (fresh runs planned at the prior in a batch)
     planner = BatchPlanner(tiny[0])
     planner._curve = {1: 1.0, 2: 1.0, 256: 1.0}
     runs = [decoder.start([3], max_new_tokens=20) for _ in range(2)]
