@@ -289,7 +289,10 @@ tile_body(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *
     const int64_t unit = 4 * GROUP; /* bytes of one unit of 4 quants for every output */
     vf acc[TILE], mt[TILE];
     for (int r = 0; r < nr; r++) acc[r] = mt[r] = ZEROF();
-    const vi low = BYTES(0x0f), flip = BYTES((char)0x80);
+    const vi low = BYTES(0x0f);
+#ifndef SIGNED_Q8
+    const vi flip = BYTES((char)0x80);
+#endif
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * GROUP * bytes, *qs = blk + 2 * ns * GROUP;
         const vf dw = HALVES(blk), mw = type == Q4_1 ? HALVES(blk + 2 * GROUP) : ZEROF();
@@ -726,10 +729,42 @@ static inline void finish(const float *got, int width, int nr, int passes, int64
     }
 }
 
-/* The second pass's row: what quantizing ``row`` (q, da: quantize_row's) missed, rest = x − da · qa per element. */
-static void missed(const float *restrict row, int64_t k, const int8_t *restrict q, const float *restrict da,
-                   float *restrict rest) {
-    for (int64_t j = 0; j < k; j++) rest[j] = row[j] - da[j / QK] * (float)q[j];
+/* Quantized rows of k inputs, side by side: quantize_row's outputs for slot i at q + i · k and at i · nb of the
+ * per-block arrays. One set of buffers for what the block matmul and the argmax head quantize. */
+typedef struct { int8_t *q; float *da, *sa; int32_t *sums, *lows; int64_t k, nb; } qrows;
+
+static void qrows_free(qrows *b) { free(b->q); free(b->da); free(b->sa); free(b->sums); free(b->lows); }
+
+/* n slots of k inputs; 0, or 3 (no memory: nothing left allocated). */
+static int qrows_new(qrows *b, int64_t n, int64_t k) {
+    const size_t blocks = (size_t)(n * (k / QK));
+    *b = (qrows){malloc((size_t)(n * k)), malloc(sizeof(float) * blocks), malloc(sizeof(float) * blocks),
+                 malloc(sizeof(int32_t) * blocks), malloc(sizeof(int32_t) * blocks), k, k / QK};
+    if (b->q && b->da && b->sa && b->sums && b->lows) return 0;
+    qrows_free(b);
+    return 3;
+}
+
+/* Row x quantized into slot i. */
+static void qrows_put(const qrows *b, int64_t i, const float *restrict x) {
+    const int64_t at = i * b->nb;
+    quantize_row(x, b->k, b->q + i * b->k, b->da + at, b->sums + at, b->lows + at, b->sa + at);
+}
+
+/* Row x into slot i, and the second pass's row into slot j: what slot i missed, rest = x − da · qa per element
+ * (``rest``: k floats, left holding it). */
+static void qrows_put_two(const qrows *b, int64_t i, int64_t j, const float *restrict x, float *restrict rest) {
+    qrows_put(b, i, x);
+    const int8_t *q = b->q + i * b->k;
+    const float *da = b->da + i * b->nb;
+    for (int64_t e = 0; e < b->k; e++) rest[e] = x[e] - da[e / QK] * (float)q[e];
+    qrows_put(b, j, rest);
+}
+
+/* group_tile of the group at wg against slots r0..r0+nr-1. */
+static inline void qrows_tile(int type, const uint8_t *restrict wg, const qrows *b, int64_t r0, int nr, float *got) {
+    const int64_t at = r0 * b->nb;
+    group_tile(type, wg, b->nb, b->q + r0 * b->k, b->da + at, b->sums + at, b->lows + at, b->sa + at, b->k, nr, got);
 }
 
 /* speculate_block_matmul for F32 or BF16 weights (``half``; row-major, k a multiple of 16): the rows prepared, then
@@ -795,39 +830,29 @@ int speculate_block_matmul(int type, const uint8_t *restrict w, int64_t out, int
     if (k <= 0 || k % (is_k(type) ? 8 * QK : QK)) return 2;
     if (passes != 1 && passes != 2) return 4;
     /* Quantized rows: passes per row of x, side by side (row r's at r · passes, its rest's next to it). */
-    const int64_t nb = k / QK, groups = (out + GROUP - 1) / GROUP, qrows = rows * passes;
-    int8_t *q = malloc((size_t)(qrows * k));
-    float *da = malloc(sizeof(float) * (size_t)(qrows * nb));
-    int32_t *sums = malloc(sizeof(int32_t) * (size_t)(qrows * nb)), *lows = malloc(sizeof(int32_t) * (size_t)(qrows * nb));
-    float *sa = malloc(sizeof(float) * (size_t)(qrows * nb));
+    const int64_t nb = k / QK, groups = (out + GROUP - 1) / GROUP, n = rows * passes;
+    qrows b;
     float *row = malloc(sizeof(float) * (size_t)k), *rest = malloc(sizeof(float) * (size_t)k);
-    if (!q || !da || !sums || !lows || !sa || !row || !rest) {
-        free(q); free(da); free(sums); free(lows); free(sa); free(row); free(rest); return 3;
-    }
+    if (!row || !rest || qrows_new(&b, n, k)) { free(row); free(rest); return 3; }
     for (int64_t r = 0; r < rows; r++) {
         const int64_t h = r * passes; /* the row's first quantized row */
         prepare_row(x + r * k * (act ? 2 : 1), k, norm, eps, act, row);
-        quantize_row(row, k, q + h * k, da + h * nb, sums + h * nb, lows + h * nb, sa + h * nb);
-        if (passes == 2) { /* what the first missed, quantized the same way: ~16 bits a block in all */
-            missed(row, k, q + h * k, da + h * nb, rest);
-            quantize_row(rest, k, q + (h + 1) * k, da + (h + 1) * nb, sums + (h + 1) * nb, lows + (h + 1) * nb,
-                         sa + (h + 1) * nb);
-        }
+        if (passes == 2) qrows_put_two(&b, h, h + 1, row, rest); /* what the first missed: ~16 bits a block in all */
+        else qrows_put(&b, h, row);
     }
     free(row); free(rest);
     const int64_t group_bytes = (is_k(type) ? nb / 8 : nb) * GROUP * bytes;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && groups * qrows >= 32)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && groups * n >= 32)
     for (int64_t g = 0; g < groups; g++) {
         float got[TILE * GROUP];
-        for (int64_t r0 = 0; r0 < qrows; r0 += TILE) { /* TILE is even: a row's passes share a tile */
-            const int nr = qrows - r0 < TILE ? (int)(qrows - r0) : TILE;
-            group_tile(type, w + g * group_bytes, nb, q + r0 * k, da + r0 * nb, sums + r0 * nb, lows + r0 * nb,
-                       sa + r0 * nb, k, nr, got);
+        for (int64_t r0 = 0; r0 < n; r0 += TILE) { /* TILE is even: a row's passes share a tile */
+            const int nr = n - r0 < TILE ? (int)(n - r0) : TILE;
+            qrows_tile(type, w + g * group_bytes, &b, r0, nr, got);
             finish(got, GROUP, nr, passes, g * GROUP, out - g * GROUP < GROUP ? (int)(out - g * GROUP) : GROUP, r0, bias,
                    residual, y, ld);
         }
     }
-    free(q); free(da); free(sums); free(lows); free(sa);
+    qrows_free(&b);
     return 0;
 }
 
@@ -888,27 +913,21 @@ int speculate_block_argmax(int type, const uint8_t *restrict w, int64_t out, int
     if (type != Q4_0 && type != Q8_0 && type != Q6_K) return 5;
     const int bytes = block_bytes(type);
     if (k <= 0 || k % (is_k(type) ? 8 * QK : QK)) return 2;
-    const int64_t nb = k / QK, groups = (out + GROUP - 1) / GROUP, qrows = 2 * rows, S = segments;
+    const int64_t nb = k / QK, groups = (out + GROUP - 1) / GROUP, S = segments;
     if (S < 1 || S > nb) return 5;
     if (rows <= 0) return 0;
     const int64_t group_bytes = (is_k(type) ? nb / 8 : nb) * GROUP * bytes;
-    /* The rows' first passes at 0..rows-1, their rests' at rows..2·rows-1. */
-    int8_t *q = malloc((size_t)(qrows * k));
-    float *da = malloc(sizeof(float) * (size_t)(qrows * nb)), *sa = malloc(sizeof(float) * (size_t)(qrows * nb));
-    int32_t *sums = malloc(sizeof(int32_t) * (size_t)(qrows * nb));
-    int32_t *lows = malloc(sizeof(int32_t) * (size_t)(qrows * nb));
+    /* The rows' first passes in slots 0..rows-1, their rests' in rows..2·rows-1. */
+    qrows b;
     float *rest = malloc(sizeof(float) * (size_t)k), *a = malloc(sizeof(float) * (size_t)(rows * S));
     float *high = malloc(sizeof(float) * (size_t)(rows * groups)), *t = malloc(sizeof(float) * (size_t)rows);
     int *bad = malloc(sizeof(int) * (size_t)rows);
-    if (!q || !da || !sa || !sums || !lows || !rest || !a || !high || !t || !bad) {
-        free(q); free(da); free(sa); free(sums); free(lows); free(rest); free(a); free(high); free(t); free(bad);
+    if (!rest || !a || !high || !t || !bad || qrows_new(&b, 2 * rows, k)) {
+        free(rest); free(a); free(high); free(t); free(bad);
         return 3;
     }
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t h = rows + r;
-        quantize_row(x + r * k, k, q + r * k, da + r * nb, sums + r * nb, lows + r * nb, sa + r * nb);
-        missed(x + r * k, k, q + r * k, da + r * nb, rest);
-        quantize_row(rest, k, q + h * k, da + h * nb, sums + h * nb, lows + h * nb, sa + h * nb);
+        qrows_put_two(&b, r, rows + r, x + r * k, rest);
         for (int64_t s = 0; s < S; s++) a[r * S + s] = 0.f;
         for (int64_t b = 0; b < nb; b++) { /* 1.01 A_s, the margin of the bound above */
             const float m = 1.01f * block_amax(rest + b * QK);
@@ -933,8 +952,7 @@ int speculate_block_argmax(int type, const uint8_t *restrict w, int64_t out, int
             const int64_t o0 = g * GROUP, n = out - o0 < GROUP ? out - o0 : GROUP;
             for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
                 const int nr = rows - r0 < TILE ? (int)(rows - r0) : TILE;
-                group_tile(type, w + g * group_bytes, nb, q + r0 * k, da + r0 * nb, sums + r0 * nb, lows + r0 * nb,
-                           sa + r0 * nb, k, nr, got);
+                qrows_tile(type, w + g * group_bytes, &b, r0, nr, got);
                 finish(got, GROUP, nr, 1, o0, (int)n, r0, NULL, NULL, y, out);
                 for (int r = 0; r < nr && tl && badl; r++) {
                     float lo;
@@ -960,10 +978,8 @@ int speculate_block_argmax(int type, const uint8_t *restrict w, int64_t out, int
         for (int64_t r = 0; r < rows; r++) {
             float *yr = y + r * out + o0;
             if (bad[r] || high[r * groups + g] >= t[r]) {
-                const int64_t h = rows + r;
                 float got[GROUP];
-                group_tile(type, w + g * group_bytes, nb, q + h * k, da + h * nb, sums + h * nb, lows + h * nb,
-                           sa + h * nb, k, 1, got);
+                qrows_tile(type, w + g * group_bytes, &b, rows + r, 1, got);
                 for (int64_t i = 0; i < n; i++) yr[i] = yr[i] + got[i];
 #pragma omp atomic
                 counts[r]++;
@@ -972,6 +988,7 @@ int speculate_block_argmax(int type, const uint8_t *restrict w, int64_t out, int
             }
         }
     }
-    free(q); free(da); free(sa); free(sums); free(lows); free(a); free(high); free(t); free(bad);
+    qrows_free(&b);
+    free(a); free(high); free(t); free(bad);
     return 0;
 }
