@@ -63,6 +63,21 @@ def test_greedy_oracle_drafts_equal_plain_decoding(tiny, seed, k):
                 assert out.stats.target_calls == math.ceil(n_new / (k + 1))
 
 
+def test_greedy_decoding_is_the_targets_own_argmax_token_by_token(tiny):
+    """Plain greedy decoding (the reference of the tests above) and speculative decoding each give, at every step, the
+    argmax of the target's logits over the whole text so far, from a fresh forward: whatever form the engine hands the
+    greedy verifier (engine.py, ``_verify``: the logits themselves, unwarped), it reads their argmax."""
+    model = tiny[1]
+    prompt = random_prompt(7, 9)
+    kv, ids = KVModel(model), list(prompt)
+    for _ in range(20):
+        kv.reset()
+        ids.append(int(kv.forward(torch.tensor(ids), last=1)[-1].argmax()))
+    assert plain(model, prompt, 20).token_ids == ids[len(prompt):]
+    lookup = SpeculativeDecoder(model, SpeculativeSpec("lookup", verifier="greedy", k=3))
+    assert lookup.generate(prompt, max_new_tokens=20).token_ids == ids[len(prompt):]
+
+
 def test_stats_split_the_decoding_time(tiny):
     """Stats.target_seconds / draft_seconds / first_draft_seconds (the costed speedup model's terms,
     calc/results.py): a drafter that sleeps 20 ms a proposal is charged at least that for every round, the first

@@ -118,6 +118,29 @@ def test_every_other_op_of_the_int8_forward_is_row_independent():
             assert torch.equal(batched, alone), (name, n)
 
 
+def test_rotary_rows_come_from_a_table_whose_rows_never_change(tiny):
+    """LeanModel._rope: a position's cos and sin are rows of a table that the model's rotary module computed once for
+    that position (the table grows by new positions only), so they are the same bits in every forward whatever other
+    rows it holds, by construction; and they are cos and sin of the module's float32 angles."""
+    from speculate.models.fast import lean_model
+
+    lean = lean_model(tiny[0])
+    lean._rope_table = None
+    x = torch.zeros(3, lean.hidden_size, dtype=lean.dtype)
+    first = lean._rope(x, torch.tensor([5, 0, 1000]))
+    before = [t.clone() for t in lean._rope_table]
+    assert before[0].shape[0] == 1024
+    grown = lean._rope(x, torch.tensor([2500, 5, 0]))
+    assert lean._rope_table[0].shape[0] == 4096  # (the next power of two)
+    assert all(torch.equal(t[:1024], b) for t, b in zip(lean._rope_table, before))  # rows once made never change
+    assert torch.equal(grown[0][1:], first[0][:2]) and torch.equal(grown[1][1:], first[1][:2])
+    positions = torch.tensor([2500, 5, 0, 1000, 4095])
+    cos, sin = lean._rope(x, positions)
+    angles = (positions[:, None].float() * lean.rotary.inv_freq.float()).double()
+    angles = torch.cat([angles, angles], dim=-1)  # (the module's halves, repeated)
+    assert torch.allclose(cos.double(), angles.cos(), atol=1e-6) and torch.allclose(sin.double(), angles.sin(), atol=1e-6)
+
+
 def random_prompt(seed, n):
     rng = random.Random(seed)
     return [rng.randrange(3, 259) for _ in range(n)]

@@ -76,7 +76,8 @@ class Verifier:
     - ``lossless``: True when the output follows the target exactly (greedy at temperature 0, sample).
     - ``argmax_only``: True when, at temperature 0, the rule reads nothing of ``target_probs`` but each row's argmax
       (greedy): the target's LM head may then compute only the logits that can be a row's greatest
-      (models/fast.py, ``LeanModel._head``).
+      (models/fast.py, ``LeanModel._head``), and the engine hands it the raw logits as ``target_probs``, unwarped
+      (the same argmax as greedy's one-hot rows; engine.py, ``_verify``).
     """
 
     name = "base"
