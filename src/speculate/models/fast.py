@@ -338,7 +338,7 @@ class LeanModel:
             cos, sin = self.rotary(x, positions[None])
             return cos[0], sin[0]
         have = 0 if self._rope_table is None else self._rope_table[0].shape[0]
-        need = int(positions.max()) + 1
+        need = int(positions.max()) + 1 if positions.numel() else 0
         if need > have:  # the new positions only, up to a power of two (at least 1024): a few growths a generation
             new = torch.arange(have, max(1024, 1 << (need - 1).bit_length()))
             cos, sin = self.rotary(x[:1], new[None])

@@ -831,14 +831,14 @@ int speculate_block_matmul(int type, const uint8_t *restrict w, int64_t out, int
     if (passes != 1 && passes != 2) return 4;
     /* Quantized rows: passes per row of x, side by side (row r's at r · passes, its rest's next to it). */
     const int64_t nb = k / QK, groups = (out + GROUP - 1) / GROUP, n = rows * passes;
-    qrows b;
+    qrows qr;
     float *row = malloc(sizeof(float) * (size_t)k), *rest = malloc(sizeof(float) * (size_t)k);
-    if (!row || !rest || qrows_new(&b, n, k)) { free(row); free(rest); return 3; }
+    if (!row || !rest || qrows_new(&qr, n, k)) { free(row); free(rest); return 3; }
     for (int64_t r = 0; r < rows; r++) {
         const int64_t h = r * passes; /* the row's first quantized row */
         prepare_row(x + r * k * (act ? 2 : 1), k, norm, eps, act, row);
-        if (passes == 2) qrows_put_two(&b, h, h + 1, row, rest); /* what the first missed: ~16 bits a block in all */
-        else qrows_put(&b, h, row);
+        if (passes == 2) qrows_put_two(&qr, h, h + 1, row, rest); /* what the first missed: ~16 bits a block in all */
+        else qrows_put(&qr, h, row);
     }
     free(row); free(rest);
     const int64_t group_bytes = (is_k(type) ? nb / 8 : nb) * GROUP * bytes;
@@ -847,12 +847,12 @@ int speculate_block_matmul(int type, const uint8_t *restrict w, int64_t out, int
         float got[TILE * GROUP];
         for (int64_t r0 = 0; r0 < n; r0 += TILE) { /* TILE is even: a row's passes share a tile */
             const int nr = n - r0 < TILE ? (int)(n - r0) : TILE;
-            qrows_tile(type, w + g * group_bytes, &b, r0, nr, got);
+            qrows_tile(type, w + g * group_bytes, &qr, r0, nr, got);
             finish(got, GROUP, nr, passes, g * GROUP, out - g * GROUP < GROUP ? (int)(out - g * GROUP) : GROUP, r0, bias,
                    residual, y, ld);
         }
     }
-    qrows_free(&b);
+    qrows_free(&qr);
     return 0;
 }
 
@@ -918,16 +918,16 @@ int speculate_block_argmax(int type, const uint8_t *restrict w, int64_t out, int
     if (rows <= 0) return 0;
     const int64_t group_bytes = (is_k(type) ? nb / 8 : nb) * GROUP * bytes;
     /* The rows' first passes in slots 0..rows-1, their rests' in rows..2·rows-1. */
-    qrows b;
+    qrows qr;
     float *rest = malloc(sizeof(float) * (size_t)k), *a = malloc(sizeof(float) * (size_t)(rows * S));
     float *high = malloc(sizeof(float) * (size_t)(rows * groups)), *t = malloc(sizeof(float) * (size_t)rows);
     int *bad = malloc(sizeof(int) * (size_t)rows);
-    if (!rest || !a || !high || !t || !bad || qrows_new(&b, 2 * rows, k)) {
+    if (!rest || !a || !high || !t || !bad || qrows_new(&qr, 2 * rows, k)) {
         free(rest); free(a); free(high); free(t); free(bad);
         return 3;
     }
     for (int64_t r = 0; r < rows; r++) {
-        qrows_put_two(&b, r, rows + r, x + r * k, rest);
+        qrows_put_two(&qr, r, rows + r, x + r * k, rest);
         for (int64_t s = 0; s < S; s++) a[r * S + s] = 0.f;
         for (int64_t b = 0; b < nb; b++) { /* 1.01 A_s, the margin of the bound above */
             const float m = 1.01f * block_amax(rest + b * QK);
@@ -952,7 +952,7 @@ int speculate_block_argmax(int type, const uint8_t *restrict w, int64_t out, int
             const int64_t o0 = g * GROUP, n = out - o0 < GROUP ? out - o0 : GROUP;
             for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
                 const int nr = rows - r0 < TILE ? (int)(rows - r0) : TILE;
-                qrows_tile(type, w + g * group_bytes, &b, r0, nr, got);
+                qrows_tile(type, w + g * group_bytes, &qr, r0, nr, got);
                 finish(got, GROUP, nr, 1, o0, (int)n, r0, NULL, NULL, y, out);
                 for (int r = 0; r < nr && tl && badl; r++) {
                     float lo;
@@ -979,7 +979,7 @@ int speculate_block_argmax(int type, const uint8_t *restrict w, int64_t out, int
             float *yr = y + r * out + o0;
             if (bad[r] || high[r * groups + g] >= t[r]) {
                 float got[GROUP];
-                qrows_tile(type, w + g * group_bytes, &b, rows + r, 1, got);
+                qrows_tile(type, w + g * group_bytes, &qr, rows + r, 1, got);
                 for (int64_t i = 0; i < n; i++) yr[i] = yr[i] + got[i];
 #pragma omp atomic
                 counts[r]++;
@@ -988,7 +988,7 @@ int speculate_block_argmax(int type, const uint8_t *restrict w, int64_t out, int
             }
         }
     }
-    qrows_free(&b);
+    qrows_free(&qr);
     free(a); free(high); free(t); free(bad);
     return 0;
 }
