@@ -332,8 +332,8 @@ class LeanModel:
         """cos, sin [n, hd] (``x``'s dtype) at ``positions``: rows of a table that the model's own rotary module
         computed, each position once, and never again (the table grows by new positions only). So a position's values
         are the same in any forward, whatever other rows it holds: by construction, not by the vector cos and sin
-        treating every call's shape alike. It also spares each forward the module's call (~2 % of a q4 token alone on
-        the default model). Rotary types whose frequencies follow the length: the module, per forward."""
+        treating every call's shape alike. It also spares each forward the module's call (docs/benchmarks.md, "Around
+        the forward"). Rotary types whose frequencies follow the length: the module, per forward."""
         if not self._rope_static:
             cos, sin = self.rotary(x, positions[None])
             return cos[0], sin[0]

@@ -117,9 +117,9 @@ class Profile:
 
     def doubtful(self, tolerance: float | None = None) -> str | None:
         """Why this profile should not be trusted beyond the run that measured it, or None: other processes took
-        more than ``tolerance`` of the machine while it was timed, or a forward over more rows measured faster than
-        one over fewer by more than that (T(n) cannot fall as n grows; a curve that does was timed under noise), or more
-        than ceil(n / m) x T(m) over that (a curve whose cost per row rises so was timed under noise too).
+        more than ``tolerance`` of the machine while it was timed, or a forward over n rows measured faster than one
+        over m < n by more than that (T(n) cannot fall as n grows), or slower than ceil(n / m) forwards over m by
+        more than that (n rows fit in that many): either curve was timed under noise.
         On an AVX2 EPYC a batch curve measured beside the test suite read T(2) = 2.67, against 1.49 measured quiet.
         ``tolerance``: default ``$SPECULATE_BUSY_TOLERANCE``, else 0.25; 1 trusts every profile."""
         tolerance = busy_tolerance() if tolerance is None else tolerance
