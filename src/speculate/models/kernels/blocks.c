@@ -54,6 +54,17 @@ enum { F32 = 0, BF16 = 30, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 #define QK 32
 #define TILE 4  /* rows computed together: a group's block unpacked once, used by each (8 measured no faster) */
 
+/* While a group's first tile reads a block, the bytes AHEAD further on are asked for (the next blocks, then the next
+ * group's: a thread's groups lie one after another). Why: with one or two rows a block costs few instructions, and the
+ * out-of-order window alone keeps too few cache misses in flight; the hardware prefetcher did not make up for it
+ * (docs/benchmarks.md, "Weights asked for ahead"). A prefetch changes no value, and never faults (an address past
+ * the weights is only a hint; uintptr_t arithmetic, so no pointer leaves its object). Later tiles of the group find
+ * its blocks in cache and ask for nothing. */
+#define AHEAD 4096
+static inline __attribute__((always_inline)) void ask_ahead(const uint8_t *p, const int n) {
+    for (int o = 0; o < n; o += 64) __builtin_prefetch((const void *)((uintptr_t)p + AHEAD + (uintptr_t)o), 0, 3);
+}
+
 /* Bytes a block of 32 per output (the K types: a super-block of 256 per output, see "K types" below). */
 static int block_bytes(int type) {
     return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : type == Q4_K ? 148 : type == Q6_K ? 210 : 0;
@@ -283,7 +294,7 @@ static inline float hmax8(__m256 a) {
 static inline __attribute__((always_inline)) void
 tile_body(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q,
           const float *restrict da, const int32_t *restrict sums, const float *restrict sa, int64_t k, const int nr,
-          float *out) {
+          const int ahead, float *out) {
     const int bytes = block_bytes(type), ns = scale_count(type);
 #if defined(WIDE) || defined(VECTOR)
     const int64_t unit = 4 * GROUP; /* bytes of one unit of 4 quants for every output */
@@ -295,6 +306,7 @@ tile_body(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *
 #endif
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wg + b * GROUP * bytes, *qs = blk + 2 * ns * GROUP;
+        if (ahead) ask_ahead(blk, GROUP * bytes);
         const vf dw = HALVES(blk), mw = type == Q4_1 ? HALVES(blk + 2 * GROUP) : ZEROF();
         vi w[8];
 #ifdef SIGNED_Q8
@@ -354,6 +366,7 @@ tile_body(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *
     }
     for (int r = 0; r < nr; r++) STORE(out + r * GROUP, type == Q4_1 ? ADD(acc[r], mt[r]) : acc[r]);
 #else
+    (void)ahead; /* (the scalar loops: no prefetch) */
     const int qb = quant_bytes(type);
     for (int r = 0; r < nr; r++) {
         for (int lane = 0; lane < GROUP; lane++) {
@@ -454,7 +467,7 @@ __attribute__((unused)) static void k_scalar(int type, const uint8_t *restrict w
 static inline __attribute__((always_inline)) void
 k_vec(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q, const float *restrict da,
       const int32_t *restrict sums, const int32_t *restrict lows, const float *restrict sa, int64_t k, const int nr,
-      float *out) {
+      const int ahead, float *out) {
     const int64_t rec = (int64_t)block_bytes(type) * GROUP, G = GROUP, unit = 4 * GROUP;
     vf acc[TILE], mt[TILE];
     for (int r = 0; r < nr; r++) acc[r] = mt[r] = ZEROF();
@@ -462,6 +475,7 @@ k_vec(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *rest
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *base = wg + (b / 8) * rec;
         const int j = (int)(b % 8);
+        if (ahead) ask_ahead(base + j * (rec / 8), (int)(rec / 8)); /* the super-block's eighth per block */
         const vf d = HALVES(base);
         vf dw, dw2 = ZEROF(), mw = ZEROF();
         vi w[8];
@@ -686,15 +700,15 @@ static void float_tile(const void *restrict w, const float *restrict x, int64_t 
 /* tile_body with constant type and row count: one specialised copy each. */
 static void group_tile(int type, const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q,
                        const float *restrict da, const int32_t *restrict sums, const int32_t *restrict lows,
-                       const float *restrict sa, int64_t k, int nr, float *out) {
-#define CASE(T, N) case T * 16 + N: tile_body(T, wg, nb, q, da, sums, sa, k, N, out); break;
+                       const float *restrict sa, int64_t k, int nr, int ahead, float *out) {
+#define CASE(T, N) case T * 16 + N: tile_body(T, wg, nb, q, da, sums, sa, k, N, ahead, out); break;
 #if TILE == 8
 #define ROWS(T) CASE(T, 1) CASE(T, 2) CASE(T, 3) CASE(T, 4) CASE(T, 5) CASE(T, 6) CASE(T, 7) CASE(T, 8)
 #else
 #define ROWS(T) CASE(T, 1) CASE(T, 2) CASE(T, 3) CASE(T, 4)
 #endif
 #if defined(WIDE) || defined(VECTOR)
-#define KCASE(T, N) case T * 16 + N: k_vec(T, wg, nb, q, da, sums, lows, sa, k, N, out); break;
+#define KCASE(T, N) case T * 16 + N: k_vec(T, wg, nb, q, da, sums, lows, sa, k, N, ahead, out); break;
 #if TILE == 8
 #define KROWS(T) KCASE(T, 1) KCASE(T, 2) KCASE(T, 3) KCASE(T, 4) KCASE(T, 5) KCASE(T, 6) KCASE(T, 7) KCASE(T, 8)
 #else
@@ -761,10 +775,13 @@ static void qrows_put_two(const qrows *b, int64_t i, int64_t j, const float *res
     qrows_put(b, j, rest);
 }
 
-/* group_tile of the group at wg against slots r0..r0+nr-1. */
-static inline void qrows_tile(int type, const uint8_t *restrict wg, const qrows *b, int64_t r0, int nr, float *got) {
+/* group_tile of the group at wg against slots r0..r0+nr-1; ``ahead``: ask for the bytes after its blocks (AHEAD), as
+ * a group's first tile in a pass over all groups does. */
+static inline void qrows_tile(int type, const uint8_t *restrict wg, const qrows *b, int64_t r0, int nr, int ahead,
+                              float *got) {
     const int64_t at = r0 * b->nb;
-    group_tile(type, wg, b->nb, b->q + r0 * b->k, b->da + at, b->sums + at, b->lows + at, b->sa + at, b->k, nr, got);
+    group_tile(type, wg, b->nb, b->q + r0 * b->k, b->da + at, b->sums + at, b->lows + at, b->sa + at, b->k, nr, ahead,
+               got);
 }
 
 /* speculate_block_matmul for F32 or BF16 weights (``half``; row-major, k a multiple of 16): the rows prepared, then
@@ -847,7 +864,7 @@ int speculate_block_matmul(int type, const uint8_t *restrict w, int64_t out, int
         float got[TILE * GROUP];
         for (int64_t r0 = 0; r0 < n; r0 += TILE) { /* TILE is even: a row's passes share a tile */
             const int nr = n - r0 < TILE ? (int)(n - r0) : TILE;
-            qrows_tile(type, w + g * group_bytes, &qr, r0, nr, got);
+            qrows_tile(type, w + g * group_bytes, &qr, r0, nr, r0 == 0, got);
             finish(got, GROUP, nr, passes, g * GROUP, out - g * GROUP < GROUP ? (int)(out - g * GROUP) : GROUP, r0, bias,
                    residual, y, ld);
         }
@@ -952,7 +969,7 @@ int speculate_block_argmax(int type, const uint8_t *restrict w, int64_t out, int
             const int64_t o0 = g * GROUP, n = out - o0 < GROUP ? out - o0 : GROUP;
             for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
                 const int nr = rows - r0 < TILE ? (int)(rows - r0) : TILE;
-                qrows_tile(type, w + g * group_bytes, &qr, r0, nr, got);
+                qrows_tile(type, w + g * group_bytes, &qr, r0, nr, r0 == 0, got);
                 finish(got, GROUP, nr, 1, o0, (int)n, r0, NULL, NULL, y, out);
                 for (int r = 0; r < nr && tl && badl; r++) {
                     float lo;
@@ -979,7 +996,7 @@ int speculate_block_argmax(int type, const uint8_t *restrict w, int64_t out, int
             float *yr = y + r * out + o0;
             if (bad[r] || high[r * groups + g] >= t[r]) {
                 float got[GROUP];
-                qrows_tile(type, w + g * group_bytes, &qr, rows + r, 1, got);
+                qrows_tile(type, w + g * group_bytes, &qr, rows + r, 1, 0, got); /* (a few groups: none ahead) */
                 for (int64_t i = 0; i < n; i++) yr[i] = yr[i] + got[i];
 #pragma omp atomic
                 counts[r]++;
