@@ -1,7 +1,7 @@
 """Probe: the compiled kernels of another git revision against the working tree's, bit for bit and in time
 (docs/benchmarks.md, "Verification cost T(n)").
 
-    python benchmarks/probes/kernel_ab.py [--base HEAD~1] [--threads 2] [--flags=-mno-avx512f] [--model 3]
+    python benchmarks/probes/kernel_ab.py [--base HEAD~1] [--threads 2] [--flags=-mno-avx512f] [--model 3] [--cold]
 
 1. Attention (kernels/attention.c, speculate_attend): both builds on one grid of calls (head layouts of the default
    model, the Qwen pair and others; 1-33 new rows; no mask, causal and random masks; NaNs past the cache's length;
@@ -13,6 +13,10 @@
 3. With --model N: the default model at q4 through the lean decoder, N processes of each build alternating,
    T(1), T(8), T(16) after 200 and 800 tokens of context (the medians of 15 forwards), and a 1,000-token prefill
    (the median of 3).
+
+--cold: the matmuls read each call's weights, and the attention calls their KV cache, from memory (copies past the
+L3), as a decode step does; without it the weights of all but the largest layers, and the caches, stay in cache
+between calls, and a change to how they stream in (asking for them ahead) does not show.
 
 --flags=...: more compiler flags for both builds (``--flags=-mno-avx512f``: an AVX2 machine's code; add ``-mno-avx2 -mno-avx
 -mno-fma`` for the scalar loops).
@@ -33,6 +37,7 @@ from speculate.models import kernel
 from speculate.models.blocks import TYPES, BlockLinear
 
 ROOT = Path(__file__).resolve().parents[2]
+COLD = 96 << 20  # bytes of weight copies a --cold matmul cycles through: beyond these machines' L3 (32 MB)
 KERNELS = "src/speculate/models/kernels"
 
 
@@ -92,11 +97,15 @@ def attention(libs) -> None:
     print(f"attention: {cases} calls, {differ} with different bits")
 
 
-def attention_time(libs, threads: int) -> None:
+def attention_time(libs, threads: int, cold: bool = False) -> None:
     capacity = 2048
     kt, v = torch.randn(3, 64, capacity), torch.randn(3, capacity, 64)
-    pages = kernel.pages(kt, v)
-    print(f"attention, the default model's heads (9 / 3 KV, d 64), {threads} threads, base / tree µs:")
+    # cold: each call reads the next of caches that together exceed COLD bytes (a decode step reads each layer's
+    # cache once, with the weights and the other layers' caches between), as the matmuls below
+    copies = [kernel.pages(kt, v) for _ in range(-(-COLD // (kt.numel() * 8)) if cold else 1)]
+    calls = 0
+    where = "caches from memory" if cold else "cache in cache"
+    print(f"attention, the default model's heads (9 / 3 KV, d 64), {threads} threads, {where}, base / tree µs:")
     for context in (0, 200, 800, 1500):  # 0: a causal prefill of n rows
         cells = []
         for n in (1, 4, 8, 16, 64) if context else (128, 512, 1000):
@@ -106,6 +115,8 @@ def attention_time(libs, threads: int) -> None:
             times = [[], []]
             for _ in range(20):
                 for lib, ts in zip(libs, times):
+                    pages = copies[calls % len(copies)]
+                    calls += 1
                     t = time.perf_counter()
                     lib.speculate_attend(q.data_ptr(), pages[2], pages[3], 0, len(pages[2]),
                                          None if mask is None else mask.data_ptr(), n, 9, 3, 64, length, 0.125,
@@ -126,12 +137,18 @@ def random_layer(kind: str, out: int, k: int) -> BlockLinear:
     return BlockLinear(blocks.reshape(out, -1), kind, k)
 
 
-def matmul(libs, threads: int, row_counts=(1, 2, 8, 16)) -> None:
-    print(f"q4 matmul (two activation rows a row), {threads} threads, base / tree µs:")
+def matmul(libs, threads: int, row_counts=(1, 2, 8, 16), cold: bool = False) -> None:
+    where = "weights from memory" if cold else "weights in cache"
+    print(f"q4 matmul (two activation rows a row), {threads} threads, {where}, base / tree µs:")
     torch.manual_seed(0)
     for kind, out, k in (("Q4_1", 960, 576), ("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576),
                          ("Q4_K", 17920, 1536), ("Q6_K", 1536, 8960)):
         layer, number = random_layer(kind, out, k), TYPES[kind][0]
+        # cold: every call reads the next of copies that together exceed COLD bytes, so its weights come from memory
+        # as a decode step's do (a step reads each layer once); else one copy, warm in cache after the first call
+        copies = [layer.packed0] + [layer.packed0.clone() for _ in range(-(-COLD // layer.packed0.numel()) - 1
+                                                                         if cold else 0)]
+        calls = 0
         cells = []
         for rows in row_counts:
             x = torch.randn(rows, k)
@@ -139,9 +156,11 @@ def matmul(libs, threads: int, row_counts=(1, 2, 8, 16)) -> None:
             times = [[], []]
             for _ in range(15):
                 for lib, y, ts in zip(libs, ys, times):
+                    w = copies[calls % len(copies)].data_ptr()
+                    calls += 1
                     t = time.perf_counter()
-                    lib.speculate_block_matmul(number, layer.packed0.data_ptr(), out, k, x.data_ptr(), rows, None,
-                                               0.0, 0, None, None, y.data_ptr(), out, threads, 2)
+                    lib.speculate_block_matmul(number, w, out, k, x.data_ptr(), rows, None, 0.0, 0, None, None,
+                                               y.data_ptr(), out, threads, 2)
                     ts.append(time.perf_counter() - t)
             a, b = (statistics.median(ts) * 1e6 for ts in times)
             same = "" if torch.equal(ys[0].view(torch.int32), ys[1].view(torch.int32)) else " DIFFERENT BITS"
@@ -207,6 +226,8 @@ def main():
     parser.add_argument("--model", type=int, default=0, help="processes of each build for the model's T(n)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8, 16], help="the matmuls' row counts")
     parser.add_argument("--matmul-only", action="store_true", help="skip the attention calls (1.)")
+    parser.add_argument("--cold", action="store_true",
+                        help="the matmuls' weights and the attention's caches from memory, not from cache")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -215,8 +236,8 @@ def main():
         print(f"base {args.base} against the working tree; extra flags: {args.flags or 'none'}")
         if not args.matmul_only:
             attention(libs)
-            attention_time(libs, args.threads)
-        matmul(libs, args.threads, args.rows)
+            attention_time(libs, args.threads, args.cold)
+        matmul(libs, args.threads, args.rows, args.cold)
         if args.model:
             model(folders, args.threads, args.model)
 
