@@ -37,7 +37,7 @@ from speculate.models import kernel
 from speculate.models.blocks import TYPES, BlockLinear
 
 ROOT = Path(__file__).resolve().parents[2]
-COLD = 96 << 20  # bytes of weight copies a --cold matmul cycles through: beyond these machines' L3 (32 MB)
+COLD = 96 << 20  # bytes of copies (weights, KV caches) a --cold call cycles through: beyond these machines' L3 (32 MB)
 KERNELS = "src/speculate/models/kernels"
 
 

@@ -661,16 +661,16 @@ def _verify(verifier: Verifier, draft, logits: torch.Tensor, sampling: SamplingP
     """The verdict on a draft (chain or tree) from the target's rows ``logits`` [m+1, V], in one call
     shape: warped (temperature/top-k/top-p) target rows, or raw ones plus the warped rows as
     ``sample_probs`` for verifiers that judge by the target's own likelihood (``raw_target``)."""
-    if verifier.argmax_only and sampling.greedy:  # greedy's own rule reads each row's argmax alone, and a greedy
-        # warp is one-hot at the logits' argmax (its first index on ties): the logits give the same verdict, without
-        # building [rows, V] one-hots
-        return verifier.judge(draft.tokens, draft.parents, None, logits, state, generator, None,
-                              replacement=draft.replacement or draft.probs is None)
-    warped = warp(logits, sampling)
     draft_probs = None
     if verifier.needs_draft_probs:
         draft_probs = draft.probs if draft.probs is not None else one_hot(draft.tokens, logits.shape[-1])
-    target_probs, sample_probs = (logits.softmax(-1), warped) if verifier.raw_target else (warped, None)
+    if verifier.argmax_only and sampling.greedy:  # greedy's own rule reads each row's argmax alone, and a greedy
+        # warp is one-hot at the logits' argmax (its first index on ties): the logits give the same verdict, without
+        # building [rows, V] one-hots
+        target_probs, sample_probs = logits, None
+    else:
+        warped = warp(logits, sampling)
+        target_probs, sample_probs = (logits.softmax(-1), warped) if verifier.raw_target else (warped, None)
     # Certain drafts (no p_draft rows: the heads' greedy trees, lookup's nodes) are each their own draw,
     # independent of their siblings: the with-replacement rule is the exact one for them (trees only).
     return verifier.judge(draft.tokens, draft.parents, draft_probs, target_probs, state, generator, sample_probs,
