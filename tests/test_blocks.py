@@ -324,6 +324,32 @@ def test_f32_layers_reproduce_their_arithmetic_exactly():
         blocks.FloatLinear(torch.zeros(4, 40))
 
 
+def test_the_final_norm_reproduces_its_arithmetic_exactly_row_by_row(tiny_folders):
+    """The block path's final RMSNorm (kernels/blocks.c, speculate_rms_rows; LeanModel._final_norm): the squares
+    summed left to right in float32, inv = 1 / sqrt(ss / k + eps), (x · inv) · w, each a single float32 rounding, so a
+    reproduction of that order gives the same bits; a row alone the bits it gets beside others; and within
+    float32 rounding of PyTorch's rms_norm (whose order of sums is its own)."""
+    from speculate.models.fast import lean_model
+
+    lean = lean_model(load_model(str(tiny_folders[0]), dtype="q4"))
+    g = torch.Generator().manual_seed(0)
+    k = lean.hidden_size
+    x = torch.randn(7, k, generator=g) * torch.rand(7, 1, generator=g) * 40  # rows of different scales
+    x[3] = 0.0  # (ss = 0: inv = 1 / sqrt(eps))
+    w = lean._final_norm_weight
+    # (numpy's float32 operations, each correctly rounded, sqrt included: PyTorch's vectorized sqrt need not be)
+    xs, f32 = x.numpy(), np.float32
+    ss = np.zeros(7, dtype=f32)
+    for j in range(k):
+        ss = ss + xs[:, j] * xs[:, j]
+    inv = f32(1) / np.sqrt(ss / f32(k) + f32(lean.eps))
+    want = torch.from_numpy((xs * inv[:, None]) * w.numpy())
+    got = lean._final_norm(x)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.cat([lean._final_norm(x[j: j + 1]) for j in range(7)]), got)
+    assert torch.allclose(got, torch.nn.functional.rms_norm(x, (k,), w, lean.eps), rtol=1e-5, atol=1e-6)
+
+
 def test_bf16_layers_are_f32_layers_on_their_weights_widened():
     """dtype bf16's layers: the bf16 weights themselves (not copied), each widened to the float of the same value as
     it is read, so the bits are the F32 layer's on ``w.float()`` (whose order the test above checks), fp32 sums

@@ -117,6 +117,28 @@ def test_greedy_k1():
     assert GreedyVerifier().verify(torch.tensor([2]), None, target) == Verdict(0, 1, None)
 
 
+
+def test_greedy_argmax_is_torchs_rule_on_ties_nans_infinities_and_views():
+    """sampling.argmax (numpy's, for float32 on the CPU) must give torch.argmax's index on every row: the first of
+    tied maxima, a NaN as the greatest (its first index), rows of -inf, ±0; views and one row; other dtypes through
+    torch. Greedy decoding's tokens are these indices."""
+    from speculate.sampling import argmax
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (64, 1000), generator=g).float()  # many exact ties, anywhere in the row
+    x[1] = float("-inf")
+    x[2, 7], x[2, 900] = float("nan"), float("nan")
+    x[3, :] = 0.0
+    x[3, 10], x[3, 20] = -0.0, 0.0
+    x[4, 5], x[4, 6] = float("inf"), float("inf")
+    x[5, -1] = 100.0  # the last index
+    x[6] = torch.linspace(1.0, -1.0, 1000)  # the first index
+    for rows in (x, x[:, ::3], x.t().contiguous().t(), x[7], x[:1], torch.randn(5, 49152, generator=g)):
+        assert torch.equal(argmax(rows), rows.argmax(-1))
+    assert argmax(x)[:7].tolist() == [int(x[0].argmax()), 0, 7, 0, 5, 999, 0]
+    assert torch.equal(argmax(x.bfloat16()), x.bfloat16().argmax(-1))
+    assert argmax(x[0]).dim() == 0 and int(argmax(x[0])) == int(x[0].argmax())
+
 # ------------------------------------------------------------------------------------------- draw
 
 

@@ -2,6 +2,7 @@
 (docs/benchmarks.md, "Verification cost T(n)").
 
     python benchmarks/probes/kernel_ab.py [--base HEAD~1] [--threads 2] [--flags=-mno-avx512f] [--model 3] [--cold]
+        [--decode 12 [--drafters none,lookup]]
 
 1. Attention (kernels/attention.c, speculate_attend): both builds on one grid of calls (head layouts of the default
    model, the Qwen pair and others; 1-33 new rows; no mask, causal and random masks; NaNs past the cache's length;
@@ -13,6 +14,11 @@
 3. With --model N: the default model at q4 through the lean decoder, N processes of each build alternating,
    T(1), T(8), T(16) after 200 and 800 tokens of context (the medians of 15 forwards), and a 1,000-token prefill
    (the median of 3).
+4. With --decode N: greedy decoding of N MT-Bench chat prompts (128 new tokens) by the default model at q4 through
+   the engine, in this one process, the two builds swapped per generation (their order alternating by prompt), so
+   that the machine's drift between processes and rounds falls on both alike: the time per target call, what a
+   decode step costs with the engine's own Python around the kernels (which the weights streaming through the
+   caches slow too), as the median over prompts of base ÷ tree; both builds must give the same tokens.
 
 --cold: the matmuls read each call's weights, and the attention calls their KV cache, from memory (copies past the
 L3), as a decode step does; without it the weights of all but the largest layers, and the caches, stay in cache
@@ -50,6 +56,64 @@ def build(folder: Path, flags: list[str]) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = kernel.SIGNATURES[name]
     return lib
+
+
+def decode(libs, prompts: int, drafters: list[str], tokens: int = 128) -> None:
+    """4. above: the builds swapped under one loaded model, per generation, as kernel.function hands them out."""
+    from speculate import SpeculativeDecoder, SpeculativeSpec, load_model
+    from speculate.bench.datasets import load_dataset
+    from speculate.models.fast import lean_model
+
+    tables = []
+    for lib in libs:  # each build's functions, as kernel.function's table holds them
+        table = {"lib": lib}
+        for name, (restype, argtypes) in kernel.SIGNATURES.items():
+            if hasattr(lib, name):
+                table[name] = fn = getattr(lib, name)
+                fn.restype, fn.argtypes = restype, argtypes
+        tables.append(table)
+    for name in kernel.SIGNATURES:  # a function one build lacks (new since the base): both run the other's
+        for table, other in ((tables[0], tables[1]), (tables[1], tables[0])):
+            if name not in table and name in other:
+                print(f"{name}: only in one build; both run it")
+                table[name] = other[name]
+    kernel.function("speculate_decoder")  # (the package's own build, loaded first: the swaps below replace it)
+    target = load_model("smollm2-135m-instruct", dtype="q4", progress=False)
+    lean = lean_model(target)
+
+    def use(i: int) -> None:
+        kernel._loaded.clear()
+        kernel._loaded.update(tables[i])
+        lean.decoder = tables[i]["speculate_decoder"]  # (the one function the lean model keeps)
+
+    samples = load_dataset("mt_bench", limit=prompts)
+    decoders = {d: SpeculativeDecoder(target, SpeculativeSpec(d)) for d in drafters}
+    for i in (0, 1):  # a first call's costs are not timed
+        use(i)
+        for dec in decoders.values():
+            dec.generate("Hello there.", max_new_tokens=4)
+    ratios = {d: [] for d in drafters}
+    ms = {d: ([], []) for d in drafters}
+    for j, sample in enumerate(samples):
+        for d, dec in decoders.items():
+            out = [None, None]
+            for i in ((0, 1) if j % 2 == 0 else (1, 0)):
+                use(i)
+                start = time.perf_counter()
+                gen = dec.generate(sample.turns[0], max_new_tokens=tokens)
+                out[i] = (gen.token_ids, 1e3 * (time.perf_counter() - start) / gen.stats.target_calls)
+            if out[0][0] != out[1][0]:
+                raise SystemExit(f"{sample.id}, {d}: the builds decoded different tokens")
+            ms[d][0].append(out[0][1])
+            ms[d][1].append(out[1][1])
+            ratios[d].append(out[0][1] / out[1][1])
+    print(f"greedy decoding, {len(samples)} MT-Bench prompts x {tokens} tokens, the builds swapped per generation; "
+          "ms per target call, medians; the same tokens")
+    print("| drafter | base | tree | base ÷ tree (median of per-prompt ratios) | range |\n| --- | --- | --- | --- | --- |")
+    for d in drafters:
+        r = sorted(ratios[d])
+        print(f"| {d} | {statistics.median(ms[d][0]):.2f} | {statistics.median(ms[d][1]):.2f} | "
+              f"{statistics.median(r):.3f}x | {r[0]:.3f}-{r[-1]:.3f} |")
 
 
 def sources(base: str, root: Path) -> tuple[Path, Path]:
@@ -224,6 +288,8 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--flags", default="", help="more compiler flags for both builds")
     parser.add_argument("--model", type=int, default=0, help="processes of each build for the model's T(n)")
+    parser.add_argument("--decode", type=int, default=0, help="MT-Bench prompts decoded by each build (4. above)")
+    parser.add_argument("--drafters", default="none,lookup", help="--decode's drafters")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8, 16], help="the matmuls' row counts")
     parser.add_argument("--matmul-only", action="store_true", help="skip the attention calls (1.)")
     parser.add_argument("--cold", action="store_true",
@@ -234,6 +300,9 @@ def main():
         folders = sources(args.base, Path(tmp))
         libs = [build(folder, args.flags.split()) for folder in folders]
         print(f"base {args.base} against the working tree; extra flags: {args.flags or 'none'}")
+        if args.decode:
+            decode(libs, args.decode, args.drafters.split(","))
+            return
         if not args.matmul_only:
             attention(libs)
             attention_time(libs, args.threads, args.cold)

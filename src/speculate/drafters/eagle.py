@@ -25,7 +25,7 @@ from ..errors import SpeculateError
 from ..heads.io import HEADS, drafting_parts
 from ..heads.medusa import expand_rows
 from ..params import Param
-from ..sampling import warp
+from ..sampling import argmax, warp
 from .base import EMPTY, TARGET, Draft, Drafter, Variant
 from .with_lookup import LOOKUP, base_k, merged
 
@@ -148,7 +148,7 @@ class EagleDrafter(Drafter):
             if self.min_confidence and float((logits.softmax(-1) if greedy else row).max()) < self.min_confidence:
                 break
             if greedy:
-                token = self._token(logits.argmax(-1))
+                token = self._token(argmax(logits))
             else:
                 token = self._token(torch.multinomial(row[0], 1, generator=self.generator))
                 rows.append(row)

@@ -21,7 +21,7 @@ import torch
 
 from ..heads.io import HEADS, drafting_parts
 from ..heads.medusa import expand_rows
-from ..sampling import warp
+from ..sampling import argmax, warp
 from .base import EMPTY, TARGET, Draft, Drafter, Variant
 from .with_lookup import LOOKUP, base_k, merged
 
@@ -95,7 +95,7 @@ class MedusaDrafter(Drafter):
         if self.tree:
             return self._tree(logits, depth, greedy)
         if greedy:
-            return Draft(torch.tensor([self._token(i) for i in logits.argmax(-1).tolist()], dtype=torch.long))
+            return Draft(torch.tensor([self._token(i) for i in argmax(logits).tolist()], dtype=torch.long))
         rows = warp(logits, self.sampling)
         drawn = [self._token(torch.multinomial(row, 1, generator=self.generator)) for row in rows]
         return Draft(torch.tensor(drawn, dtype=torch.long), expand_rows(rows, self.vocab, self.vocab_size))

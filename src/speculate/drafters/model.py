@@ -17,7 +17,7 @@ import torch
 from ..errors import SpeculateError
 from ..grammar import Constraint
 from ..models.kv import KVModel, Rows, forward_many
-from ..sampling import warp
+from ..sampling import argmax, warp
 from ..verifiers.base import sample_from
 from .base import DRAFT_MODEL, Draft, Drafter
 
@@ -114,7 +114,7 @@ class ModelDrafter(OwnCache, Drafter):
                     row = row.clone()
                     d.constraint.mask(row, [[]])  # what the grammar allows after the drafts so far
                 probs = warp(row, d.sampling)
-                token = (probs.argmax(-1) if d.sampling.greedy
+                token = (argmax(probs) if d.sampling.greedy
                          else torch.tensor([sample_from(probs[0], d.generator)]))
                 drafted[i].append((token, probs))
                 unseen[i] = token

@@ -212,6 +212,7 @@ class LeanModel:
                 self.blocks = [(layer.input_layernorm.weight.float().contiguous(), qkv, o,
                                 layer.post_attention_layernorm.weight.float().contiguous(), gate_up, down)
                                for layer, (qkv, o, gate_up, down) in zip(inner.layers, wholes)]
+                self._final_norm_weight = self.final_norm.float().contiguous()  # (_final_norm's)
         # ...and, where it builds, all layers in one call (kernels/decoder.c: the same calls, without the Python).
         self.decoder = kernel.load_decoder() if self.blocks is not None else None
         self.structs = self._layer_structs() if self.decoder is not None else None  # (its layer_t array)
@@ -377,8 +378,19 @@ class LeanModel:
                     tapped.append(x)
         for s in segments:
             s.kv.length = s.start + len(s.tokens)
-        x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
+        x = self._final_norm(x)
         return torch.cat([x, *tapped], dim=-1) if taps else x
+
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's final RMSNorm over the rows ``x`` [n, hidden] (float32) on the block path, by the kernels'
+        (kernels/blocks.c, ``speculate_rms_rows``: the layers' own norm arithmetic, each row on its own by
+        construction). PyTorch's ``rms_norm`` took ~0.2 ms of a decode step here (docs/benchmarks.md, "Around the
+        forward, cold")."""
+        x = x.float().contiguous()
+        out = torch.empty_like(x)
+        kernel.function("speculate_rms_rows")(x.data_ptr(), x.shape[0], x.shape[1], self._final_norm_weight.data_ptr(),
+                                              self.eps, out.data_ptr())
+        return out
 
     def _layer_structs(self):
         """kernels/decoder.c's layer_t array (the weights' pointers)."""

@@ -94,6 +94,7 @@ SIGNATURES = {
     "speculate_block_matmul": (_I, [_I, _P, _I64, _I64, _P, _I64, _P, _F, _I, _P, _P, _P, _I64, _I, _I]),
     "speculate_block_argmax": (_I, [_I, _P, _I64, _I64, _P, _I64, _P, _I, _P, _P, _I]),
     "speculate_block_group": (_I, []),
+    "speculate_rms_rows": (None, [_P, _I64, _I64, _P, _F, _P]),
     "speculate_decoder": (_I, [_P, _I, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _F, _F, _I]),
     "speculate_attention_many": (_I, [_P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P, _P, _I]),
 }

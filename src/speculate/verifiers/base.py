@@ -30,6 +30,7 @@ import torch
 
 from ..errors import SpeculateError
 from ..params import Param
+from ..sampling import argmax
 
 
 @dataclass(frozen=True, init=False)
@@ -192,5 +193,5 @@ def target_token(target_probs: torch.Tensor, sample_probs: torch.Tensor | None, 
     (consultant, typical): its argmax when greedy, else a draw from the warped row (``sample_probs``),
     or from the raw row when no warped one was given."""
     if greedy:
-        return int(target_probs[row].argmax())
+        return int(argmax(target_probs[row]))
     return sample_from((sample_probs if sample_probs is not None else target_probs)[row], generator)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..sampling import argmax
 from . import tree
 from .base import Verdict, Verifier
 
@@ -22,7 +23,7 @@ class GreedyVerifier(Verifier):
         return cls.verify is GreedyVerifier.verify and cls.verify_tree is GreedyVerifier.verify_tree
 
     def verify(self, draft_tokens, draft_probs, target_probs, state=None, generator=None, sample_probs=None):
-        target_argmax = target_probs.argmax(dim=-1)  # [k+1]
+        target_argmax = argmax(target_probs)  # [k+1]
         k = draft_tokens.shape[0]
         # Index of the first mismatch; k when every draft matches (the bonus row).
         mismatch = (draft_tokens != target_argmax[:k]).nonzero()

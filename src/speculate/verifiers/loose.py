@@ -29,6 +29,7 @@ import torch
 from . import tree
 from .base import Verdict, Verifier, target_token
 from ..params import Param
+from ..sampling import argmax as first_argmax
 from .rows import entropy, gather_drafted
 
 
@@ -49,7 +50,7 @@ class LooseVerifier(Verifier):
 
     def accepts(self, row: torch.Tensor, token: int, p_x: float) -> bool:
         """The test for one drafted ``token`` of probability ``p_x`` in the target ``row`` [V]."""
-        argmax = int(row.argmax())  # (the first of tied maxima, as greedy verification's)
+        argmax = int(first_argmax(row))  # (the first of tied maxima, as greedy verification's)
         if token == argmax:
             return True
         if not p_x >= self.rho * float(row[argmax]):

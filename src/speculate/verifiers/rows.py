@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from ..sampling import argmax
+
 # Below this total mass the residual is treated as empty (p_draft >= p_target everywhere up to
 # rounding) and the correction falls back to the p_target row. A rejection can only happen with
 # probability equal to the residual mass, so this only triggers on degenerate inputs (e.g. a drafted
@@ -48,7 +50,7 @@ def residual_distribution(target_row: torch.Tensor, draft_row: torch.Tensor) -> 
 def argmax_rows(target_probs: torch.Tensor, sample_probs: torch.Tensor | None) -> torch.Tensor:
     """Each row's argmax as greedy decoding takes it: of the warped rows where given (at temperature 0 the
     one-hot of the logits' argmax), else of the raw ones."""
-    return (sample_probs if sample_probs is not None else target_probs).argmax(dim=-1)
+    return argmax(sample_probs if sample_probs is not None else target_probs)
 
 
 def nll(p: float) -> float:

@@ -41,6 +41,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..sampling import argmax
 from ..tree_shape import chain_as_tree, check_parents, children_of, depths, path_to, paths
 from .base import Verdict, sample_from, target_token, uniform
 from .rows import argmax_rows, ema, nll, residual_distribution
@@ -116,7 +117,7 @@ def tree_greedy(tokens: torch.Tensor, parents, target_probs: torch.Tensor, state
     kept (they spell the same greedy tokens; the first in node order on equal depth). ``state`` is
     passed through."""
     token_list, parents, _ = _validate(tokens, parents, target_probs, who="tree_greedy")
-    target_argmax = target_probs.argmax(dim=-1).tolist()  # [N+1]
+    target_argmax = argmax(target_probs).tolist()  # [N+1]
     passing = [False] * len(parents)
     for i, parent in enumerate(parents):
         passing[i] = (parent < 0 or passing[parent]) and token_list[i] == target_argmax[parent + 1]

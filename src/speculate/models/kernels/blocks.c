@@ -829,6 +829,15 @@ static int float_matmul(const uint8_t *restrict w, int half, int64_t out, int64_
     return 0;
 }
 
+/* RMSNorm of each row of x [rows, k] into out (not x): prepare_row's arithmetic, the squares summed left to right, so
+ * a row's bits are the same whatever rows share the call, on any CPU, by construction. The final norm of a model the
+ * block path runs (models/fast.py, LeanModel._final_norm), where PyTorch's rms_norm cost ~0.2 ms of a decode step
+ * (docs/benchmarks.md, "Around the forward, cold"). */
+void speculate_rms_rows(const float *restrict x, int64_t rows, int64_t k, const float *restrict norm, float eps,
+                        float *restrict out) {
+    for (int64_t r = 0; r < rows; r++) prepare_row(x + r * k, k, norm, eps, 0, out + r * k);
+}
+
 /* x [rows, k] fp32 (k a multiple of 32; [rows, 2k] with ``act``), prepared as prepare_row says (``norm`` [k] or
  * NULL, ``eps``, ``act`` 0/1); w: the interleaved layout of [out] rows of ``type``; bias [out] or NULL; residual
  * [rows, ld] or NULL (y = residual + (x Wᵀ + bias)); y [rows, ld], columns 0..out-1 written (``ld``: the row
