@@ -28,7 +28,8 @@ os.environ["SPECULATE_BUSY_TOLERANCE"] = "1"
 # Under pytest-xdist (.ci/run runs two workers) each worker takes its share of the cores: two workers each running
 # torch's default team (one thread per core) would put twice as many threads as cores to work, and GNU OpenMP's
 # teams then sleep between parallel regions (models/loader.py, ``check_thread``). No test's result may rest on the
-# thread count: the kernels' rows are thread-invariant by construction, and the tests of that set their own counts.
+# thread count: the kernels' rows are thread-invariant by construction, and the tests of that set their own counts
+# (test_blocks.py, each layer; test_exactness.py, the whole forward at one and at two threads).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))

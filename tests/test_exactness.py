@@ -169,6 +169,35 @@ def test_int8_chains_and_random_trees_equal_one_token_decoding(tiny_folders, cac
             assert torch.equal(tree[path], torch.cat([kv.forward(tokens[[t]]) for t in path])), (parents, path)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "int8", "q4"])
+def test_the_whole_forward_gives_each_row_the_same_bits_at_one_and_two_threads(tiny_folders, cache, dtype):
+    """The decoder's one C call (every layer; the matmuls' outputs and the attention's heads split between threads) at
+    two threads gives each row of a prefill, a chain and a tree the bits it gives at one. The suite's workers run
+    torch at one thread each (conftest.py), so the split is tested here by name, on every precision the kernels run."""
+    loaded = load_model(str(tiny_folders[0]), dtype=dtype)
+    kv = FastKVModel(loaded)
+    assert not kv.row_by_row
+    ids = torch.tensor(random_prompt(3, 130))
+    parents = [-1, 0, 0, 1, -1, 4, 2, 6]
+
+    def rows():
+        kv.reset(32)
+        out = [kv.forward(ids[:100]), kv.forward(ids[100:109])]
+        kv.keep(100)
+        return out + [kv.forward(ids[110:118], tree_parents=parents)]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = rows()
+        torch.set_num_threads(1)
+        one = rows()
+    finally:
+        torch.set_num_threads(threads)
+    assert [a.shape[0] for a in two] == [100, 9, 8]
+    assert all(torch.equal(a, b) for a, b in zip(two, one))
+
+
 def test_the_self_check_can_fail(tiny_folders, cache, monkeypatch):
     """A forward whose rows depend on the batch (attention output nudged by the row count) fails the check."""
     from speculate.models import kernel
