@@ -171,9 +171,10 @@ def test_int8_chains_and_random_trees_equal_one_token_decoding(tiny_folders, cac
 
 @pytest.mark.parametrize("dtype", ["fp32", "int8", "q4"])
 def test_the_whole_forward_gives_each_row_the_same_bits_at_one_and_two_threads(tiny_folders, cache, dtype):
-    """The decoder's one C call (every layer; the matmuls' outputs and the attention's heads split between threads) at
-    two threads gives each row of a prefill, a chain and a tree the bits it gives at one. The suite's workers run
-    torch at one thread each (conftest.py), so the split is tested here by name, on every precision the kernels run."""
+    """The whole forward at two threads (fp32 and q4: the decoder's one C call; int8: its per-layer kernels; the
+    matmuls' outputs and the attention's heads split between threads) gives each row of a prefill, a chain and a tree
+    the bits it gives at one. The suite's workers run torch at one thread each (conftest.py), so the split is tested
+    here by name, on every precision the kernels run."""
     loaded = load_model(str(tiny_folders[0]), dtype=dtype)
     kv = FastKVModel(loaded)
     assert not kv.row_by_row
