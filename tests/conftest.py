@@ -35,6 +35,17 @@ if _WORKERS > 1:
     torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch at ``n`` threads inside the block, and back to the count it had after (a test that needs one count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")

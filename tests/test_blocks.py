@@ -29,7 +29,7 @@ from speculate.models.loader import DTYPES
 from speculate.models.fast import FastKVModel
 from speculate.models.forward import Rows
 from speculate.models.cpu import cpu_flags
-from conftest import assert_chains_equal_one_token, assert_pytest_passed
+from conftest import assert_chains_equal_one_token, assert_pytest_passed, torch_threads
 
 KINDS = list(blocks.TYPES)
 SIMPLE = ["Q4_0", "Q4_1", "Q8_0"]  # what gguf-py also quantizes, and what a folder's weights become
@@ -237,14 +237,10 @@ def test_rows_do_not_depend_on_the_other_rows_or_the_thread_count(kind):
     else:
         layer = blocks.BlockLinear(random_blocks(kind, 520, k, 7), kind, k)
     x = torch.randn(61, k)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with torch_threads(2):
         batched = layer.matmul_2d(x)
-        torch.set_num_threads(1)
+    with torch_threads(1):
         alone = torch.cat([layer.matmul_2d(x[i: i + 1]) for i in range(len(x))])
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(batched, alone)
     for n in (2, 3, 5, 9, 16):
         assert torch.equal(layer.matmul_2d(x[:n]), batched[:n])
@@ -267,14 +263,10 @@ def test_the_argmax_head_gives_each_rows_argmax_and_only_the_full_calls_bits(kin
     layer.passes = 2
     flipped = first.argmax(-1) != full.argmax(-1)
     assert flipped.sum() >= 5  # (the rows where the second pass decides: the bound must keep them right)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with torch_threads(2):
         got, groups = layer.argmax_matmul_2d(x)
-        torch.set_num_threads(1)
+    with torch_threads(1):
         alone = [layer.argmax_matmul_2d(x[i: i + 1]) for i in range(0, 600, 37)]
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(got.argmax(-1), full.argmax(-1))
     kept = got != float("-inf")
     assert torch.equal(got[kept], full[kept])

@@ -24,7 +24,7 @@ from speculate.errors import SpeculateWarning
 from speculate.models import exact_attention, exactness, kernel
 from speculate.models.fast import FastKVModel
 from speculate.models.quantize import Int8Linear
-from conftest import assert_chains_equal_one_token, assert_pytest_passed, noisy_copy
+from conftest import assert_chains_equal_one_token, assert_pytest_passed, noisy_copy, torch_threads
 
 ROW_COUNTS = (2, 3, 5, 9, 16, 61)
 
@@ -187,14 +187,10 @@ def test_the_whole_forward_gives_each_row_the_same_bits_at_one_and_two_threads(t
         kv.keep(100)
         return out + [kv.forward(ids[110:118], tree_parents=parents)]
 
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with torch_threads(2):
         two = rows()
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = rows()
-    finally:
-        torch.set_num_threads(threads)
     assert [a.shape[0] for a in two] == [100, 9, 8]
     assert all(torch.equal(a, b) for a, b in zip(two, one))
 

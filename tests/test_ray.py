@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import serve_subprocess
+from conftest import serve_subprocess, torch_threads
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -138,8 +138,6 @@ def test_serve_ray_refuses_an_unknown_model_in_one_line(tmp_path):
 def test_bench_sharded_over_ray_reproduces_the_single_process_run(tmp_path, tiny_folders):
     """Two Ray workers, each a shard of the samples: the same records, token for token (quality and calls), as one
     process; every pair timed by one worker; a speed line per worker; a rerun resumes (generates nothing)."""
-    import torch
-
     from speculate.bench.methods import engine_method
     from speculate.bench.records import read_records
     from speculate.bench.runner import BenchConfig, run_bench
@@ -148,12 +146,8 @@ def test_bench_sharded_over_ray_reproduces_the_single_process_run(tmp_path, tiny
     method = engine_method("lookup", "greedy", 3)
     cfg = dict(model=str(tiny_folders[0]), methods=[method], datasets=["copy"], limit=6, max_new_tokens=12,
                calibrate=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each worker runs (fp32: a row's last bits may follow the thread count)
-    try:
+    with torch_threads(1):  # as each worker runs (fp32: a row's last bits may follow the thread count)
         one = run_bench(BenchConfig(out=tmp_path / "one", **cfg), progress=False)
-    finally:
-        torch.set_num_threads(threads)
     sharded = run_sharded(BenchConfig(out=tmp_path / "ray", **cfg), None, workers=2)
 
     def tokens(folder):

@@ -24,14 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-def serve(argv: list[str]) -> int:
-    """The server, its rounds logged to $ROUND_LOG."""
-    from speculate import engine
-    from speculate.cli import main
-    from speculate.server import scheduler
-
-    log = open(os.environ["ROUND_LOG"], "a", buffering=1)
-    spent = {"propose": 0.0, "forward": 0.0}
+def time_the_round(engine, spent: dict) -> None:
+    """Wrap ``engine._propose`` and ``engine.forward_many`` so that each call adds its seconds to ``spent["propose"]``
+    and ``spent["forward"]`` (round_overhead.py too)."""
 
     def timed(name, fn):
         def call(*a, **k):
@@ -43,6 +38,17 @@ def serve(argv: list[str]) -> int:
         return call
 
     engine._propose, engine.forward_many = timed("propose", engine._propose), timed("forward", engine.forward_many)
+
+
+def serve(argv: list[str]) -> int:
+    """The server, its rounds logged to $ROUND_LOG."""
+    from speculate import engine
+    from speculate.cli import main
+    from speculate.server import scheduler
+
+    log = open(os.environ["ROUND_LOG"], "a", buffering=1)
+    spent = {"propose": 0.0, "forward": 0.0}
+    time_the_round(engine, spent)
     plain_round = scheduler.Scheduler._round
 
     def round_logged(self):
@@ -54,8 +60,8 @@ def serve(argv: list[str]) -> int:
         dt = time.perf_counter() - t0
         rows = sum(getattr(r.run, "rows_last", 0) for r in self._running)
         firsts = sum(1 for r in self._running if r.first) - before
-        log.write(f"{t0:.3f} running {running} prefilling {prefilling} rows {rows} round {dt * 1e3:.0f} ms "
-                  f"drafting {spent['propose'] * 1e3:.0f} forward {spent['forward'] * 1e3:.0f} first tokens {firsts}\n")
+        log.write(f"{t0:.3f} running {running} prefilling {prefilling} rows {rows} round {dt * 1e3:.1f} ms "
+                  f"drafting {spent['propose'] * 1e3:.2f} forward {spent['forward'] * 1e3:.1f} first tokens {firsts}\n")
 
     scheduler.Scheduler._round = round_logged
     return main(argv)

@@ -1,6 +1,7 @@
 """Benchmarks: ``speculate bench`` (runner, report, datasets, sandbox, metrics) and focused scripts:
 ``python -m speculate.bench.speed`` (engine against Hugging Face, precisions, threads, per-round overhead),
-``python -m speculate.bench.serve_load`` (server throughput), ``python -m speculate.bench.precision``
+``python -m speculate.bench.serve_load`` (server throughput), ``python -m speculate.bench.ab``
+(speculation against plain in one server, wave by wave), ``python -m speculate.bench.precision``
 (quality across precisions), ``python -m speculate.bench.trees`` (draft-tree shapes for the heads).
 Helpers shared by the scripts live here."""
 
