@@ -67,11 +67,12 @@ def test_the_interval_spans_the_waves_spread_and_is_seeded():
 
 
 def test_one_server_serves_both_arms_the_same_texts(tiny_folders):
-    # A tiny model at fp32 (exact through the kernel) with the server's default drafter on the copy prompts, against
-    # {"drafter": "none"}: both arms decode every prompt to the same text, and only arm a drafts.
+    # A tiny model at fp32 (exact through the kernel), lookup at a k the request names (kept whatever the planner's
+    # curve says) on the copy prompts, against {"drafter": "none"}: both arms decode every prompt to the same text, and
+    # only arm a drafts.
     record = ab.run(str(tiny_folders[0]), clients=[2], repeats=1, max_tokens=12, prompts="copy",
-                    server_args=["--dtype", "fp32"], threads=1, ready_timeout=120)
-    assert record["a"] is None and record["b"] == {"drafter": "none"} and record["server"][-2:] == ["--dtype", "fp32"]
+                    a={"drafter": "lookup", "k": 3}, server_args=["--dtype", "fp32"], threads=1, ready_timeout=120)
+    assert record["b"] == {"drafter": "none"} and record["server"][-2:] == ["--dtype", "fp32"]
     (load,) = record["loads"]
     assert load["clients"] == 2 and load["waves"] == 3 and load["texts_differ"] == 0
     assert [w["order"] for w in load["per_wave"]] == ["ab", "ba", "ab"]

@@ -115,6 +115,7 @@ def run(model: str = DEFAULT_MODEL, clients: list[int] = (1,), repeats: int = 2,
 
     machine = machine_header()
     b = {"drafter": "none"} if b is None else b
+    settings = {"a": a, "b": b}  # (None: no "speculative" object sent, the server's defaults)
     texts = prompt_texts(prompts, 16)
     for n in clients:  # (bad loads refused before a server starts)
         schedule(len(texts), n, repeats)
@@ -131,8 +132,8 @@ def run(model: str = DEFAULT_MODEL, clients: list[int] = (1,), repeats: int = 2,
             def one(prompt: str, arm: str) -> tuple[str, int]:
                 body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                         "temperature": 0}
-                if (a, b)[arm == "b"] is not None:
-                    body["speculative"] = (a, b)[arm == "b"]
+                if settings[arm] is not None:
+                    body["speculative"] = settings[arm]
                 if stream:
                     body.update(stream=True, stream_options={"include_usage": True})
                 answer, _ = chat(http, server.url, body)
