@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from ..errors import SpeculateError
 from ..models import DEFAULT_MODEL
 from . import emit, machine_header, script
-from .serve_load import PROMPTS, prompt_texts
+from .serve_load import PROMPTS, _chat, prompt_texts
 
 #: The /metrics counters summed over each arm's waves.
 COUNTERS = ("round_seconds_count", "drafted_tokens_total", "accepted_tokens_total", "peeked_rounds_total")
@@ -110,7 +110,6 @@ def run(model: str = DEFAULT_MODEL, clients: list[int] = (1,), repeats: int = 2,
     import httpx
 
     from ..server.background import free_port
-    from .client import chat
     from .peers import Server
 
     machine = machine_header()
@@ -130,13 +129,7 @@ def run(model: str = DEFAULT_MODEL, clients: list[int] = (1,), repeats: int = 2,
         with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=900) as http:
 
             def one(prompt: str, arm: str) -> tuple[str, int]:
-                body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                        "temperature": 0}
-                if settings[arm] is not None:
-                    body["speculative"] = settings[arm]
-                if stream:
-                    body.update(stream=True, stream_options={"include_usage": True})
-                answer, _ = chat(http, server.url, body)
+                answer, _ = _chat(http, server.url, model, prompt, settings[arm], max_tokens, stream)
                 if not answer.get("usage"):
                     raise SpeculateError(f"{server.url} sent no usage with its answer")
                 return answer["choices"][0]["message"]["content"], answer["usage"]["completion_tokens"]

@@ -61,10 +61,10 @@ def prompt_texts(name: str, n: int = 16) -> list[str]:
 
 
 def _chat(client, url, model, prompt, speculative, max_tokens, stream: bool = False):
-    """(the answer, seconds) of one greedy chat request; ``stream``: streamed, with ``ttft`` and ``gaps``
-    (bench/client.py)."""
+    """(the answer, seconds) of one greedy chat request; ``speculative`` None: none sent (the server's defaults);
+    ``stream``: streamed, with ``ttft`` and ``gaps`` (bench/client.py)."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "speculative": speculative}
+            "temperature": 0, **({"speculative": speculative} if speculative is not None else {})}
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
     return chat(client, url, body)
