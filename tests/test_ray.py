@@ -113,7 +113,7 @@ def test_serve_ray_command_answers_and_stops_cleanly_on_sigterm(tiny_folders):
         out, _ = proc.communicate(timeout=90)
         assert proc.returncode == 0, out[-3000:]
         assert "Traceback" not in out, out[-3000:]
-    assert streamed["events"][-1] == "[DONE]", streamed["events"][-3:]
+    assert streamed["events"][-1] == "[DONE]", (streamed["events"][-3:], out[-3000:])
     last = json.loads(streamed["events"][-2])
     assert ("error" in last and last["error"]["code"] == "shutting_down"
             or last["choices"][0]["finish_reason"] == "length"), last

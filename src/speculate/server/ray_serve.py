@@ -36,6 +36,7 @@ import os
 import random
 import signal
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -252,6 +253,10 @@ class Engine:
             await self._lifespan.__aexit__(None, None, None)
 
 
+# After a drain, the seconds Ray's proxy gets to pass the answers' last bytes on before Serve stops (serve_on_ray).
+PROXY_FLUSH_S = 1.0
+
+
 def _shutting_down() -> APIError:
     return APIError(503, "the server is shutting down", code="shutting_down")  # (the plain server's words)
 
@@ -270,19 +275,21 @@ class Front:
         self.closing = False  # drain(): new requests get 503
         self.running: set[asyncio.Task] = set()  # the relays in flight
 
-    async def drain(self, grace: float) -> int:
+    async def drain(self, grace: float) -> tuple[int, int]:
         """A graceful stop, called by ``serve_on_ray`` before Serve stops: answer new requests 503, give the
         answers in flight ``grace`` seconds, then end the rest as the plain server does (a stream: an error
-        event, then ``[DONE]``; ended relays cancel their replica's generation). Returns how many were ended."""
+        event, then ``[DONE]``; ended relays cancel their replica's generation). Returns (how many were in
+        flight, how many of them were ended)."""
         self.closing = True
-        if self.running:
-            await asyncio.wait(set(self.running), timeout=grace)
+        running = set(self.running)
+        if running:
+            await asyncio.wait(running, timeout=grace)
         late = set(self.running)
         for task in late:
             task.cancel()
         if late:
             await asyncio.wait(late, timeout=5.0)
-        return len(late)
+        return len(running), len(late)
 
     def __serve_build_asgi_app__(self):
         async def asgi(scope, receive, send) -> None:  # (a plain function: uvicorn took the bound method for ASGI2)
@@ -423,10 +430,16 @@ def serve_on_ray(config: ServerConfig, options: RayOptions, log_level: str = "in
         while not stop.wait(1.0):
             pass
         log.info("stopping: new requests get 503; running ones get %g s to finish", config.shutdown_grace)
-        ended = serve.get_app_handle(APP_NAME).drain.remote(config.shutdown_grace).result(
+        running, ended = serve.get_app_handle(APP_NAME).drain.remote(config.shutdown_grace).result(
             timeout_s=config.shutdown_grace + 30)
         if ended:
             log.warning("%d requests did not finish within --shutdown-grace and were ended", ended)
+        if running:
+            # A relay that has returned has handed its last messages to Serve, not yet to the client: Ray's proxy
+            # fetches them from the replica, and serve.shutdown() kills the proxy at once (Ray 2.60,
+            # ProxyState.shutdown), which cut a stream before its [DONE] once in CI. Give the proxy time to
+            # write them (it fetches within milliseconds; this is the margin for a loaded machine).
+            time.sleep(PROXY_FLUSH_S)
     finally:
         if options.address is None:
             serve.shutdown()
