@@ -402,6 +402,33 @@ def test_the_other_code_paths_compute_the_same(march, tmp_path):
     assert probe.stdout.strip() == "8", probe.stderr[-1000:]  # the 256-bit or scalar layout, not this CPU's
 
 
+def test_amx_tiles_give_the_vnni_loops_bits_and_can_be_turned_off():
+    """Where the CPU runs AMX (kernels/blocks.c, AMX: Q8_0 at 8 activation rows and more), the tile path's integer
+    dots feed the same float steps as the VNNI loops: every value the same bits, the full call's and the argmax
+    head's; SPECULATE_NO_AMX keeps it off. Elsewhere only the last part runs."""
+    from speculate.models import kernel
+
+    code = "from speculate.models import kernel; print(kernel.function('amx'))"
+    off = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SPECULATE_NO_AMX": "1"},
+                         capture_output=True, text=True, check=True)
+    assert off.stdout.strip() == "False", off.stderr
+    if not kernel.function("amx"):
+        pytest.skip("no AMX-INT8 that this process may use")
+    layer = blocks.BlockLinear(random_blocks("Q8_0", 300, 576, 3), "Q8_0", 576)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(40, 576, generator=g)
+    x.view(40, 18, 32)[:, :, 0] *= 40  # (so that some groups run the argmax head's second pass)
+    tiles = [layer.matmul_2d(x), *layer.argmax_matmul_2d(x), layer.matmul_2d(x[:5])]
+    enable = kernel.function("lib").speculate_amx_enable
+    enable(1)
+    try:
+        loops = [layer.matmul_2d(x), *layer.argmax_matmul_2d(x), layer.matmul_2d(x[:5])]
+    finally:
+        assert enable(0) == 1
+    for a, b in zip(tiles, loops):
+        assert torch.equal(a, b)
+
+
 def test_bad_blocks_are_refused():
     with pytest.raises(SpeculateError, match="Q5_K"):
         blocks.BlockLinear(torch.zeros(4, 20, dtype=torch.uint8), "Q5_K", 32)

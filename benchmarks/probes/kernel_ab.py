@@ -30,6 +30,7 @@ between calls, and a change to how they stream in (asking for them ahead) does n
 
 import argparse
 import ctypes
+import os
 import statistics
 import subprocess
 import sys
@@ -55,6 +56,8 @@ def build(folder: Path, flags: list[str]) -> ctypes.CDLL:
     for name in ("speculate_attend", "speculate_block_matmul"):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = kernel.SIGNATURES[name]
+    if hasattr(lib, "speculate_amx_enable"):  # the tile path, as kernel.function turns it on (SPECULATE_NO_AMX: off)
+        lib.speculate_amx_enable(int(bool(os.environ.get("SPECULATE_NO_AMX"))))
     return lib
 
 

@@ -94,6 +94,7 @@ SIGNATURES = {
     "speculate_block_matmul": (_I, [_I, _P, _I64, _I64, _P, _I64, _P, _F, _I, _P, _P, _P, _I64, _I, _I]),
     "speculate_block_argmax": (_I, [_I, _P, _I64, _I64, _P, _I64, _P, _I, _P, _P, _I]),
     "speculate_block_group": (_I, []),
+    "speculate_amx_enable": (_I, [_I]),
     "speculate_rms_rows": (None, [_P, _I64, _I64, _P, _F, _P]),
     "speculate_decoder": (_I, [_P, _I, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _F, _F, _I]),
     "speculate_attention_many": (_I, [_P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P, _P, _I]),
@@ -115,6 +116,8 @@ def function(name: str):
                 fn = getattr(lib, fname)
                 fn.restype, fn.argtypes = restype, argtypes
                 found[fname] = fn
+            if lib is not None:  # the tile unit for many rows, where this machine runs it (kernels/blocks.c, AMX)
+                found["amx"] = bool(lib.speculate_amx_enable(int(bool(os.environ.get("SPECULATE_NO_AMX")))))
             _loaded.update(found)  # all at once: a lock-free reader never sees half of them
         return _loaded.get(name)
 

@@ -33,7 +33,10 @@
  * with the same value (its 16 bits shifted up: exact) as it is loaded: half the bytes read, fp32 sums.
  *
  * Threads: output groups are split among OpenMP threads (the runtime PyTorch loaded, so its thread team is reused).
+ * With AMX (Intel's tile unit), Q8_0's integer dots at many rows take tiles instead ("AMX" below): the same
+ * integers, the same float steps.
  */
+#define _GNU_SOURCE /* clone(): the AMX self-test's process */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -398,6 +401,136 @@ tile_body(const int type, const uint8_t *restrict wg, int64_t nb, const int8_t *
 #endif
 }
 
+/* AMX (Intel's tile unit, where the CPU has AMX-INT8 and the OS lets this process use it: speculate_amx_enable) for
+ * Q8_0 (the default model's LM head) at AMX_MIN activation rows and more: per output group and block, one tile
+ * instruction (TDPBSSD) makes the integer dots I_b of up to AMX_ROWS rows and the group's 16 outputs. An integer dot
+ * is exact whatever instruction sums it, so I_b is the VNNI loop's integer, and the float steps after it are
+ * tile_body's, in its order: the same bits, by construction (tests/test_blocks.py compares both with the
+ * arithmetic). The weights' layout is already the tile's: a block's unit c (4 inputs of each of the 16 outputs, 64
+ * bytes) is row c of the weights' tile. Slots are read AMX_ROWS at a time: qrows pads them with zeros, whose results
+ * are not used. Measured (docs/benchmarks.md, "AMX for the LM head"): the head's call 1.5-1.7x faster from 8 rows;
+ * the Q4 layers not (their nibbles need unpacking into a tile, and a block's sums must leave the tile for their
+ * own scale every 32 inputs), so they keep the VNNI loops. */
+#if defined(WIDE) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define AMX 1
+#define AMX_ROWS 16
+#define AMX_MIN 8 /* activation rows from which a call takes the tile unit */
+#include <sched.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static int amx_on; /* speculate_amx_enable's verdict */
+
+typedef struct { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tilecfg;
+
+/* The tiles' shapes, loaded by each thread at the start of its share of a call (amx_share). A thread's configuration
+ * is not ours to keep between calls: another library's AMX code in the same thread (oneDNN's bf16 matmuls, in
+ * PyTorch) loads its own and releases it, and a tile instruction without one is an illegal instruction. */
+static void amx_configure(void) {
+    tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = AMX_ROWS, c.colsb[0] = 64; /* 0: sums, AMX_ROWS slots × 16 int32 */
+    c.rows[4] = AMX_ROWS, c.colsb[4] = QK; /* 4: AMX_ROWS slots × a block's 32 int8 */
+    c.rows[6] = QK / 4, c.colsb[6] = 64;   /* 6: weights, 8 rows of 4 inputs × 16 outputs */
+    _tile_loadconfig(&c);
+}
+
+/* One tile product against known integers: whether this CPU, hypervisor and kernel run AMX as documented. */
+static int amx_selftest(void) {
+    int8_t a[AMX_ROWS][QK], b[QK / 4][64];
+    int32_t c[AMX_ROWS][16];
+    for (int i = 0; i < AMX_ROWS; i++)
+        for (int j = 0; j < QK; j++) a[i][j] = (int8_t)((i * 7 + j * 3) % 255 - 127);
+    for (int i = 0; i < QK / 4; i++)
+        for (int j = 0; j < 64; j++) b[i][j] = (int8_t)((i * 11 + j * 5) % 16);
+    amx_configure();
+    _tile_zero(0);
+    _tile_loadd(4, a, QK);
+    _tile_loadd(6, b, 64);
+    _tile_dpbsud(0, 4, 6);
+    _tile_stored(0, c, 64);
+    _tile_release();
+    for (int r = 0; r < AMX_ROWS; r++)
+        for (int n = 0; n < 16; n++) {
+            int32_t s = 0;
+            for (int j = 0; j < QK; j++) s += a[r][j] * (uint8_t)b[j / 4][4 * n + j % 4];
+            if (s != c[r][n]) return 0;
+        }
+    return 1;
+}
+
+/* The self-test's own process (amx_probe): the tile state asked for, then one product. SIGILL back to its default
+ * first: the handler table is a copy of this process's (Python's faulthandler would report a crash that is not). */
+static int amx_child(void *unused) {
+    (void)unused;
+    signal(SIGILL, SIG_DFL);
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */)) return 2;
+    return amx_selftest() ? 0 : 3;
+}
+
+/* Whether the tile path runs in this process: the first call runs the self-test in a child process (a hypervisor
+ * that advertises AMX but does not enable it kills with SIGILL: the child dies, not this process), then asks the
+ * kernel for the tile state (ARCH_REQ_XCOMP_PERM); later calls reuse that verdict. The child shares this process's
+ * memory while this one waits (CLONE_VM | CLONE_VFORK), on a stack of its own: a fork would mark every page
+ * copy-on-write, and the first write to each after it would fault. ``off``: the path off (SPECULATE_NO_AMX, the tests'
+ * other code path); a later call may turn it on again. */
+int speculate_amx_enable(int off) {
+    static int verdict = -1; /* -1: not asked yet */
+    if (off) return amx_on = 0;
+    if (verdict < 0) {
+        const size_t size = 1 << 18;
+        char *stack = malloc(size);
+        const pid_t child = stack ? clone(amx_child, stack + size, CLONE_VM | CLONE_VFORK | SIGCHLD, NULL) : -1;
+        int status = 0;
+        verdict = child > 0 && waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0
+                  && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+        free(stack);
+    }
+    return amx_on = verdict;
+}
+
+/* One output group of Q8_0 against slots 0..nr-1 (nr <= AMX_ROWS): per block, the sums' tile zeroed, the slots'
+ * and the weights' tiles loaded, their dot, the sums stored; then tile_body's float steps for Q8_0, in its order. */
+static void amx_tile(const uint8_t *restrict wg, int64_t nb, const int8_t *restrict q, const float *restrict da,
+                     int64_t k, int nr, int ahead, float *out) {
+    const int bytes = block_bytes(Q8_0);
+    vf acc[AMX_ROWS];
+    for (int r = 0; r < nr; r++) acc[r] = ZEROF();
+    _Alignas(64) int32_t c[AMX_ROWS][16];
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * GROUP * bytes, *qs = blk + 2 * GROUP;
+        if (ahead) ask_ahead(blk, GROUP * bytes);
+        _tile_zero(0);
+        _tile_loadd(4, q + b * QK, k);
+        _tile_loadd(6, qs, 4 * GROUP);
+        _tile_dpbssd(0, 4, 6);
+        _tile_stored(0, c, 64);
+        const vf dw = HALVES(blk);
+        for (int r = 0; r < nr; r++)
+            acc[r] = ADD(acc[r], MUL(TOF(_mm512_load_si512(c[r])), MUL(dw, FLOATS(da[r * nb + b]))));
+    }
+    for (int r = 0; r < nr; r++) STORE(out + r * GROUP, acc[r]);
+}
+#else
+#define AMX_ROWS 1
+int speculate_amx_enable(int off) { (void)off; return 0; }
+#endif
+
+/* A thread's share of a call that runs tiles of ``rows`` (tile_rows) begins with its tile configuration loaded, and
+ * ends with the tiles released (a thread holding tile state makes every context switch save 8 KB more). */
+static inline void amx_share(int rows, int begin) {
+#ifdef AMX
+    if (rows != AMX_ROWS) return;
+    if (begin) amx_configure();
+    else _tile_release();
+#else
+    (void)rows, (void)begin;
+#endif
+}
+
 /* K types (llama.cpp's k-quants), as run: per group and super-block of 256 inputs (8 blocks of 32), for Q4_K the
  * GROUP d's and dmin's (fp16), each block's 6-bit scale and min per output (8 × GROUP bytes each, unpacked from
  * the file's 12), and per block the nibbles in Q4_1's order (low: elements 0-15, high: 16-31), units of 4 bytes as
@@ -749,11 +882,14 @@ typedef struct { int8_t *q; float *da, *sa; int32_t *sums, *lows; int64_t k, nb;
 
 static void qrows_free(qrows *b) { free(b->q); free(b->da); free(b->sa); free(b->sums); free(b->lows); }
 
-/* n slots of k inputs; 0, or 3 (no memory: nothing left allocated). */
-static int qrows_new(qrows *b, int64_t n, int64_t k) {
-    const size_t blocks = (size_t)(n * (k / QK));
-    *b = (qrows){malloc((size_t)(n * k)), malloc(sizeof(float) * blocks), malloc(sizeof(float) * blocks),
+/* n slots of k inputs, for tiles of ``step`` slots (tile_rows); 0, or 3 (no memory: nothing left allocated). */
+static int qrows_new(qrows *b, int64_t n, int64_t k, int step) {
+    /* (q: whole tiles of ``step`` slots, for the tile path's loads of AMX_ROWS slots at once; zero past slot n, whose
+     * results are not used) */
+    const size_t blocks = (size_t)(n * (k / QK)), padded = (size_t)((n + step - 1) / step * step);
+    *b = (qrows){malloc(padded * (size_t)k), malloc(sizeof(float) * blocks), malloc(sizeof(float) * blocks),
                  malloc(sizeof(int32_t) * blocks), malloc(sizeof(int32_t) * blocks), k, k / QK};
+    if (b->q) memset(b->q + n * k, 0, (padded - (size_t)n) * (size_t)k);
     if (b->q && b->da && b->sa && b->sums && b->lows) return 0;
     qrows_free(b);
     return 3;
@@ -782,6 +918,31 @@ static inline void qrows_tile(int type, const uint8_t *restrict wg, const qrows 
     const int64_t at = r0 * b->nb;
     group_tile(type, wg, b->nb, b->q + r0 * b->k, b->da + at, b->sums + at, b->lows + at, b->sa + at, b->k, nr, ahead,
                got);
+}
+
+/* The activation rows a tile takes for ``type`` and n slots: AMX_ROWS where the tile unit runs them (AMX above),
+ * else TILE. */
+static inline int tile_rows(int type, int64_t n) {
+#ifdef AMX
+    if (amx_on && n >= AMX_MIN && type == Q8_0) return AMX_ROWS;
+#else
+    (void)type, (void)n;
+#endif
+    return TILE;
+}
+
+/* qrows_tile, or the tile unit's amx_tile where ``rows`` (tile_rows) says so. */
+static inline void qrows_run(int type, const uint8_t *restrict wg, const qrows *b, int64_t r0, int nr, int rows,
+                             int ahead, float *got) {
+#ifdef AMX
+    if (rows == AMX_ROWS) {
+        const int64_t at = r0 * b->nb;
+        amx_tile(wg, b->nb, b->q + r0 * b->k, b->da + at, b->k, nr, ahead, got);
+        return;
+    }
+#endif
+    (void)rows;
+    qrows_tile(type, wg, b, r0, nr, ahead, got);
 }
 
 /* speculate_block_matmul for F32 or BF16 weights (``half``; row-major, k a multiple of 16): the rows prepared, then
@@ -858,25 +1019,36 @@ int speculate_block_matmul(int type, const uint8_t *restrict w, int64_t out, int
     /* Quantized rows: passes per row of x, side by side (row r's at r · passes, its rest's next to it). */
     const int64_t nb = k / QK, groups = (out + GROUP - 1) / GROUP, n = rows * passes;
     qrows qr;
-    float *row = malloc(sizeof(float) * (size_t)k), *rest = malloc(sizeof(float) * (size_t)k);
-    if (!row || !rest || qrows_new(&qr, n, k)) { free(row); free(rest); return 3; }
+    /* Each row prepared and quantized on its own (its own scratch: 2k floats), so the rows are split among the threads
+     * when there are many: the same bits on any thread. (Serial, they were ~5 % of a 32-row step, with the other
+     * thread waiting.) */
+    const int step = tile_rows(type, n);
+    float *scratch = malloc(sizeof(float) * (size_t)(2 * k * rows));
+    if (!scratch || qrows_new(&qr, n, k, step)) { free(scratch); return 3; }
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows >= 4 && rows * k >= 4096)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t h = r * passes; /* the row's first quantized row */
+        float *row = scratch + 2 * k * r, *rest = row + k;
         prepare_row(x + r * k * (act ? 2 : 1), k, norm, eps, act, row);
         if (passes == 2) qrows_put_two(&qr, h, h + 1, row, rest); /* what the first missed: ~16 bits a block in all */
         else qrows_put(&qr, h, row);
     }
-    free(row); free(rest);
+    free(scratch);
     const int64_t group_bytes = (is_k(type) ? nb / 8 : nb) * GROUP * bytes;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && groups * n >= 32)
-    for (int64_t g = 0; g < groups; g++) {
-        float got[TILE * GROUP];
-        for (int64_t r0 = 0; r0 < n; r0 += TILE) { /* TILE is even: a row's passes share a tile */
-            const int nr = n - r0 < TILE ? (int)(n - r0) : TILE;
-            qrows_tile(type, w + g * group_bytes, &qr, r0, nr, r0 == 0, got);
-            finish(got, GROUP, nr, passes, g * GROUP, out - g * GROUP < GROUP ? (int)(out - g * GROUP) : GROUP, r0, bias,
-                   residual, y, ld);
+#pragma omp parallel num_threads(threads) if (threads > 1 && groups * n >= 32)
+    {
+        amx_share(step, 1);
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            float got[(AMX_ROWS > TILE ? AMX_ROWS : TILE) * GROUP];
+            for (int64_t r0 = 0; r0 < n; r0 += step) { /* TILE and AMX_ROWS are even: a row's passes share a tile */
+                const int nr = n - r0 < step ? (int)(n - r0) : step;
+                qrows_run(type, w + g * group_bytes, &qr, r0, nr, step, r0 == 0, got);
+                finish(got, GROUP, nr, passes, g * GROUP, out - g * GROUP < GROUP ? (int)(out - g * GROUP) : GROUP, r0,
+                       bias, residual, y, ld);
+            }
         }
+        amx_share(step, 0);
     }
     qrows_free(&qr);
     return 0;
@@ -943,12 +1115,13 @@ int speculate_block_argmax(int type, const uint8_t *restrict w, int64_t out, int
     if (S < 1 || S > nb) return 5;
     if (rows <= 0) return 0;
     const int64_t group_bytes = (is_k(type) ? nb / 8 : nb) * GROUP * bytes;
+    const int step = tile_rows(type, rows); /* (the first passes' tiles: slots 0..rows-1) */
     /* The rows' first passes in slots 0..rows-1, their rests' in rows..2·rows-1. */
     qrows qr;
     float *rest = malloc(sizeof(float) * (size_t)k), *a = malloc(sizeof(float) * (size_t)(rows * S));
     float *high = malloc(sizeof(float) * (size_t)(rows * groups)), *t = malloc(sizeof(float) * (size_t)rows);
     int *bad = malloc(sizeof(int) * (size_t)rows);
-    if (!rest || !a || !high || !t || !bad || qrows_new(&qr, 2 * rows, k)) {
+    if (!rest || !a || !high || !t || !bad || qrows_new(&qr, 2 * rows, k, step)) {
         free(rest); free(a); free(high); free(t); free(bad);
         return 3;
     }
@@ -972,13 +1145,14 @@ int speculate_block_argmax(int type, const uint8_t *restrict w, int64_t out, int
         float *tl = malloc(sizeof(float) * (size_t)rows);
         int *badl = malloc(sizeof(int) * (size_t)rows);
         for (int64_t r = 0; r < rows && tl && badl; r++) tl[r] = -INFINITY, badl[r] = 0;
+        amx_share(step, 1);
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
-            float got[TILE * GROUP];
+            float got[(AMX_ROWS > TILE ? AMX_ROWS : TILE) * GROUP];
             const int64_t o0 = g * GROUP, n = out - o0 < GROUP ? out - o0 : GROUP;
-            for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
-                const int nr = rows - r0 < TILE ? (int)(rows - r0) : TILE;
-                qrows_tile(type, w + g * group_bytes, &qr, r0, nr, r0 == 0, got);
+            for (int64_t r0 = 0; r0 < rows; r0 += step) {
+                const int nr = rows - r0 < step ? (int)(rows - r0) : step;
+                qrows_run(type, w + g * group_bytes, &qr, r0, nr, step, r0 == 0, got);
                 finish(got, GROUP, nr, 1, o0, (int)n, r0, NULL, NULL, y, out);
                 for (int r = 0; r < nr && tl && badl; r++) {
                     float lo;
@@ -988,6 +1162,7 @@ int speculate_block_argmax(int type, const uint8_t *restrict w, int64_t out, int
                 }
             }
         }
+        amx_share(step, 0);
 #pragma omp critical
         for (int64_t r = 0; r < rows; r++) {
             if (!tl || !badl) bad[r] = 1; /* (no memory for this thread's bounds: every group of every row) */
