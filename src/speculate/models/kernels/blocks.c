@@ -462,8 +462,9 @@ static int amx_selftest(void) {
     return 1;
 }
 
-/* The self-test's own process (amx_probe): the tile state asked for, then one product. SIGILL back to its default
- * first: the handler table is a copy of this process's (Python's faulthandler would report a crash that is not). */
+/* The self-test's own process (speculate_amx_enable): the tile state asked for, then one product. SIGILL back to its
+ * default first: the handler table is a copy of this process's (Python's faulthandler would report a crash that is
+ * not). */
 static int amx_child(void *unused) {
     (void)unused;
     signal(SIGILL, SIG_DFL);
