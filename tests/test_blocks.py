@@ -408,11 +408,11 @@ def test_amx_tiles_give_the_vnni_loops_bits_and_can_be_turned_off():
     head's; SPECULATE_NO_AMX keeps it off. Elsewhere only the last part runs."""
     from speculate.models import kernel
 
-    code = "from speculate.models import kernel; print(kernel.function('amx'))"
+    code = "from speculate.models import kernel; print(kernel.amx_tiles())"
     off = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SPECULATE_NO_AMX": "1"},
                          capture_output=True, text=True, check=True)
     assert off.stdout.strip() == "False", off.stderr
-    if not kernel.function("amx"):
+    if not kernel.amx_tiles():
         pytest.skip("no AMX-INT8 that this process may use")
     layer = blocks.BlockLinear(random_blocks("Q8_0", 300, 576, 3), "Q8_0", 576)
     g = torch.Generator().manual_seed(4)

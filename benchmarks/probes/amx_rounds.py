@@ -36,7 +36,7 @@ def main() -> int:
     torch.set_num_threads(2)
     print(machine_header()["machine"], flush=True)
     target = load_model(a.model, dtype=a.dtype, progress=False)
-    if not kernel.function("amx"):
+    if not kernel.amx_tiles():
         print("no AMX here (or the OS refused it): nothing to compare")
         return 1
     enable = kernel.function("lib").speculate_amx_enable

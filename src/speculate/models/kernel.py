@@ -122,6 +122,13 @@ def function(name: str):
         return _loaded.get(name)
 
 
+def amx_tiles() -> bool:
+    """Whether this process runs Q8_0's many-row integer dots as AMX tiles (kernels/blocks.c, AMX): the CPU has
+    AMX-INT8, the OS let this process use it, its self-test passed, and SPECULATE_NO_AMX is not set."""
+    function("lib")  # (the library built and loaded once, its verdict with it)
+    return bool(_loaded.get("amx"))
+
+
 def load():
     """The attention kernel's function, or None (the caller then runs attention as integer sums in PyTorch)."""
     return function("speculate_attend")
