@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import sys
+from pathlib import Path
 
 
 def main() -> int:
@@ -28,10 +29,13 @@ def main() -> int:
     a = p.parse_args()
     import torch
 
-    from speculate import SpeculativeDecoder, SpeculativeSpec, engine, load_model
+    from speculate import SpeculativeDecoder, SpeculativeSpec, load_model
     from speculate.bench import machine_header
     from speculate.bench.serve_load import prompt_texts
     from speculate.models import kernel
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from batch_rounds import rounds
 
     torch.set_num_threads(2)
     print(machine_header()["machine"], flush=True)
@@ -43,21 +47,14 @@ def main() -> int:
     decoder = SpeculativeDecoder(target, SpeculativeSpec("none"))
     decoder.generate("Hello", max_new_tokens=8)
     prompts = prompt_texts("mt_bench", 80)
+
+    def switch(i: int) -> bool:  # round i: the tile path on (even) or off (odd)
+        enable(i % 2)
+        return i % 2 == 0
+
     print(f"{a.model} at {target.dtype}, {a.tokens} tokens a generation; median round, ms:", flush=True)
     for b in a.batch:
-        runs = [decoder.start(prompts[i % len(prompts)], max_new_tokens=a.tokens, chat=True) for i in range(b)]
-        times: dict[bool, list[float]] = {True: [], False: []}
-        on = True
-        while not all(r.done for r in runs):
-            live = [r for r in runs if not r.done]
-            steady = not any(r.prefilling for r in live)
-            enable(0 if on else 1)
-            t = time.perf_counter()
-            engine.step(live, ks=[0] * len(live) if steady else None)
-            dt = time.perf_counter() - t
-            if steady and not any(r.done for r in live):
-                times[on].append(dt)
-            on = not on
+        times = rounds(decoder, prompts, b, a.tokens, switch)
         enable(0)
         amx, vnni = statistics.median(times[True]) * 1e3, statistics.median(times[False]) * 1e3
         print(f"  B={b}: {len(times[True])} + {len(times[False])} rounds; VNNI {vnni:.2f}, AMX {amx:.2f}, "

@@ -437,7 +437,7 @@ def serve_on_ray(config: ServerConfig, options: RayOptions, log_level: str = "in
         if running:
             # A relay that has returned has handed its last messages to Serve, not yet to the client: Ray's proxy
             # fetches them from the replica, and serve.shutdown() kills the proxy at once (Ray 2.60,
-            # ProxyState.shutdown), which cut a stream before its [DONE] once in CI. Give the proxy time to
+            # ProxyState.shutdown), which likely cut a stream before its [DONE] once in a fresh check. Give the proxy time to
             # write them (it fetches within milliseconds; this is the margin for a loaded machine).
             time.sleep(PROXY_FLUSH_S)
     finally:
