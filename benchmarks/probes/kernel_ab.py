@@ -30,7 +30,6 @@ between calls, and a change to how they stream in (asking for them ahead) does n
 
 import argparse
 import ctypes
-import os
 import statistics
 import subprocess
 import sys
@@ -57,7 +56,7 @@ def build(folder: Path, flags: list[str]) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = kernel.SIGNATURES[name]
     if hasattr(lib, "speculate_amx_enable"):  # the tile path, as kernel.function turns it on (SPECULATE_NO_AMX: off)
-        lib.speculate_amx_enable(int(bool(os.environ.get("SPECULATE_NO_AMX"))))
+        lib.speculate_amx_enable(kernel.amx_refused())
     return lib
 
 

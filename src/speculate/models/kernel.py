@@ -117,9 +117,14 @@ def function(name: str):
                 fn.restype, fn.argtypes = restype, argtypes
                 found[fname] = fn
             if lib is not None:  # the tile unit for many rows, where this machine runs it (kernels/blocks.c, AMX)
-                found["amx"] = bool(lib.speculate_amx_enable(int(bool(os.environ.get("SPECULATE_NO_AMX")))))
+                found["amx"] = bool(lib.speculate_amx_enable(amx_refused()))
             _loaded.update(found)  # all at once: a lock-free reader never sees half of them
         return _loaded.get(name)
+
+
+def amx_refused() -> int:
+    """1 where SPECULATE_NO_AMX keeps the tile path off (speculate_amx_enable's argument), else 0."""
+    return int(bool(os.environ.get("SPECULATE_NO_AMX")))
 
 
 def amx_tiles() -> bool:
