@@ -126,10 +126,10 @@ def test_a_server_request_names_a_plugin_drafter_and_verifier(plugin_env, tiny_f
 
         text, _ = complete({"drafter": "none"})
         assert text == plain.text
-        repeat_text, repeat = complete({"drafter": "repeat"})
+        repeat_text, repeat = complete({"drafter": "repeat", "k": 4})  # (k named: not the planner's timed cap)
         assert repeat_text == text and repeat["drafter"] == "repeat"
         assert len(repeat["drafted_by_position"]) == 1 and repeat["drafted_tokens"] > 0  # its default, times=1
-        capped_text, capped = complete({"drafter": "model", "verifier": "capped", "cap": 2})
+        capped_text, capped = complete({"drafter": "model", "verifier": "capped", "cap": 2, "k": 4})
         assert capped_text == text and capped["verifier"] == "capped"
         assert [n > 0 for n in capped["accepted_by_position"]] == [True, True, False, False]
         r = httpx.post(url + "/v1/completions", json={"model": folder, "prompt": PROMPT,
